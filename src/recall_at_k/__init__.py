@@ -1,0 +1,12 @@
+"""recall-at-k: exact, fast, constant-memory Recall@K for PyTorch and torchmetrics."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from recall_at_k.metric import RetrievalRecallAtK
+
+try:
+    __version__ = version("recall-at-k")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = ["RetrievalRecallAtK", "__version__"]

@@ -1,0 +1,256 @@
+"""The maths of Recall@K: per-query tie counts, tie policies and rank histograms.
+
+Everything here is vectorised torch that never reads a tensor value on the host, so it
+runs unchanged on CPU, CUDA and the ``meta`` device. Nothing in this module imports
+anything else of the package.
+
+Notation (DESIGN section 1), per query: ``s*`` is the best score among the valid
+positives, ``g_>`` the number of valid negatives scored above ``s*``, ``e`` the number of
+valid negatives scored exactly ``s*`` and ``p`` the number of valid positives scored
+exactly ``s*`` (at least one when the query has a valid positive).
+
+Comparisons write into floating point buffers rather than ``bool`` tensors: on CPU the
+``bool`` kernels of torch are several times slower than the float ones, and a sum over
+0/1 floats is exact while the row holds fewer than 2**24 (float32) items.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+TIES = ("pessimistic", "optimistic", "expected")
+EMPTY_TARGET_ACTIONS = ("neg", "pos", "skip", "error")
+
+_FLOAT32_EXACT_COUNT = 2**24
+
+
+class TieCounts(NamedTuple):
+    """Per-query counts that decide Recall@K exactly under every tie policy.
+
+    ``greater`` is g_>, ``equal`` is e, ``tied_positives`` is p and ``has_positive`` tells
+    whether the query has any valid positive (when it has none the counts are meaningless).
+    Any of the first three may be ``None`` when the policy at hand does not need it.
+    """
+
+    greater: Tensor | None
+    equal: Tensor | None
+    tied_positives: Tensor | None
+    has_positive: Tensor
+
+
+def _count_dtype(scores: Tensor) -> torch.dtype:
+    """Float dtype in which 0/1 comparison results of a row are summed exactly."""
+    if scores.shape[-1] < _FLOAT32_EXACT_COUNT:
+        return torch.float32
+    return torch.float64
+
+
+def _count(op: str, values: Tensor, threshold: Tensor, dtype: torch.dtype) -> Tensor:
+    """Row-wise count of ``values >= threshold`` (``"ge"``) or ``values > threshold``."""
+    out = torch.empty(values.shape, dtype=dtype, device=values.device)
+    if op == "ge":
+        torch.ge(values, threshold, out=out)
+    else:
+        torch.gt(values, threshold, out=out)
+    return out.sum(dim=-1).to(torch.int64)
+
+
+def _as_0_1(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool or 0/1 integer mask as 0.0/1.0 floats (through a byte view: fast on CPU)."""
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
+    return mask.to(dtype)
+
+
+def dense_tie_counts(
+    scores: Tensor,
+    target: Tensor,
+    ignore: Tensor | None,
+    need: tuple[bool, bool, bool],
+) -> TieCounts:
+    """Per-query g_>, e and p from a dense ``[Q, G]`` score matrix.
+
+    Args:
+        scores: float ``[Q, G]``, no NaN.
+        target: bool/0-1 integer ``[Q, G]`` relevance mask, or integer ``[Q]`` column of
+            the single true item (``-1``: none in this gallery).
+        ignore: optional bool ``[Q, G]``; ignored items are neither positive nor negative.
+        need: which of (``greater``, ``greater + equal``, ``tied_positives``) to compute.
+            The second slot is returned in the ``equal`` field as ``g_> + e`` (the number
+            of valid negatives at or above ``s*``), which is what the pessimistic policy
+            uses; :func:`split_equal` turns it into ``e``.
+
+    Returns:
+        :class:`TieCounts` (int64 ``[Q]`` tensors and a bool ``has_positive``).
+    """
+    num_queries, gallery = scores.shape
+    device = scores.device
+    want_gt, want_ge, want_p = need
+    if gallery == 0:
+        zeros = torch.zeros(num_queries, dtype=torch.int64, device=device)
+        none = torch.zeros(num_queries, dtype=torch.bool, device=device)
+        return TieCounts(zeros, zeros, zeros, none)
+    count_dtype = _count_dtype(scores)
+
+    if target.dim() == 1:
+        return _index_target_counts(scores, target, ignore, need, count_dtype)
+
+    if ignore is None:
+        # Fast path. U is +inf on positives and -inf on negatives, so min(S, U) keeps the
+        # positives' scores (negatives -> -inf) and max(S, U) keeps the negatives' scores
+        # (positives -> +inf, which the count then subtracts).
+        as_float = _as_0_1(target, scores.dtype)
+        num_pos = as_float.sum(dim=-1).to(torch.int64)
+        sentinel = as_float.sub_(0.5).mul_(float("inf"))
+        positives_only = torch.minimum(scores, sentinel)
+        best = positives_only.amax(dim=-1, keepdim=True)
+        greater = _count("gt", scores, best, count_dtype) if want_gt else None
+        at_or_above = None
+        if want_ge:
+            negatives_or_inf = torch.maximum(scores, sentinel, out=sentinel)
+            at_or_above = _count("ge", negatives_or_inf, best, count_dtype) - num_pos
+    else:
+        valid_pos = target.bool() & ~ignore
+        valid_neg = ~(target.bool() | ignore)
+        num_pos = valid_pos.sum(dim=-1)
+        positives_only = torch.where(valid_pos, scores, float("-inf"))
+        best = positives_only.amax(dim=-1, keepdim=True)
+        # NaN compares false with everything: non-negatives never enter a count.
+        negatives_only = torch.where(valid_neg, scores, float("nan"))
+        greater = _count("gt", negatives_only, best, count_dtype) if want_gt else None
+        at_or_above = _count("ge", negatives_only, best, count_dtype) if want_ge else None
+
+    tied = None
+    if want_p:
+        # Positives at or above s* are exactly the ones tied at s*. When s* = -inf every
+        # entry of positives_only is >= s*, but then every valid positive is tied.
+        tied = _count("ge", positives_only, best, count_dtype)
+        tied = torch.where(best.squeeze(-1) == float("-inf"), num_pos, tied)
+    return TieCounts(greater, at_or_above, tied, num_pos > 0)
+
+
+def _index_target_counts(
+    scores: Tensor,
+    target: Tensor,
+    ignore: Tensor | None,
+    need: tuple[bool, bool, bool],
+    count_dtype: torch.dtype,
+) -> TieCounts:
+    """:func:`dense_tie_counts` for a ``[Q]`` column-index target (one positive a row)."""
+    want_gt, want_ge, want_p = need
+    column = target.clamp(min=0).unsqueeze(-1)
+    best = scores.gather(-1, column)
+    has_pos = target >= 0
+    values = scores
+    if ignore is not None:
+        has_pos = has_pos & ~ignore.gather(-1, column).squeeze(-1)
+        values = torch.where(ignore, float("nan"), scores)
+    greater = _count("gt", values, best, count_dtype) if want_gt else None
+    # The positive itself is >= s*; subtract it (an ignored positive means no positive).
+    at_or_above = _count("ge", values, best, count_dtype) - 1 if want_ge else None
+    tied = torch.ones_like(target, dtype=torch.int64) if want_p else None
+    return TieCounts(greater, at_or_above, tied, has_pos)
+
+
+def needs_for(ties: str) -> tuple[bool, bool, bool]:
+    """Which counts :func:`dense_tie_counts` must produce for a tie policy."""
+    if ties == "pessimistic":
+        return (False, True, False)
+    if ties == "optimistic":
+        return (True, False, False)
+    return (True, True, True)
+
+
+def split_equal(counts: TieCounts) -> TieCounts:
+    """Turn the ``equal`` field from ``g_> + e`` (as computed) into ``e``."""
+    assert counts.greater is not None and counts.equal is not None
+    return counts._replace(equal=counts.equal - counts.greater)
+
+
+def first_hit_rank(counts: TieCounts, ties: str) -> Tensor:
+    """1-based first-hit rank under a deterministic policy; 0 for no valid positive."""
+    ahead = counts.equal if ties == "pessimistic" else counts.greater
+    assert ahead is not None
+    return torch.where(counts.has_positive, ahead + 1, 0)
+
+
+def expected_hit_probability(
+    greater: Tensor, equal: Tensor, tied_positives: Tensor, max_k: int
+) -> Tensor:
+    """P(hit@K) for K = 1..max_k under a uniformly random order of the tied items.
+
+    DESIGN section 1: with m = K - g_>, the probability is 0 if m <= 0, 1 if m > e, and
+    otherwise 1 - C(e, m) / C(e + p, m). The ratio is the product over i < m of
+    (e - i) / (e + p - i), summed in log space with ``log1p`` so that galleries of
+    millions of tied items neither overflow nor lose precision.
+
+    Returns:
+        float64 ``[Q, max_k]``; column ``j`` holds P(hit@(j + 1)).
+    """
+    device = greater.device
+    e = equal.to(torch.float64).unsqueeze(-1)
+    p = tied_positives.to(torch.float64).unsqueeze(-1)
+    steps = torch.arange(max_k, dtype=torch.float64, device=device)
+    # log((e - i) / (e + p - i)) = log1p(-p / (e + p - i)); only i < e is ever used.
+    terms = torch.log1p(-p / (e + p - steps).clamp(min=1.0))
+    log_ratio = terms.cumsum(dim=-1)
+    m = (steps + 1) - greater.to(torch.float64).unsqueeze(-1)
+    index = (m - 1).clamp(min=0, max=max_k - 1).to(torch.int64)
+    miss_all_tied = torch.exp(log_ratio.gather(-1, index))
+    prob = torch.where(m > e, 1.0, 1.0 - miss_all_tied)
+    return torch.where(m <= 0, 0.0, prob)
+
+
+def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Tensor]:
+    """A batch's contribution to the metric state.
+
+    Returns:
+        ``hist``: ``[max_k]``, entry ``r - 1`` is the number (int64) or, for
+        ``"expected"``, the expected number (float64) of queries whose first hit is at
+        rank ``r``; queries ranked later, or without a positive, are not in it.
+        ``queries``: int64 ``[2]``: (queries with a valid positive, queries without).
+    """
+    has_pos = counts.has_positive
+    num_with = has_pos.sum().reshape(1)
+    queries = torch.cat([num_with, has_pos.numel() - num_with])
+    if ties == "expected":
+        counts = split_equal(counts)
+        assert counts.greater is not None and counts.equal is not None
+        assert counts.tied_positives is not None
+        cdf = expected_hit_probability(
+            counts.greater, counts.equal, counts.tied_positives, max_k
+        )
+        pmf = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[..., :1]))
+        hist = torch.where(has_pos.unsqueeze(-1), pmf, 0.0).sum(dim=0)
+        return hist, queries
+    rank = first_hit_rank(counts, ties)
+    # Bin r - 1 for ranks 1..max_k; one overflow bin for "later or never", dropped.
+    bins = torch.where(has_pos, (rank - 1).clamp(max=max_k), max_k)
+    hist = torch.zeros(max_k + 1, dtype=torch.int64, device=rank.device)
+    hist.scatter_add_(0, bins, torch.ones_like(bins))
+    return hist[:max_k], queries
+
+
+def recall_from_histogram(
+    hist: Tensor, queries: Tensor, ks: tuple[int, ...], empty_target_action: str
+) -> tuple[Tensor, int, int]:
+    """Recall@K for each K from a rank histogram and the query counts.
+
+    Returns:
+        float64 ``[len(ks)]`` recalls (NaN when no query is counted), the number of
+        counted queries and the number of queries without a valid positive. Callers
+        decide how to warn or raise; this function reads two integers on the host.
+    """
+    cumulative = hist.cumsum(dim=0).to(torch.float64)
+    index = torch.tensor([k - 1 for k in ks], device=hist.device)
+    hits = cumulative.gather(0, index)
+    with_pos, without_pos = (int(v) for v in queries.tolist())
+    if empty_target_action == "pos":
+        hits = hits + without_pos
+    counted = with_pos if empty_target_action in ("skip", "error") else with_pos + without_pos
+    if counted == 0:
+        return torch.full_like(hits, float("nan")), 0, without_pos
+    return hits / counted, counted, without_pos

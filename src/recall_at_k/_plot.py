@@ -1,0 +1,63 @@
+"""Recall@K curves (CMC curves) with matplotlib, following torchmetrics' plot conventions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError as err:  # pragma: no cover - exercised without matplotlib
+        raise ModuleNotFoundError(
+            "plot() needs matplotlib: pip install 'recall-at-k[plot]'"
+        ) from err
+    return plt
+
+
+Curves = Mapping[str, tuple[Sequence[int], Sequence[float]]]
+
+
+def plot_curves(
+    results: Curves | Sequence[Curves], ax: Any | None, title: str
+) -> tuple[Any, Any]:
+    """Draw Recall@K against K.
+
+    Args:
+        results: one result, as ``{label: (ks, recalls)}`` (one line per label), or a
+            list of results (one per step, for instance per epoch): then every curve of
+            every step is drawn, labelled with its step.
+        ax: an existing matplotlib axis, or ``None`` for a new figure.
+        title: axis title.
+
+    Returns:
+        ``(fig, ax)``.
+    """
+    plt = _pyplot()
+    if ax is None:
+        fig, ax = plt.subplots()
+    else:
+        fig = ax.get_figure()
+    steps: Sequence[Curves] = [results] if isinstance(results, Mapping) else results
+    for step, curves in enumerate(steps):
+        for label, (ks, values) in curves.items():
+            name = label if len(steps) == 1 else f"{label} (step {step})".strip()
+            ax.plot(list(ks), list(values), marker="o", label=name or None)
+    ax.set_xlabel("K")
+    ax.set_ylabel("Recall@K")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if any(label for curves in steps for label in curves):
+        ax.legend()
+    return fig, ax
+
+
+def values_of(result: Tensor | Mapping[str, Tensor], keys: Sequence[str]) -> list[float]:
+    """Recall values of one result, in the order of ``keys`` (a scalar is one value)."""
+    if isinstance(result, Tensor):
+        return [float(result)]
+    return [float(result[key]) for key in keys]
