@@ -41,6 +41,48 @@ class TieCounts(NamedTuple):
     has_positive: Tensor
 
 
+class Workspace:
+    """Scratch buffers that the dense kernel reuses from one batch to the next.
+
+    Not metric state: a metric keeps one so that its updates do not allocate fresh
+    ``[Q, G]`` temporaries every batch (on CPU a fresh multi-megabyte allocation costs a
+    page fault per 4 KiB, several times the arithmetic itself). Each slot grows to the
+    largest batch seen; :meth:`clear` frees them.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+    def get(self, slot: int, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """An uninitialised tensor of ``shape`` from ``slot`` (grown when too small)."""
+        numel = shape.numel()
+        key = (slot, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def _scratch(
+    workspace: Workspace | None, slot: int, like: Tensor, dtype: torch.dtype | None = None
+) -> Tensor:
+    dtype = like.dtype if dtype is None else dtype
+    if workspace is None:
+        return torch.empty(like.shape, dtype=dtype, device=like.device)
+    return workspace.get(slot, like.shape, dtype, like.device)
+
+
+_COUNT_SLOT, _SENTINEL_SLOT, _SELECT_SLOT = 0, 1, 2
+
+
+def _constant(value: float, like: Tensor) -> Tensor:
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
 def _count_dtype(scores: Tensor) -> torch.dtype:
     """Float dtype in which 0/1 comparison results of a row are summed exactly."""
     if scores.shape[-1] < _FLOAT32_EXACT_COUNT:
@@ -48,9 +90,11 @@ def _count_dtype(scores: Tensor) -> torch.dtype:
     return torch.float64
 
 
-def _count(op: str, values: Tensor, threshold: Tensor, dtype: torch.dtype) -> Tensor:
+def _count(
+    op: str, values: Tensor, threshold: Tensor, dtype: torch.dtype, workspace: Workspace | None
+) -> Tensor:
     """Row-wise count of ``values >= threshold`` (``"ge"``) or ``values > threshold``."""
-    out = torch.empty(values.shape, dtype=dtype, device=values.device)
+    out = _scratch(workspace, _COUNT_SLOT, values, dtype)
     if op == "ge":
         torch.ge(values, threshold, out=out)
     else:
@@ -58,11 +102,11 @@ def _count(op: str, values: Tensor, threshold: Tensor, dtype: torch.dtype) -> Te
     return out.sum(dim=-1).to(torch.int64)
 
 
-def _as_0_1(mask: Tensor, dtype: torch.dtype) -> Tensor:
+def _as_0_1(mask: Tensor, out: Tensor) -> Tensor:
     """A bool or 0/1 integer mask as 0.0/1.0 floats (through a byte view: fast on CPU)."""
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
-    return mask.to(dtype)
+    return out.copy_(mask)
 
 
 def dense_tie_counts(
@@ -70,6 +114,7 @@ def dense_tie_counts(
     target: Tensor,
     ignore: Tensor | None,
     need: tuple[bool, bool, bool],
+    workspace: Workspace | None = None,
 ) -> TieCounts:
     """Per-query g_>, e and p from a dense ``[Q, G]`` score matrix.
 
@@ -86,6 +131,7 @@ def dense_tie_counts(
     Returns:
         :class:`TieCounts` (int64 ``[Q]`` tensors and a bool ``has_positive``).
     """
+    scores = scores.detach()
     num_queries, gallery = scores.shape
     device = scores.device
     want_gt, want_ge, want_p = need
@@ -96,38 +142,53 @@ def dense_tie_counts(
     count_dtype = _count_dtype(scores)
 
     if target.dim() == 1:
-        return _index_target_counts(scores, target, ignore, need, count_dtype)
+        return _index_target_counts(scores, target, ignore, need, count_dtype, workspace)
 
     if ignore is None:
         # Fast path. U is +inf on positives and -inf on negatives, so min(S, U) keeps the
         # positives' scores (negatives -> -inf) and max(S, U) keeps the negatives' scores
         # (positives -> +inf, which the count then subtracts).
-        as_float = _as_0_1(target, scores.dtype)
+        as_float = _as_0_1(target, _scratch(workspace, _SENTINEL_SLOT, scores))
         num_pos = as_float.sum(dim=-1).to(torch.int64)
         sentinel = as_float.sub_(0.5).mul_(float("inf"))
-        positives_only = torch.minimum(scores, sentinel)
+        positives_only = torch.minimum(
+            scores, sentinel, out=_scratch(workspace, _SELECT_SLOT, scores)
+        )
         best = positives_only.amax(dim=-1, keepdim=True)
-        greater = _count("gt", scores, best, count_dtype) if want_gt else None
+        greater = _count("gt", scores, best, count_dtype, workspace) if want_gt else None
         at_or_above = None
         if want_ge:
             negatives_or_inf = torch.maximum(scores, sentinel, out=sentinel)
-            at_or_above = _count("ge", negatives_or_inf, best, count_dtype) - num_pos
+            at_or_above = _count("ge", negatives_or_inf, best, count_dtype, workspace) - num_pos
     else:
         valid_pos = target.bool() & ~ignore
         valid_neg = ~(target.bool() | ignore)
         num_pos = valid_pos.sum(dim=-1)
-        positives_only = torch.where(valid_pos, scores, float("-inf"))
+        positives_only = torch.where(
+            valid_pos,
+            scores,
+            _constant(float("-inf"), scores),
+            out=_scratch(workspace, _SELECT_SLOT, scores),
+        )
         best = positives_only.amax(dim=-1, keepdim=True)
         # NaN compares false with everything: non-negatives never enter a count.
-        negatives_only = torch.where(valid_neg, scores, float("nan"))
-        greater = _count("gt", negatives_only, best, count_dtype) if want_gt else None
-        at_or_above = _count("ge", negatives_only, best, count_dtype) if want_ge else None
+        negatives_only = torch.where(
+            valid_neg,
+            scores,
+            _constant(float("nan"), scores),
+            out=_scratch(workspace, _SENTINEL_SLOT, scores),
+        )
+        greater = at_or_above = None
+        if want_gt:
+            greater = _count("gt", negatives_only, best, count_dtype, workspace)
+        if want_ge:
+            at_or_above = _count("ge", negatives_only, best, count_dtype, workspace)
 
     tied = None
     if want_p:
         # Positives at or above s* are exactly the ones tied at s*. When s* = -inf every
         # entry of positives_only is >= s*, but then every valid positive is tied.
-        tied = _count("ge", positives_only, best, count_dtype)
+        tied = _count("ge", positives_only, best, count_dtype, workspace)
         tied = torch.where(best.squeeze(-1) == float("-inf"), num_pos, tied)
     return TieCounts(greater, at_or_above, tied, num_pos > 0)
 
@@ -138,6 +199,7 @@ def _index_target_counts(
     ignore: Tensor | None,
     need: tuple[bool, bool, bool],
     count_dtype: torch.dtype,
+    workspace: Workspace | None,
 ) -> TieCounts:
     """:func:`dense_tie_counts` for a ``[Q]`` column-index target (one positive a row)."""
     want_gt, want_ge, want_p = need
@@ -147,10 +209,17 @@ def _index_target_counts(
     values = scores
     if ignore is not None:
         has_pos = has_pos & ~ignore.gather(-1, column).squeeze(-1)
-        values = torch.where(ignore, float("nan"), scores)
-    greater = _count("gt", values, best, count_dtype) if want_gt else None
-    # The positive itself is >= s*; subtract it (an ignored positive means no positive).
-    at_or_above = _count("ge", values, best, count_dtype) - 1 if want_ge else None
+        values = torch.where(
+            ignore,
+            _constant(float("nan"), scores),
+            scores,
+            out=_scratch(workspace, _SELECT_SLOT, scores),
+        )
+    greater = _count("gt", values, best, count_dtype, workspace) if want_gt else None
+    at_or_above = None
+    if want_ge:
+        # The positive itself is >= s*; subtract it (an ignored positive: no positive).
+        at_or_above = _count("ge", values, best, count_dtype, workspace) - 1
     tied = torch.ones_like(target, dtype=torch.int64) if want_p else None
     return TieCounts(greater, at_or_above, tied, has_pos)
 
@@ -220,9 +289,7 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
         counts = split_equal(counts)
         assert counts.greater is not None and counts.equal is not None
         assert counts.tied_positives is not None
-        cdf = expected_hit_probability(
-            counts.greater, counts.equal, counts.tied_positives, max_k
-        )
+        cdf = expected_hit_probability(counts.greater, counts.equal, counts.tied_positives, max_k)
         pmf = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[..., :1]))
         hist = torch.where(has_pos.unsqueeze(-1), pmf, 0.0).sum(dim=0)
         return hist, queries

@@ -21,9 +21,7 @@ def _pyplot() -> Any:
 Curves = Mapping[str, tuple[Sequence[int], Sequence[float]]]
 
 
-def plot_curves(
-    results: Curves | Sequence[Curves], ax: Any | None, title: str
-) -> tuple[Any, Any]:
+def plot_curves(results: Curves | Sequence[Curves], ax: Any | None, title: str) -> tuple[Any, Any]:
     """Draw Recall@K against K.
 
     Args:

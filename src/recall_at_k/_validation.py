@@ -15,7 +15,6 @@ from torch import Tensor
 
 from recall_at_k._kernel import EMPTY_TARGET_ACTIONS, TIES
 
-
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 
 
@@ -77,8 +76,7 @@ def _dense_structure_validation(scores: Tensor, target: Tensor, ignore: Tensor |
             raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
     if scores.dim() != 2 or not scores.is_floating_point():
         raise ValueError(
-            "`scores` must be a floating point tensor of shape [Q, G],"
-            f" got {_describe(scores)}"
+            f"`scores` must be a floating point tensor of shape [Q, G], got {_describe(scores)}"
         )
     num_queries, gallery = scores.shape
     if target.dim() == 1:

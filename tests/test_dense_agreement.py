@@ -1,0 +1,173 @@
+"""The dense kernel, functional API and metric against the brute-force reference."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from reference import reference_first_hit_rank, reference_recall
+
+from recall_at_k import RetrievalRecallAtK
+from recall_at_k.functional import retrieval_first_hit_rank, retrieval_recall_at_k
+
+TIES = ("pessimistic", "optimistic", "expected")
+ACTIONS = ("neg", "pos", "skip", "error")
+
+
+def _random_case(rng: random.Random) -> dict[str, object]:
+    """Scores from a few values (heavy ties), sparse masks, ignores and empty rows."""
+    num_queries = rng.randint(1, 9)
+    gallery = rng.randint(1, 10)
+    levels = [rng.choice([-2.0, -0.5, 0.0, 0.5, 1.0, float("inf"), float("-inf")])]
+    levels += [round(rng.uniform(-1, 1), 1) for _ in range(rng.randint(1, 3))]
+    scores = [[rng.choice(levels) for _ in range(gallery)] for _ in range(num_queries)]
+    index_form = rng.random() < 0.4
+    if index_form:
+        columns = [rng.randint(-1, gallery - 1) for _ in range(num_queries)]
+        mask = [[j == c for j in range(gallery)] for c in columns]
+        target = torch.tensor(columns)
+    else:
+        density = rng.choice([0.0, 0.15, 0.4, 0.9])
+        mask = [[rng.random() < density for _ in range(gallery)] for _ in range(num_queries)]
+        target = torch.tensor(mask, dtype=torch.bool)
+        if rng.random() < 0.3:
+            target = target.to(rng.choice([torch.int64, torch.int32, torch.uint8]))
+    ignored = None
+    if rng.random() < 0.5:
+        ignored = [[rng.random() < 0.25 for _ in range(gallery)] for _ in range(num_queries)]
+    ks = tuple(rng.sample(range(1, 13), rng.randint(1, 4)))
+    return {
+        "scores": scores,
+        "mask": mask,
+        "target": target,
+        "ignored": ignored,
+        "ks": ks,
+        "dtype": rng.choice([torch.float32, torch.float64]),
+    }
+
+
+def _assert_close(actual: dict[str, torch.Tensor], expected: list[float], ks: tuple[int, ...]):
+    for k, want in zip(ks, expected, strict=True):
+        got = float(actual[f"recall@{k}"])
+        if math.isnan(want):
+            assert math.isnan(got), (k, got)
+        else:
+            assert got == pytest.approx(want, abs=1e-6), (k, got, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_agreement_with_reference(seed: int) -> None:
+    """600 random cases: every tie policy, every empty-target action, batch splits."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        case = _random_case(rng)
+        scores = torch.tensor(case["scores"], dtype=case["dtype"])  # type: ignore[arg-type]
+        target: torch.Tensor = case["target"]  # type: ignore[assignment]
+        ignored = case["ignored"]
+        ignore = None if ignored is None else torch.tensor(ignored, dtype=torch.bool)
+        ks: tuple[int, ...] = case["ks"]  # type: ignore[assignment]
+        ties = rng.choice(TIES)
+        action = rng.choice(ACTIONS)
+        try:
+            expected = reference_recall(case["scores"], case["mask"], ignored, ks, ties, action)  # type: ignore[arg-type]
+        except ValueError:
+            with pytest.raises(ValueError, match="had no valid positive"):
+                retrieval_recall_at_k(
+                    scores, target, ks, ignore=ignore, ties=ties, empty_target_action=action
+                )
+            continue
+        with pytest.warns(UserWarning) if math.isnan(expected[0]) else _no_warning():
+            got = retrieval_recall_at_k(
+                scores, target, ks, ignore=ignore, ties=ties, empty_target_action=action
+            )
+        assert isinstance(got, dict)
+        _assert_close(got, expected, ks)
+
+        # The metric, fed the same rows in a random split into batches, agrees too.
+        metric = RetrievalRecallAtK(ks, ties=ties, empty_target_action=action)
+        cuts = sorted(rng.choices(range(scores.shape[0] + 1), k=rng.randint(0, 3)))
+        bounds = [0, *cuts, scores.shape[0]]
+        for lo, hi in itertools.pairwise(bounds):
+            metric.update(scores[lo:hi], target[lo:hi], None if ignore is None else ignore[lo:hi])
+        with pytest.warns(UserWarning) if math.isnan(expected[0]) else _no_warning():
+            from_metric = metric.compute()
+        assert isinstance(from_metric, dict)
+        _assert_close(from_metric, expected, ks)
+
+        if ties != "expected":
+            ranks = retrieval_first_hit_rank(scores, target, ignore=ignore, ties=ties)
+            for q, row in enumerate(case["scores"]):  # type: ignore[arg-type]
+                want = reference_first_hit_rank(
+                    row,
+                    case["mask"][q],
+                    None if ignored is None else ignored[q],
+                    ties,  # type: ignore[index]
+                )
+                assert int(ranks[q]) == want
+
+
+class _no_warning:
+    def __enter__(self) -> None:
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def test_design_worked_examples_through_the_metric() -> None:
+    """DESIGN section 1: ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] -> R@1 0.5, R@5 0.8."""
+    ranks = [1, 1, 2, 1, 8, 3, 1, 12, 1, 4]
+    gallery = 20
+    # Query q's true item is column 0 and exactly rank - 1 negatives score above it.
+    scores = torch.full((len(ranks), gallery), -1.0)
+    scores[:, 0] = 0.5
+    for q, rank in enumerate(ranks):
+        scores[q, 1:rank] = 1.0
+    target = torch.zeros(len(ranks), dtype=torch.int64)
+    assert retrieval_first_hit_rank(scores, target).tolist() == ranks
+    out = RetrievalRecallAtK(k=(1, 5))
+    out.update(scores, target)
+    result = out.compute()
+    assert isinstance(result, dict)
+    assert float(result["recall@1"]) == pytest.approx(0.5)
+    assert float(result["recall@5"]) == pytest.approx(0.8)
+
+
+def test_negative_and_zero_scores_are_ordinary() -> None:
+    """Unlike torchmetrics >= 1.7.4, scores <= 0 rank like any others."""
+    scores = torch.tensor([[-0.3, -0.9, -0.5], [0.0, -1.0, -2.0]])
+    target = torch.tensor([0, 0])
+    assert float(retrieval_recall_at_k(scores, target, k=1)) == 1.0  # type: ignore[arg-type]
+
+
+def test_collapsed_model_gets_zero_with_pessimistic_ties() -> None:
+    scores = torch.ones(4, 100)
+    target = torch.arange(4)
+    assert float(retrieval_recall_at_k(scores, target, k=1)) == 0.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(scores, target, k=1, ties="optimistic")) == 1.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(scores, target, k=1, ties="expected")) == pytest.approx(  # type: ignore[arg-type]
+        0.01
+    )
+
+
+def test_expected_is_exact_for_ten_million_tied_items() -> None:
+    from recall_at_k._kernel import expected_hit_probability
+
+    e = torch.tensor([10**7 - 1, 10**7 - 3, 10**7])
+    p = torch.tensor([1, 3, 1])
+    g = torch.tensor([0, 0, 5])
+    prob = expected_hit_probability(g, e, p, 10)
+    # 1 - C(e, m) / C(e + p, m) computed with exact integers.
+    for q in range(3):
+        for j in range(10):
+            m = j + 1 - int(g[q])
+            ee, pp = int(e[q]), int(p[q])
+            want = 0.0 if m <= 0 else 1 - math.comb(ee, m) / math.comb(ee + pp, m)
+            assert float(prob[q, j]) == pytest.approx(want, rel=1e-9, abs=1e-15)

@@ -1,0 +1,188 @@
+"""RetrievalRecallAtK as a torchmetrics Metric: state rules, collections, devices, plot."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+from torchmetrics import MetricCollection
+
+from recall_at_k import RetrievalRecallAtK
+from recall_at_k.functional import retrieval_recall_at_k
+
+
+def _state_bytes(metric: RetrievalRecallAtK) -> int:
+    total = 0
+    for name in metric._defaults:
+        value = getattr(metric, name)
+        for tensor in value if isinstance(value, list) else [value]:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _batch(q: int, g: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(q, g), torch.randint(-1, g, (q,))
+
+
+@pytest.mark.parametrize("ties", ["pessimistic", "expected"])
+def test_state_size_does_not_depend_on_q(ties: str) -> None:
+    small, large = RetrievalRecallAtK(ties=ties), RetrievalRecallAtK(ties=ties)
+    small.update(*_batch(10))
+    for _ in range(10):
+        large.update(*_batch(10_000))
+    assert int(large.query_counts.sum()) == 100_000
+    assert _state_bytes(small) == _state_bytes(large) <= 16 * (10 + 2)
+
+
+def test_int_k_returns_a_scalar_and_dict_keeps_order() -> None:
+    scores, target = _batch(30)
+    single = RetrievalRecallAtK(k=5)
+    single.update(scores, target)
+    value = single.compute()
+    assert isinstance(value, torch.Tensor) and value.dim() == 0
+    several = RetrievalRecallAtK(k=(10, 1, 5), key="R_at_{k}")
+    several.update(scores, target)
+    result = several.compute()
+    assert isinstance(result, dict)
+    assert list(result) == ["R_at_10", "R_at_1", "R_at_5"]
+    assert torch.equal(result["R_at_5"], value)
+
+
+def test_forward_returns_the_batch_value_and_accumulates() -> None:
+    metric = RetrievalRecallAtK(k=(1, 3))
+    first, second = _batch(20, 6), _batch(30, 6)
+    batch_value = metric(*first)
+    assert batch_value == retrieval_recall_at_k(*first, k=(1, 3))
+    metric(*second)
+    everything = (torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]))
+    assert metric.compute() == retrieval_recall_at_k(*everything, k=(1, 3))
+
+
+def test_reset_merge_state_pickle_and_state_dict() -> None:
+    a, b = RetrievalRecallAtK(ties="expected"), RetrievalRecallAtK(ties="expected")
+    first, second = _batch(40, 8), _batch(25, 8)
+    a.update(*first)
+    b.update(*second)
+    a.merge_state(b)
+    everything = (torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]))
+    want = retrieval_recall_at_k(*everything, ties="expected")
+    assert a.compute() == want
+
+    restored = pickle.loads(pickle.dumps(a))
+    assert restored.compute() == want
+
+    a.persistent(True)
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = RetrievalRecallAtK(ties="expected")
+    fresh.load_state_dict(torch.load(buffer))
+    assert fresh.compute() == want
+
+    a.reset()
+    assert int(a.query_counts.sum()) == 0 and float(a.rank_histogram.sum()) == 0.0
+
+
+def test_counts_stay_exact_past_2_31_queries() -> None:
+    big = RetrievalRecallAtK(k=(1, 2))
+    big.update(torch.tensor([[1.0, 0.0]]), torch.tensor([0]))  # one hit at rank 1
+    n = 3 * 2**31 + 1
+    synthetic = RetrievalRecallAtK(k=(1, 2))
+    synthetic.rank_histogram.copy_(torch.tensor([n, 0]))
+    synthetic.query_counts.copy_(torch.tensor([2 * n + 1, 0]))
+    big.merge_state(synthetic)
+    assert big.query_counts.tolist() == [2 * n + 2, 0]
+    assert big.rank_histogram.tolist() == [n + 1, 0]
+    result = big.compute()
+    assert isinstance(result, dict)
+    assert float(result["recall@1"]) == pytest.approx((n + 1) / (2 * n + 2))
+
+
+def test_empty_batch_changes_nothing_and_empty_gallery_has_no_positive() -> None:
+    metric = RetrievalRecallAtK(k=1)
+    metric.update(torch.empty(0, 7), torch.empty(0, dtype=torch.int64))
+    assert int(metric.query_counts.sum()) == 0
+    metric.update(torch.empty(3, 0), torch.full((3,), -1))
+    metric.update(torch.empty(2, 0), torch.empty(2, 0, dtype=torch.bool))
+    assert metric.query_counts.tolist() == [0, 5]
+    assert float(metric.compute()) == 0.0  # type: ignore[arg-type]
+
+
+def test_update_is_sync_free_on_the_meta_device() -> None:
+    """With validate_args=False nothing reads a tensor value on the host (meta would fail)."""
+    for ties in ("pessimistic", "optimistic", "expected"):
+        metric = RetrievalRecallAtK(ties=ties, validate_args=False).to("meta")
+        scores = torch.empty(256, 500, device="meta")
+        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))
+        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"))
+        ignore = torch.empty(256, 500, dtype=torch.bool, device="meta")
+        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"), ignore)
+        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"), ignore)
+        assert metric.rank_histogram.device.type == "meta"
+    # ... and the validating update does read values, so it fails there.
+    checked = RetrievalRecallAtK().to("meta")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        checked.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))
+
+
+def test_requires_grad_scores_keep_no_graph() -> None:
+    scores = torch.randn(5, 4, requires_grad=True)
+    metric = RetrievalRecallAtK()
+    metric.update(scores, torch.tensor([0, 1, 2, 3, -1]))
+    assert not metric.rank_histogram.requires_grad
+    assert metric.rank_histogram.grad_fn is None
+
+
+def _fill(collection: MetricCollection) -> None:
+    # First update: tie-free, so the pessimistic and optimistic states coincide.
+    collection.update(torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.8, 0.3]]), torch.tensor([0, 2]))
+    # Second update: every score tied.
+    collection.update(torch.ones(4, 3), torch.tensor([0, 1, 2, 0]))
+
+
+def test_collection_never_groups_instances_that_compute_differently() -> None:
+    collection = MetricCollection(
+        {
+            "pess": RetrievalRecallAtK(k=(1, 2)),
+            "opt": RetrievalRecallAtK(k=(1, 2), ties="optimistic"),
+            "k2": RetrievalRecallAtK(k=2),
+            "k3": RetrievalRecallAtK(k=3),
+            "same_max_k": RetrievalRecallAtK(k=(3, 1)),
+        }
+    )
+    _fill(collection)
+    result = collection.compute()
+    for name, metric in collection.items():
+        alone = metric.__class__(
+            k=metric.ks if not metric.single_k else metric.ks[0], ties=metric.ties
+        )
+        _fill(MetricCollection({name: alone}))
+        want = alone.compute()
+        if isinstance(want, dict):
+            for key, value in want.items():
+                assert torch.equal(result[f"{name}_{key}"], value), (name, key)
+        else:
+            assert torch.equal(result[name], want), name
+    assert float(result["pess_recall@1"]) == pytest.approx(1 / 6)
+    assert float(result["opt_recall@1"]) == pytest.approx(5 / 6)
+    # Instances that differ only in how they compute may share a compute group.
+    assert ["k3", "same_max_k"] in [sorted(g) for g in collection.compute_groups.values()]
+
+
+def test_plot_draws_recall_against_k() -> None:
+    metric = RetrievalRecallAtK(k=(1, 5, 10))
+    metric.update(*_batch(50, 20))
+    fig, ax = metric.plot()
+    line = ax.get_lines()[0]
+    assert list(line.get_xdata()) == [1, 5, 10]
+    result = metric.compute()
+    assert isinstance(result, dict)
+    assert list(line.get_ydata()) == pytest.approx([float(v) for v in result.values()])
+    fig2, ax2 = metric.plot([result, result], ax=ax)
+    assert ax2 is ax and fig2 is fig and len(ax.get_lines()) == 3
+    single = RetrievalRecallAtK(k=5)
+    single.update(*_batch(10, 20))
+    _, ax3 = single.plot()
+    assert list(ax3.get_lines()[0].get_xdata()) == [5]
