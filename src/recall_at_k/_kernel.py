@@ -10,8 +10,10 @@ valid negatives scored exactly ``s*`` and ``p`` the number of valid positives sc
 exactly ``s*`` (at least one when the query has a valid positive).
 
 Comparisons write into floating point buffers rather than ``bool`` tensors: on CPU the
-``bool`` kernels of torch are several times slower than the float ones, and a sum over
-0/1 floats is exact while the row holds fewer than 2**24 (float32) items.
+``bool``-output kernels of torch are several times slower than the float ones, and a sum
+over 0/1 floats is exact while the row holds fewer than 2**24 (float32) items. Selects
+write into reused buffers (:class:`Workspace`): a fresh multi-megabyte temporary costs
+a page fault per 4 KiB on CPU.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _scratch(
     return workspace.get(slot, like.shape, dtype, like.device)
 
 
-_COUNT_SLOT, _SENTINEL_SLOT, _SELECT_SLOT = 0, 1, 2
+_COUNT_SLOT, _NEGATIVES_SLOT, _POSITIVES_SLOT = 0, 1, 2
 
 
 def _constant(value: float, like: Tensor) -> Tensor:
@@ -100,13 +102,6 @@ def _count(
     else:
         torch.gt(values, threshold, out=out)
     return out.sum(dim=-1).to(torch.int64)
-
-
-def _as_0_1(mask: Tensor, out: Tensor) -> Tensor:
-    """A bool or 0/1 integer mask as 0.0/1.0 floats (through a byte view: fast on CPU)."""
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
-    return out.copy_(mask)
 
 
 def dense_tie_counts(
@@ -144,53 +139,47 @@ def dense_tie_counts(
     if target.dim() == 1:
         return _index_target_counts(scores, target, ignore, need, count_dtype, workspace)
 
-    if ignore is None:
-        # Fast path. U is +inf on positives and -inf on negatives, so min(S, U) keeps the
-        # positives' scores (negatives -> -inf) and max(S, U) keeps the negatives' scores
-        # (positives -> +inf, which the count then subtracts).
-        as_float = _as_0_1(target, _scratch(workspace, _SENTINEL_SLOT, scores))
-        num_pos = as_float.sum(dim=-1).to(torch.int64)
-        sentinel = as_float.sub_(0.5).mul_(float("inf"))
-        positives_only = torch.minimum(
-            scores, sentinel, out=_scratch(workspace, _SELECT_SLOT, scores)
-        )
-        best = positives_only.amax(dim=-1, keepdim=True)
-        greater = _count("gt", scores, best, count_dtype, workspace) if want_gt else None
-        at_or_above = None
-        if want_ge:
-            negatives_or_inf = torch.maximum(scores, sentinel, out=sentinel)
-            at_or_above = _count("ge", negatives_or_inf, best, count_dtype, workspace) - num_pos
-    else:
-        valid_pos = target.bool() & ~ignore
-        valid_neg = ~(target.bool() | ignore)
-        num_pos = valid_pos.sum(dim=-1)
-        positives_only = torch.where(
-            valid_pos,
-            scores,
-            _constant(float("-inf"), scores),
-            out=_scratch(workspace, _SELECT_SLOT, scores),
-        )
-        best = positives_only.amax(dim=-1, keepdim=True)
-        # NaN compares false with everything: non-negatives never enter a count.
-        negatives_only = torch.where(
-            valid_neg,
-            scores,
-            _constant(float("nan"), scores),
-            out=_scratch(workspace, _SENTINEL_SLOT, scores),
-        )
-        greater = at_or_above = None
-        if want_gt:
-            greater = _count("gt", negatives_only, best, count_dtype, workspace)
-        if want_ge:
-            at_or_above = _count("ge", negatives_only, best, count_dtype, workspace)
+    # Two selects over the batch: positives_only keeps the valid positives' scores (-inf
+    # elsewhere) for s*; negatives_only keeps the valid negatives' scores and puts NaN
+    # elsewhere, which compares false with everything, so no count needs a correction.
+    relevant = target if target.dtype == torch.bool else target != 0
+    valid_pos = relevant if ignore is None else relevant & ~ignore
+    not_negative = relevant if ignore is None else relevant | ignore
+    positives_only = torch.where(
+        valid_pos,
+        scores,
+        _constant(float("-inf"), scores),
+        out=_scratch(workspace, _POSITIVES_SLOT, scores),
+    )
+    best = positives_only.amax(dim=-1, keepdim=True)
+    negatives_only = torch.where(
+        not_negative,
+        _constant(float("nan"), scores),
+        scores,
+        out=_scratch(workspace, _NEGATIVES_SLOT, scores),
+    )
+    greater = at_or_above = None
+    if want_gt:
+        greater = _count("gt", negatives_only, best, count_dtype, workspace)
+    if want_ge:
+        at_or_above = _count("ge", negatives_only, best, count_dtype, workspace)
+    has_pos = _any_per_row(valid_pos)
 
     tied = None
     if want_p:
         # Positives at or above s* are exactly the ones tied at s*. When s* = -inf every
         # entry of positives_only is >= s*, but then every valid positive is tied.
         tied = _count("ge", positives_only, best, count_dtype, workspace)
+        num_pos = valid_pos.sum(dim=-1)
         tied = torch.where(best.squeeze(-1) == float("-inf"), num_pos, tied)
-    return TieCounts(greater, at_or_above, tied, num_pos > 0)
+    return TieCounts(greater, at_or_above, tied, has_pos)
+
+
+def _any_per_row(mask: Tensor) -> Tensor:
+    """``mask.any(dim=-1)``, through a byte view where possible (faster on CPU)."""
+    if mask.is_contiguous():
+        return mask.view(torch.uint8).amax(dim=-1) > 0
+    return mask.any(dim=-1)
 
 
 def _index_target_counts(
@@ -213,7 +202,7 @@ def _index_target_counts(
             ignore,
             _constant(float("nan"), scores),
             scores,
-            out=_scratch(workspace, _SELECT_SLOT, scores),
+            out=_scratch(workspace, _NEGATIVES_SLOT, scores),
         )
     greater = _count("gt", values, best, count_dtype, workspace) if want_gt else None
     at_or_above = None
