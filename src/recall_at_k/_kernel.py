@@ -262,8 +262,31 @@ def expected_hit_probability(
     return torch.where(m <= 0, 0.0, prob)
 
 
-def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Tensor]:
-    """A batch's contribution to the metric state.
+def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
+    """What each query contributes to the rank histogram, one record a query.
+
+    Returns:
+        For ``"pessimistic"`` / ``"optimistic"``: int64 ``[Q]`` bins, ``r - 1`` for a
+        first hit at rank ``r <= max_k``, ``max_k`` for a later hit and ``max_k + 1`` for
+        a query without a valid positive. For ``"expected"``: float64 ``[Q, max_k + 1]``,
+        the probabilities of a first hit at ranks 1..max_k, then 1.0 for a query without
+        a valid positive (whose probabilities are 0).
+    """
+    has_pos = counts.has_positive
+    if ties == "expected":
+        counts = split_equal(counts)
+        assert counts.greater is not None and counts.equal is not None
+        assert counts.tied_positives is not None
+        cdf = expected_hit_probability(counts.greater, counts.equal, counts.tied_positives, max_k)
+        pmf = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[..., :1]))
+        pmf = torch.where(has_pos.unsqueeze(-1), pmf, 0.0)
+        return torch.cat([pmf, (~has_pos).to(pmf.dtype).unsqueeze(-1)], dim=-1)
+    rank = first_hit_rank(counts, ties)
+    return torch.where(has_pos, (rank - 1).clamp(max=max_k), max_k + 1)
+
+
+def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
+    """Sum :func:`query_outcomes` records into the metric state.
 
     Returns:
         ``hist``: ``[max_k]``, entry ``r - 1`` is the number (int64) or, for
@@ -271,23 +294,27 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
         rank ``r``; queries ranked later, or without a positive, are not in it.
         ``queries``: int64 ``[2]``: (queries with a valid positive, queries without).
     """
-    has_pos = counts.has_positive
-    num_with = has_pos.sum().reshape(1)
-    queries = torch.cat([num_with, has_pos.numel() - num_with])
-    if ties == "expected":
-        counts = split_equal(counts)
-        assert counts.greater is not None and counts.equal is not None
-        assert counts.tied_positives is not None
-        cdf = expected_hit_probability(counts.greater, counts.equal, counts.tied_positives, max_k)
-        pmf = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[..., :1]))
-        hist = torch.where(has_pos.unsqueeze(-1), pmf, 0.0).sum(dim=0)
-        return hist, queries
-    rank = first_hit_rank(counts, ties)
-    # Bin r - 1 for ranks 1..max_k; one overflow bin for "later or never", dropped.
-    bins = torch.where(has_pos, (rank - 1).clamp(max=max_k), max_k)
-    hist = torch.zeros(max_k + 1, dtype=torch.int64, device=rank.device)
-    hist.scatter_add_(0, bins, torch.ones_like(bins))
-    return hist[:max_k], queries
+    if outcomes.is_floating_point():
+        hist = outcomes[:, :max_k].sum(dim=0)
+        without = outcomes[:, max_k].sum().to(torch.int64)
+        return hist, torch.stack([outcomes.shape[0] - without, without])
+    bins = torch.zeros(max_k + 2, dtype=torch.int64, device=outcomes.device)
+    bins.scatter_add_(0, outcomes, torch.ones_like(outcomes))
+    return bins[:max_k], torch.stack([bins[: max_k + 1].sum(), bins[max_k + 1]])
+
+
+def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Tensor]:
+    """A batch's contribution to the metric state (see :func:`histogram_of`)."""
+    return histogram_of(query_outcomes(counts, ties, max_k), max_k)
+
+
+def first_of_each_id(ids: Tensor) -> Tensor:
+    """Positions of the first occurrence of every distinct id, in order of the ids."""
+    order = torch.sort(ids, stable=True).indices
+    sorted_ids = ids[order]
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    return order[first]
 
 
 def recall_from_histogram(
