@@ -135,3 +135,20 @@ def _dense_values_validation(scores: Tensor, target: Tensor) -> None:
                 f"`target` mask values must be 0 or 1, got {int(bad.sum())} other"
                 f" value(s), e.g. {example}"
             )
+
+
+def _query_ids_validation(query_ids: Tensor, scores: Tensor) -> None:
+    """``query_ids`` of a dense update: integer ``[Q]`` on the scores' device."""
+    if not isinstance(query_ids, Tensor):
+        raise ValueError(f"`query_ids` must be a torch.Tensor, got {type(query_ids).__name__}")
+    num_queries = scores.shape[0]
+    if (
+        query_ids.dim() != 1
+        or query_ids.shape[0] != num_queries
+        or query_ids.dtype not in (_INDEX_DTYPES)
+    ):
+        raise ValueError(
+            f"`query_ids` must be an integer (int64) tensor of shape [Q] = [{num_queries}],"
+            f" one id per row of `scores`, got {_describe(query_ids)}"
+        )
+    _same_device_validation(preds=scores, query_ids=query_ids)

@@ -1,0 +1,111 @@
+"""Dense form with query_ids: padded repeats count once, on one process or several."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from distributed_harness import run_distributed
+
+from recall_at_k import RetrievalRecallAtK
+from recall_at_k.functional import retrieval_recall_at_k
+
+TIES = ("pessimistic", "optimistic", "expected")
+
+
+def _data(num: int = 31, gallery: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randint(0, 3, (num, gallery), generator=gen).float()
+    target = torch.randint(-1, gallery, (num,), generator=gen)
+    return scores, target
+
+
+def _padded_shards(num: int, world: int) -> list[torch.Tensor]:
+    """DistributedSampler(shuffle=False, drop_last=False): repeat the first ids to pad."""
+    total = -(-num // world) * world
+    ids = torch.cat([torch.arange(num), torch.arange(total - num)])
+    return [ids[rank::world] for rank in range(world)]
+
+
+@pytest.mark.parametrize("ties", TIES)
+def test_repeated_ids_count_once(ties: str) -> None:
+    scores, target = _data()
+    want = retrieval_recall_at_k(scores, target, (1, 2, 4), ties=ties)
+    metric = RetrievalRecallAtK((1, 2, 4), ties=ties)
+    order = torch.cat([torch.arange(31), torch.tensor([0, 5, 5, 30])])  # repeats
+    for rows in order.split(7):
+        metric.update(scores[rows], target[rows], query_ids=rows)
+    assert metric.compute() == want
+    # Without ids the repeats are counted again: the number differs.
+    plain = RetrievalRecallAtK((1, 2, 4), ties=ties)
+    plain.update(scores[order], target[order])
+    assert plain.compute() != want
+
+
+def test_query_ids_and_plain_rows_count_together_and_forward_works() -> None:
+    scores, target = _data()
+    metric = RetrievalRecallAtK((1, 3))
+    batch_value = metric(scores[:10], target[:10], query_ids=torch.arange(10))
+    assert batch_value == retrieval_recall_at_k(scores[:10], target[:10], (1, 3))
+    metric(scores[:10], target[:10], query_ids=torch.arange(10))  # all repeats
+    metric.update(scores[10:], target[10:])  # rows without ids: complete, distinct
+    assert metric.compute() == retrieval_recall_at_k(scores, target, (1, 3))
+
+
+def test_query_ids_errors() -> None:
+    metric = RetrievalRecallAtK()
+    scores, target = _data()
+    with pytest.raises(
+        ValueError,
+        match=r"`query_ids` must be an integer \(int64\) tensor of shape \[Q\] = \[31\], one id per row of `scores`, got shape \[30\]",
+    ):
+        metric.update(scores, target, query_ids=torch.arange(30))
+    with pytest.raises(ValueError, match=r"`query_ids` must be an integer .* dtype torch.float32"):
+        metric.update(scores, target, query_ids=torch.arange(31).float())
+    with pytest.raises(ValueError, match=r"`query_ids` must be a torch.Tensor, got list"):
+        metric.update(scores, target, query_ids=list(range(31)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`query_ids` is on device meta but `preds` is on cpu"):
+        metric.update(scores, target, query_ids=torch.arange(31, device="meta"))
+    with pytest.raises(
+        ValueError,
+        match=r"`query_ids` is for the dense form; in the flat form `indexes` already are the query ids",
+    ):
+        metric.update(
+            torch.rand(3),
+            torch.tensor([1, 0, 0]),
+            indexes=torch.zeros(3, dtype=torch.int64),
+            query_ids=torch.arange(3),
+        )
+
+
+def _worker(rank: int, world: int, payload: Any) -> dict[str, Any]:
+    scores, target = _data()
+    shard = _padded_shards(len(scores), world)[rank]
+    out: dict[str, Any] = {}
+    for ties in TIES:
+        with_ids = RetrievalRecallAtK((1, 2, 4), ties=ties)
+        without = RetrievalRecallAtK((1, 2, 4), ties=ties)
+        for rows in shard.split(4):
+            with_ids.update(scores[rows], target[rows], query_ids=rows)
+            without.update(scores[rows], target[rows])
+        out[ties] = (with_ids.compute(), without.compute())
+    # A process that never called update, beside one that did.
+    lonely = RetrievalRecallAtK((1, 2, 4))
+    if rank == 0:
+        lonely.update(scores, target, query_ids=torch.arange(len(scores)))
+    out["lonely"] = lonely.compute()
+    return out
+
+
+def test_padded_distributed_sampler_counts_once_across_processes() -> None:
+    results = run_distributed(_worker, world_size=2)
+    scores, target = _data()
+    for ties in TIES:
+        want = retrieval_recall_at_k(scores, target, (1, 2, 4), ties=ties)
+        for result in results:
+            with_ids, without = result[ties]
+            assert with_ids == want, ties
+            assert without != want, ties  # the padded repeat changes the number
+    for result in results:
+        assert result["lonely"] == retrieval_recall_at_k(scores, target, (1, 2, 4))
