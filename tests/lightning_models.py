@@ -1,0 +1,52 @@
+"""LightningModules shared by the Lightning tests (importable by spawned DDP workers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import TensorDataset
+
+from recall_at_k import RetrievalRecallAtK
+
+KS = (1, 3, 5)
+GALLERY = 16
+
+
+def make_data(num: int, seed: int) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(num, 8, generator=gen)
+    target = torch.randint(0, GALLERY, (num,), generator=gen)
+    ids = torch.arange(num)
+    return TensorDataset(features, target, ids)
+
+
+class Ranker(pl.LightningModule):
+    """Scores a fixed gallery of 16 items from 8 features; trains to put the target first."""
+
+    def __init__(self, use_query_ids: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(8, GALLERY)
+        self.recall = RetrievalRecallAtK(k=KS)
+        self.plain = RetrievalRecallAtK(k=KS)  # the same, fed without query_ids
+        self.use_query_ids = use_query_ids
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        features, target, _ = batch
+        return torch.nn.functional.cross_entropy(self.layer(features), target)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        features, target, ids = batch
+        scores = self.layer(features)
+        if self.use_query_ids:
+            self.recall.update(scores, target, query_ids=ids)
+            self.plain.update(scores, target)
+            self.log_dict(self.plain.per_k("plain/"))
+        else:
+            self.recall.update(scores, target)
+        self.log_dict(self.recall.per_k("val/"))  # the one line: all K, at epoch end
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
