@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ class DenseCase:
 
     def batches(self) -> list[tuple[int, int]]:
         bounds = [0, *sorted(self.cuts), len(self.scores)]
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
+        return list(itertools.pairwise(bounds))
 
 
 @st.composite

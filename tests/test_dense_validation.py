@@ -59,7 +59,6 @@ def test_bad_options() -> None:
             None,
             r"`scores` must be a floating point tensor of shape \[Q, G\], got shape \[3, 4\] and dtype torch.int64",
         ),
-        (torch.rand(3), T, None, r"`scores` must be a floating point .* got shape \[3\]"),
         (
             torch.rand(2, 3, 4),
             T,
@@ -194,3 +193,13 @@ def test_bad_ranks() -> None:
         recall_at_k_from_ranks([1, 2], k=())
     with pytest.raises(ValueError, match=r"`key` must be a str template"):
         recall_at_k_from_ranks([1, 2], k=1, key="r")
+
+
+def test_one_dimensional_preds_without_indexes_points_to_the_flat_form() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"`preds` of shape \[4\] is the flat form: pass the query ids as a keyword, `update\(preds, target, indexes=indexes\)`",
+    ):
+        RetrievalRecallAtK()(torch.rand(4), torch.tensor([0, 1, 0, 0]), torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"`scores` must be a floating point .* got shape \[3\]"):
+        retrieval_recall_at_k(torch.rand(3), T)

@@ -1,0 +1,520 @@
+"""Per-query partial top-K state for the flat ``(preds, target, indexes)`` form, and its merge.
+
+In the flat form a query's items may arrive over several ``update`` calls and several
+processes. Recall@K for every K up to max K, under every tie policy, is decided exactly
+by a small per-query summary (DESIGN section 1 notation), a *partial*:
+
+- ``best``: the best valid positive score s* seen so far (``-inf`` when none);
+- ``tied``: the number of valid positives scored exactly ``best`` (0: no positive yet);
+- ``top``: the max K largest valid negative scores, descending, ``-inf`` padded, of which
+  ``kept`` (at most max K) are real;
+- ``boundary``: the number of valid negatives equal to the smallest kept one,
+  ``top[kept - 1]``, *including those that were not kept*. The tied block at s* may
+  extend past the kept list; this count keeps the ``"expected"`` policy exact.
+
+Two partials of one query merge exactly: ``best`` is the larger (tie counts add when
+equal), ``top`` is the top max K of the union, and the new boundary value ``v`` (the
+smallest newly kept) is counted as ``part.boundary`` in each part whose smallest kept
+equals ``v`` and as the number of kept entries equal to ``v`` in every other part. That
+is exact because a part whose list is full has its smallest kept at or below ``v``, and
+every negative of a part above that part's smallest kept is kept.
+
+At compute, with s* = ``best``: g_> is the number of kept above s* (when all max K kept
+are above s*, g_> >= max K and the query misses at every K), and e is the number of
+kept equal to s*, except when the list is full and its smallest kept equals s*, where e
+is ``boundary``.
+
+Everything is vectorised: one sort by query id (skipped when the ids already arrive
+grouped, as data loaders over (query, item) pairs deliver them), segment reductions with
+``scatter_reduce``, and a per-segment top-K either by ``topk`` over a padded
+``[queries, longest]`` matrix (balanced segments) or by a sort on (id, -score).
+
+States are int64 tensors ``[rows, 5 + max K]`` (a query id, the three counts and the
+``float64`` bit patterns of ``best`` and ``top``) so that a dtype cast of the module, such
+as Lightning's half precision, can never round a score.
+
+Example:
+    Query 7 arrives in two parts; with max K = 2 neither part keeps all of the negatives
+    tied with the positive at 0.5, yet the merged counts are exact (g_> = 1 negative
+    above, e = 4 tied, p = 1 tied positive; ``equal`` holds g_> + e):
+
+    >>> import torch
+    >>> from recall_at_k import _flat
+    >>> first = _flat.summarise(torch.tensor([0.9, 0.5, 0.5]),
+    ...                         torch.tensor([False, False, True]), torch.tensor([7, 7, 7]), 2)
+    >>> second = _flat.summarise(torch.tensor([0.5, 0.5, 0.5]),
+    ...                          torch.tensor([False, False, False]), torch.tensor([7, 7, 7]), 2)
+    >>> both = _flat.Partials(*(torch.cat([a, b]) for a, b in zip(first, second)))
+    >>> merged = _flat.merge(both, 2)
+    >>> merged.top, merged.boundary
+    (tensor([[0.9000, 0.5000]], dtype=torch.float64), tensor([4]))
+    >>> counts = _flat.tie_counts(merged, 2)
+    >>> counts.greater, counts.equal, counts.tied_positives
+    (tensor([1]), tensor([5]), tensor([1]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from recall_at_k import _kernel
+from recall_at_k._validation import _describe, _same_device_validation, _scores_values_validation
+
+__all__ = [
+    "Partials",
+    "compact",
+    "flat_partials",
+    "flat_rank_histogram",
+    "gather_tolerating_empty",
+    "merge",
+    "summarise",
+    "tie_counts",
+]
+
+_ID, _TIED, _KEPT, _BOUNDARY, _BEST = 0, 1, 2, 3, 4
+# A padded [segments, longest] matrix is used for the per-segment top-K while it holds
+# at most this many cells per item; beyond that (one huge query among many small ones)
+# a sort on (id, -score) costs less memory.
+_PADDED_FILL = 4
+# compact() merges the state into one block once it holds more than twice the rows of
+# its first block plus this many rows.
+_COMPACT_SLACK = 256
+
+_NEG_INF = float("-inf")
+
+
+class Partials(NamedTuple):
+    """Per-query partial state of the flat form (one row per query, or per query part).
+
+    ``ids`` int64 ``[n]``; ``best`` float ``[n]``; ``tied``, ``kept`` and ``boundary``
+    int64 ``[n]``; ``top`` float ``[n, max_k]`` (see the module docstring).
+    """
+
+    ids: Tensor
+    best: Tensor
+    tied: Tensor
+    top: Tensor
+    kept: Tensor
+    boundary: Tensor
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _flat_structure_validation(
+    preds: Tensor, target: Tensor, indexes: Tensor, ignore: Tensor | None = None
+) -> None:
+    """Shapes, dtypes and devices of a flat ``(preds, target, indexes)`` triple.
+
+    Reads no tensor values (no host-device synchronisation).
+    """
+    for name, value in (("preds", preds), ("target", target), ("indexes", indexes)):
+        if not isinstance(value, Tensor):
+            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
+    if ignore is not None:
+        raise ValueError(
+            "`ignore` is the dense form's [Q, G] mask and cannot be combined with `indexes`;"
+            " in the flat form leave ignored items out of the batch, or give them the"
+            " target value `ignore_index`"
+        )
+    if not preds.is_floating_point():
+        raise ValueError(
+            f"`preds` must be a floating point tensor of item scores, got {_describe(preds)}"
+        )
+    if target.is_floating_point() or target.is_complex():
+        raise ValueError(
+            f"`target` must be a bool or 0/1 integer tensor of relevance, got {_describe(target)}"
+        )
+    if indexes.is_floating_point() or indexes.is_complex() or indexes.dtype == torch.bool:
+        raise ValueError(
+            f"`indexes` must be an integer (int64) tensor of query ids, got {_describe(indexes)}"
+        )
+    if preds.dim() == 0 or not (preds.shape == target.shape == indexes.shape):
+        raise ValueError(
+            "`preds`, `target` and `indexes` must be 1-D tensors of equal length (one entry"
+            " per item; tensors of one same shape are flattened), got shapes"
+            f" {list(preds.shape)}, {list(target.shape)} and {list(indexes.shape)}"
+        )
+    _same_device_validation(preds=preds, target=target, indexes=indexes)
+
+
+def _flat_values_validation(
+    preds: Tensor, target: Tensor, indexes: Tensor, ignore_index: int | None = None
+) -> None:
+    """Value checks of a flat batch after dropping ``ignore_index`` items (host reads)."""
+    _scores_values_validation(preds, name="preds")
+    if target.numel() and target.dtype != torch.bool:
+        bad = (target != 0) & (target != 1)
+        if bool(bad.any()):
+            hint = (
+                f" (items whose target equals `ignore_index`={ignore_index} are dropped)"
+                if ignore_index is not None
+                else " (pass `ignore_index` to drop items with a given target value)"
+            )
+            raise ValueError(
+                f"`target` values must be 0 or 1, got {int(bad.sum())} other value(s),"
+                f" e.g. {int(target[bad][0])}{hint}"
+            )
+    if indexes.numel():
+        low = int(indexes.min())
+        if low < 0:
+            raise ValueError(
+                "`indexes` must be non-negative query ids, got"
+                f" {int((indexes < 0).sum())} negative value(s), e.g. {low}"
+            )
+
+
+def flat_partials(
+    preds: Tensor,
+    target: Tensor,
+    indexes: Tensor,
+    ignore: Tensor | None,
+    *,
+    max_k: int,
+    ignore_index: int | None,
+    validate_args: bool,
+) -> Tensor | None:
+    """Validate a flat batch and summarise it into packed state rows.
+
+    Returns:
+        int64 ``[queries in the batch, 5 + max_k]`` (see :func:`pack`), or ``None`` when
+        no item is left after dropping ``ignore_index`` items.
+    """
+    _flat_structure_validation(preds, target, indexes, ignore)
+    preds, target, indexes = preds.detach().reshape(-1), target.reshape(-1), indexes.reshape(-1)
+    if ignore_index is not None:
+        keep = target != ignore_index
+        if not bool(keep.all()):
+            preds, target, indexes = preds[keep], target[keep], indexes[keep]
+    if validate_args:
+        _flat_values_validation(preds, target, indexes, ignore_index)
+    if preds.numel() == 0:
+        return None
+    positive = target if target.dtype == torch.bool else target != 0
+    return pack(summarise(preds, positive, indexes.to(torch.int64), max_k))
+
+
+# ----------------------------------------------------------------- segment operations
+
+
+def _is_sorted(values: Tensor) -> bool:
+    """Whether a 1-D tensor is non-decreasing (one pass, one host read)."""
+    return values.numel() < 2 or bool((values[1:] >= values[:-1]).all())
+
+
+def _scores_dtype(values: Tensor) -> Tensor:
+    """Half precision scores as float32 (exact; every kernel supports it)."""
+    if values.dtype in (torch.float16, torch.bfloat16):
+        return values.to(torch.float32)
+    return values
+
+
+def _gather_column(matrix: Tensor, column: Tensor) -> Tensor:
+    """``matrix[i, column[i]]`` for every row, ``column`` clamped to the valid range."""
+    index = column.clamp(min=0, max=matrix.shape[1] - 1).unsqueeze(1)
+    return matrix.gather(1, index).squeeze(1)
+
+
+def _count_equal(matrix: Tensor, value: Tensor) -> Tensor:
+    """Row-wise ``(matrix == value).sum(1)`` as int64.
+
+    The comparison is written into a float buffer: summing 0/1 floats is several times
+    faster on CPU than converting a ``bool`` tensor, and exact below 2**24 a row.
+    """
+    dtype = torch.float32 if matrix.shape[1] < 2**24 else torch.float64
+    out = torch.empty(matrix.shape, dtype=dtype, device=matrix.device)
+    torch.eq(matrix, value, out=out)
+    return out.sum(dim=1).to(torch.int64)
+
+
+def segment_top(
+    counts: Tensor, values: Tensor, max_k: int, kept: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """The ``max_k`` largest values of each segment, descending, ``-inf`` padded.
+
+    Args:
+        counts: int64 ``[segments]`` number of values in each segment, each at least one;
+            the values are grouped: segment 0's first, then segment 1's, and so on.
+        values: float ``[n]``; entries that must not count are ``-inf``.
+        max_k: how many to keep.
+        kept: optional int64 ``[segments]``, how many of each row of the result are real.
+
+    Returns:
+        ``top``, ``[segments, max_k]`` of the dtype of ``values``, and, when ``kept`` is
+        given, the number of ``values`` of each segment equal to ``top[kept - 1]``
+        (``-inf`` entries included).
+    """
+    n, segments = values.numel(), counts.numel()
+    device = values.device
+    width = int(counts.max())
+    padding: Tensor | None = None
+    if segments * width == n:
+        # Every segment has the same length: the grouped values already form the matrix.
+        matrix = values.view(segments, width)
+    elif segments * width <= _PADDED_FILL * n:
+        seg = torch.repeat_interleave(torch.arange(segments, device=device), counts)
+        rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[seg]
+        matrix = torch.full((segments, width), _NEG_INF, dtype=values.dtype, device=device)
+        matrix[seg, rank] = values
+        padding = width - counts
+    else:
+        return _sorted_segment_top(counts, values, max_k, kept)
+    top = matrix.topk(min(max_k, width), dim=1).values
+    if top.shape[1] < max_k:
+        top = torch.cat([top, top.new_full((segments, max_k - top.shape[1]), _NEG_INF)], dim=1)
+    if kept is None:
+        return top, None
+    boundary_value = _gather_column(top, kept - 1)
+    equal = _count_equal(matrix, boundary_value.unsqueeze(1))
+    if padding is not None:
+        equal = equal - torch.where(boundary_value == _NEG_INF, padding, 0)
+    return top, equal
+
+
+def _sorted_segment_top(
+    counts: Tensor, values: Tensor, max_k: int, kept: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`segment_top` for unbalanced segments: a sort on (segment, -value)."""
+    n, segments = values.numel(), counts.numel()
+    device = values.device
+    seg = torch.repeat_interleave(torch.arange(segments, device=device), counts)
+    order = torch.argsort(values, descending=True, stable=True)
+    order = order[torch.argsort(seg[order], stable=True)]
+    # The values are grouped, so after the sort ``seg`` is unchanged: only ranks move.
+    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[seg]
+    keep = rank < max_k
+    top = torch.full((segments, max_k), _NEG_INF, dtype=values.dtype, device=device)
+    top[seg[keep], rank[keep]] = values[order][keep]
+    if kept is None:
+        return top, None
+    boundary_value = _gather_column(top, kept - 1)
+    at_boundary = (values == boundary_value[seg]).to(torch.int64)
+    return top, torch.zeros_like(counts).scatter_add_(0, seg, at_boundary)
+
+
+def _sort_key(indexes: Tensor) -> tuple[Tensor, Tensor | int]:
+    """Ids as int32 offsets from the smallest when they span less than 2**31 (sorts faster).
+
+    Returns:
+        The key and the offset to add back to a sorted key to get ids.
+    """
+    low, high = torch.aminmax(indexes)
+    if int(high) - int(low) < 2**31:
+        return (indexes - low).to(torch.int32), low
+    return indexes, 0
+
+
+def summarise(preds: Tensor, positive: Tensor, indexes: Tensor, max_k: int) -> Partials:
+    """Partials of one batch of items: one row per distinct id, ids ascending.
+
+    Items that arrive grouped by id in ascending order (the usual layout of a data
+    loader over (query, item) pairs) are not sorted again; otherwise one sort of the ids
+    and one gather of the scores group them.
+
+    Args:
+        preds: float ``[n]`` scores (no NaN), ``n >= 1``.
+        positive: bool ``[n]`` relevance.
+        indexes: int64 ``[n]`` query ids.
+        max_k: the largest K.
+    """
+    values = _scores_dtype(preds)
+    device = values.device
+    # Positives are few: work on their positions only. Negatives keep their scores,
+    # positives become -inf (they never count among the negatives).
+    pos_index = positive.nonzero().squeeze(1)
+    pos_values = values[pos_index]
+    negatives = values.clone() if values is preds else values
+    negatives[pos_index] = _NEG_INF
+
+    ids, counts = torch.unique_consecutive(indexes, return_counts=True)
+    if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
+        pos_seg = torch.searchsorted(counts.cumsum(0), pos_index, right=True)
+    else:
+        key, offset = _sort_key(indexes)
+        # Within a query the order does not matter: an unstable sort will do.
+        sorted_key, order = torch.sort(key)
+        negatives = negatives[order]
+        ids, counts = torch.unique_consecutive(sorted_key, return_counts=True)
+        ids = ids.to(torch.int64) + offset
+        pos_seg = torch.searchsorted(ids, indexes[pos_index])
+    segments = ids.numel()
+
+    best = torch.full((segments,), _NEG_INF, dtype=values.dtype, device=device)
+    best.scatter_reduce_(0, pos_seg, pos_values, "amax")
+    num_pos = torch.bincount(pos_seg, minlength=segments)
+    tied = torch.zeros_like(num_pos).scatter_add_(
+        0, pos_seg, (pos_values == best[pos_seg]).to(torch.int64)
+    )
+
+    kept = (counts - num_pos).clamp(max=max_k)
+    top, equal = segment_top(counts, negatives, max_k, kept)
+    assert equal is not None
+    # ``equal`` counted the positives too when the boundary value is -inf.
+    boundary_value = _gather_column(top, kept - 1)
+    boundary = equal - torch.where(boundary_value == _NEG_INF, num_pos, 0)
+    boundary = torch.where(kept > 0, boundary, 0)
+    return Partials(ids, best.to(torch.float64), tied, top.to(torch.float64), kept, boundary)
+
+
+def merge(parts: Partials, max_k: int) -> Partials:
+    """Merge rows that share a query id into one row per id (ids ascending), exactly."""
+    rows = parts.ids.numel()
+    if rows == 0:
+        return parts
+    if not _is_sorted(parts.ids):
+        order = torch.argsort(parts.ids, stable=True)
+        parts = Partials(*(field[order] for field in parts))
+    ids, seg, counts = torch.unique_consecutive(parts.ids, return_inverse=True, return_counts=True)
+    queries = ids.numel()
+    if queries == rows:
+        return parts
+    device = parts.ids.device
+
+    best = torch.full((queries,), _NEG_INF, dtype=parts.best.dtype, device=device)
+    best.scatter_reduce_(0, seg, parts.best, "amax")
+    tied = torch.zeros(queries, dtype=torch.int64, device=device).scatter_add_(
+        0, seg, torch.where(parts.best == best[seg], parts.tied, 0)
+    )
+
+    valid = torch.arange(max_k, device=device) < parts.kept.unsqueeze(1)
+    values = torch.where(valid, parts.top, _NEG_INF).reshape(-1)
+    top, _ = segment_top(counts * max_k, values, max_k)
+    kept = torch.zeros_like(tied).scatter_add_(0, seg, parts.kept).clamp(max=max_k)
+
+    boundary_value = _gather_column(top, kept - 1)[seg]
+    part_min = _gather_column(parts.top, parts.kept - 1)
+    at_min = (parts.kept > 0) & (part_min == boundary_value)
+    in_kept = (valid & (parts.top == boundary_value.unsqueeze(1))).sum(dim=1)
+    boundary = torch.zeros_like(tied).scatter_add_(
+        0, seg, torch.where(at_min, parts.boundary, in_kept)
+    )
+    return Partials(ids, best, tied, top, kept, boundary)
+
+
+def tie_counts(parts: Partials, max_k: int) -> _kernel.TieCounts:
+    """g_>, g_> + e and p of each (merged) query, as ``dense_tie_counts`` returns them."""
+    valid = torch.arange(max_k, device=parts.top.device) < parts.kept.unsqueeze(1)
+    best = parts.best.unsqueeze(1)
+    greater = (valid & (parts.top > best)).sum(dim=1)
+    equal = (valid & (parts.top == best)).sum(dim=1)
+    # A full list whose smallest kept is s* may hide more negatives tied at s*.
+    hidden_ties = (parts.kept == max_k) & (parts.top[:, -1] == parts.best)
+    equal = torch.where(hidden_ties, parts.boundary, equal)
+    return _kernel.TieCounts(greater, greater + equal, parts.tied, parts.tied > 0)
+
+
+# ------------------------------------------------------------------- packed state rows
+
+
+def pack(parts: Partials) -> Tensor:
+    """Partials as int64 ``[n, 5 + max_k]``: id, tied, kept, boundary, then the float64
+    bit patterns of ``best`` and ``top``."""
+    ints = torch.stack([parts.ids, parts.tied, parts.kept, parts.boundary], dim=1)
+    scores = torch.cat([parts.best.unsqueeze(1), parts.top], dim=1).to(torch.float64)
+    return torch.cat([ints, scores.view(torch.int64)], dim=1)
+
+
+def unpack(rows: Tensor) -> Partials:
+    """Inverse of :func:`pack`."""
+    scores = rows[:, _BEST:].view(torch.float64)
+    return Partials(
+        rows[:, _ID],
+        scores[:, 0],
+        rows[:, _TIED],
+        scores[:, 1:],
+        rows[:, _KEPT],
+        rows[:, _BOUNDARY],
+    )
+
+
+def _as_rows(state: Tensor | Sequence[Tensor], max_k: int) -> Tensor | None:
+    """The state (a list of blocks, or one tensor after a sync) as one block, or None."""
+    blocks = [state] if isinstance(state, Tensor) else list(state)
+    # A process without flat data contributes an empty placeholder of any shape.
+    blocks = [block for block in blocks if block.numel()]
+    if not blocks:
+        return None
+    rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return rows.reshape(-1, _BEST + 1 + max_k)
+
+
+def compact(state: list[Tensor], max_k: int) -> list[Tensor]:
+    """Merge the state blocks into one once they hold too many rows.
+
+    Merging happens when the blocks hold more than twice the rows of the first block
+    (the result of the last merge) plus a small slack, so the state stays within about
+    twice the number of distinct queries and the merges cost O(1) amortised per row.
+    """
+    if len(state) < 2:
+        return state
+    total = sum(block.shape[0] for block in state)
+    if total <= 2 * state[0].shape[0] + _COMPACT_SLACK:
+        return state
+    rows = _as_rows(state, max_k)
+    return [] if rows is None else [pack(merge(unpack(rows), max_k))]
+
+
+def flat_rank_histogram(
+    state: Tensor | Sequence[Tensor], ties: str, max_k: int
+) -> tuple[Tensor, Tensor] | None:
+    """The flat state's contribution to the rank histogram, as ``rank_histogram`` gives.
+
+    Returns:
+        ``(hist, queries)`` or ``None`` when the state is empty.
+    """
+    rows = _as_rows(state, max_k)
+    if rows is None:
+        return None
+    parts = merge(unpack(rows), max_k)
+    return _kernel.rank_histogram(tie_counts(parts, max_k), ties, max_k)
+
+
+# --------------------------------------------------------------------- distributed sync
+
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_MAX_DIMS = 8
+
+
+def gather_tolerating_empty(result: Tensor, group: Any | None = None) -> list[Tensor]:
+    """torchmetrics' ``gather_all_tensors``, safe when a process holds no flat data.
+
+    torchmetrics stands in a 1-D tensor of the metric's float dtype for an empty list
+    state; gathering that beside the other processes' int64 ``[rows, 5 + max K]`` blocks
+    would abort the collective. Every process first shares the layout of its tensor;
+    an empty one then takes the layout of the first non-empty one.
+    """
+    import torch.distributed as dist
+    from torchmetrics.utilities.distributed import gather_all_tensors
+
+    world_size = dist.get_world_size(group)
+    code = _DTYPES.index(result.dtype) if result.dtype in _DTYPES else -1
+    shape = list(result.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(result.dim(), _MAX_DIMS))
+    meta = torch.tensor(
+        [result.numel(), result.dim(), code, *shape], dtype=torch.int64, device=result.device
+    )
+    metas = [torch.zeros_like(meta) for _ in range(world_size)]
+    dist.all_gather(metas, meta, group=group)
+    if result.numel() == 0:
+        for other in torch.stack(metas).tolist():
+            numel, ndim, other_code = other[:3]
+            if numel and other_code >= 0 and 1 <= ndim <= _MAX_DIMS:
+                trailing = other[3 + 1 : 3 + ndim]
+                result = result.new_empty((0, *trailing), dtype=_DTYPES[other_code])
+                break
+    gathered: list[Tensor] = gather_all_tensors(result, group)
+    return gathered
