@@ -186,3 +186,17 @@ def test_plot_draws_recall_against_k() -> None:
     single.update(*_batch(10, 20))
     _, ax3 = single.plot()
     assert list(ax3.get_lines()[0].get_xdata()) == [5]
+
+
+def test_plot_accepts_logged_values_with_a_prefix() -> None:
+    metric = RetrievalRecallAtK(k=(1, 5))
+    logged = {"val/recall@1": torch.tensor(0.25), "val/recall@5": 0.75, "epoch": 3}
+    _, ax = metric.plot(logged)  # type: ignore[arg-type]
+    line = ax.get_lines()[0]
+    assert list(line.get_ydata()) == [0.25, 0.75]
+    assert list(ax.get_xticks()) == [1, 5]
+    with pytest.raises(
+        ValueError,
+        match=r"`val` must hold the key 'recall@1' \(optionally with a prefix ending in '/'\)",
+    ):
+        metric.plot({"recall@5": torch.tensor(0.5)})

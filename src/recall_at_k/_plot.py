@@ -44,6 +44,8 @@ def plot_curves(results: Curves | Sequence[Curves], ax: Any | None, title: str) 
         for label, (ks, values) in curves.items():
             name = label if len(steps) == 1 else f"{label} (step {step})".strip()
             ax.plot(list(ks), list(values), marker="o", label=name or None)
+    all_ks = sorted({k for curves in steps for ks, _ in curves.values() for k in ks})
+    ax.set_xticks(all_ks)
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K")
     ax.set_ylim(-0.02, 1.02)
@@ -54,8 +56,24 @@ def plot_curves(results: Curves | Sequence[Curves], ax: Any | None, title: str) 
     return fig, ax
 
 
-def values_of(result: Tensor | Mapping[str, Tensor], keys: Sequence[str]) -> list[float]:
-    """Recall values of one result, in the order of ``keys`` (a scalar is one value)."""
+def values_of(result: Tensor | Mapping[str, Tensor | float], keys: Sequence[str]) -> list[float]:
+    """Recall values of one result, in the order of ``keys`` (a scalar is one value).
+
+    A key may also be found with a prefix (``"val/recall@1"`` for ``"recall@1"``), so
+    the values Lightning logged (``trainer.callback_metrics``) plot directly.
+    """
     if isinstance(result, Tensor):
         return [float(result)]
-    return [float(result[key]) for key in keys]
+    values = []
+    for key in keys:
+        if key in result:
+            values.append(float(result[key]))
+            continue
+        found = [name for name in result if name.endswith("/" + key)]
+        if len(found) != 1:
+            raise ValueError(
+                f"`val` must hold the key {key!r} (optionally with a prefix ending in '/'),"
+                f" found {sorted(result)}"
+            )
+        values.append(float(result[found[0]]))
+    return values
