@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,11 +38,7 @@ def logged_recall(results: dict[str, Any]) -> dict[str, float]:
     return {key: float(value) for key, value in results.items() if key.startswith("val/")}
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 
 
 def test_every_k_is_logged_without_an_epoch_end_hook_and_reset_between_runs() -> None:

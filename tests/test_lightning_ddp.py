@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 import pytest
 from lightning_models import Ranker, make_data
 from test_lightning import direct_recall, logged_recall, trainer_for
 from torch.utils.data import DataLoader
 
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_warnings")
 
 
 def test_ddp_fit_logs_the_single_process_values_and_padding_counts_once() -> None:
