@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from recall_at_k.embedding import EmbeddingRecallAtK
 from recall_at_k.metric import RetrievalRecallAtK
 
 try:
@@ -9,4 +10,4 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["RetrievalRecallAtK", "__version__"]
+__all__ = ["EmbeddingRecallAtK", "RetrievalRecallAtK", "__version__"]

@@ -1,0 +1,898 @@
+"""``EmbeddingRecallAtK``: cat states of embeddings, tiled ranking, sharded across processes.
+
+The gallery of a validation loop is often the validation set itself, complete only at the
+end of the epoch. This metric keeps the embeddings (``dist_reduce_fx="cat"``), and at
+``compute`` ranks every query against the whole gallery in tiles of queries whose scores
+fit in ``chunk_bytes``, summing the per-tile rank histograms of the shared kernel. Under
+DDP the states are gathered by torchmetrics; each process then ranks only its share of the
+queries and the histograms are summed with ``all_reduce``.
+
+Per tile, a query's positives are read from a small block: the gallery columns listed
+in label order put the items of each label in one run, so a query's positives are the
+``block_count`` columns that follow ``block_start`` in that order. Ignored items (the
+query itself, same-group items) are written as NaN into the tile, and NaN compares false
+with everything, so the full-width work per tile is one matrix product and one
+comparison with the best positive's score. When a tile's label blocks are wide (few,
+large classes) the tile goes through :func:`recall_at_k._kernel.dense_tie_counts` with
+full relevance and ignore masks instead; both routes give the same counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
+
+from recall_at_k import _kernel
+from recall_at_k._plot import plot_curves, values_of
+from recall_at_k._result import RecallOutput, format_recall, recall_result
+from recall_at_k._validation import (
+    _choice_validation,
+    _empty_target_action_validation,
+    _k_validation,
+    _key_validation,
+    _same_device_validation,
+    _ties_validation,
+)
+from recall_at_k._views import PerKViews
+
+__all__ = ["EmbeddingRecallAtK"]
+
+SIMILARITIES = ("cosine", "dot", "euclidean")
+EXCLUDES = ("none", "same_group", "same_label_and_group")
+ROLES = ("query", "gallery", "both")
+
+Similarity = Callable[[Tensor, Tensor], Tensor]
+
+# Per-row metadata, one int64 row per item: label, group, id, flags, embedding width.
+_LABEL, _GROUP, _ID, _FLAGS, _WIDTH = range(5)
+_META_COLUMNS = 5
+_IS_QUERY, _IS_GALLERY, _HAS_GROUP, _HAS_ID = 1, 2, 4, 8
+_ROLE_FLAGS = {"query": _IS_QUERY, "gallery": _IS_GALLERY, "both": _IS_QUERY | _IS_GALLERY}
+
+# A tile takes the block route while its widest label block is at most this share of the
+# gallery; above it the dense masks are cheaper than gathering the blocks.
+_SPARSE_MAX_BLOCK_FRACTION = 0.25
+
+# On CPU, tiles hold at most this many bytes of scores, whatever chunk_bytes allows.
+_CPU_TILE_BYTES = 32 * 2**20
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _describe(tensor: Tensor) -> str:
+    return f"shape {list(tensor.shape)} and dtype {tensor.dtype}"
+
+
+def _embedding_structure_validation(
+    embeddings: Tensor,
+    labels: Tensor,
+    role: str,
+    groups: Tensor | None,
+    ids: Tensor | None,
+) -> None:
+    """Types, shapes, dtypes and devices of one ``update`` (no host synchronisation)."""
+    named = (("embeddings", embeddings), ("labels", labels), ("groups", groups), ("ids", ids))
+    for name, value in named:
+        if value is not None and not isinstance(value, Tensor):
+            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
+    if embeddings.dim() != 2 or not embeddings.is_floating_point():
+        raise ValueError(
+            "`embeddings` must be a floating point tensor of shape [B, D],"
+            f" got {_describe(embeddings)}"
+        )
+    batch = embeddings.shape[0]
+    for name, value in named[1:]:
+        if value is None:
+            continue
+        if value.dim() != 1 or value.shape[0] != batch or value.dtype not in _INTEGER_DTYPES:
+            raise ValueError(
+                f"`{name}` must be an integer (int64) tensor of shape [B] = [{batch}], one"
+                f" entry per embedding, got {_describe(value)}"
+            )
+    _choice_validation("role", role, ROLES)
+    _same_device_validation(embeddings=embeddings, labels=labels, groups=groups, ids=ids)
+
+
+def _embedding_values_validation(embeddings: Tensor) -> None:
+    """Finite embeddings (reads values on the host; only with ``validate_args=True``)."""
+    if embeddings.numel() and not bool(torch.isfinite(embeddings).all()):
+        nan = int(torch.isnan(embeddings).sum())
+        inf = int(torch.isinf(embeddings).sum())
+        raise ValueError(
+            f"`embeddings` must be finite, found {nan} NaN and {inf} infinite value(s)"
+        )
+
+
+def _directions_validation(directions: object) -> tuple[str, str]:
+    if (
+        isinstance(directions, str)
+        or not isinstance(directions, Sequence)
+        or len(directions) != 2
+        or not all(isinstance(d, str) and d for d in directions)
+        or directions[0] == directions[1]
+    ):
+        raise ValueError(
+            "`directions` must be two distinct non-empty strings (the key prefixes of"
+            f" query -> gallery and gallery -> query), got {directions!r}"
+        )
+    return (directions[0], directions[1])
+
+
+def _chunk_bytes_validation(chunk_bytes: object) -> int:
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"`chunk_bytes` must be a positive int, got {chunk_bytes!r}")
+    return chunk_bytes
+
+
+class _Side(NamedTuple):
+    """The rows (into the gathered data) that play one role, each sample once."""
+
+    rows: Tensor
+    identity: Tensor
+
+
+class _Gallery(NamedTuple):
+    """A direction's gallery, prepared for scoring; columns follow its rows."""
+
+    embeddings: Tensor  # [G, D]; L2-normalised for "cosine"
+    neg_sq_norms: Tensor | None  # [1, G] negated squared norms, for "euclidean"
+    labels: Tensor  # [G]
+    groups: Tensor  # [G]
+    label_order: Tensor  # [G] the columns sorted by label: each label's block is a run
+    block_labels: Tensor  # [C] distinct labels, ascending
+    block_starts: Tensor  # [C] where each label's run starts in ``label_order``
+    block_counts: Tensor  # [C] the run's length
+    identity_sorted: Tensor  # [G] identities, ascending
+    identity_column: Tensor  # [G] column of each entry of ``identity_sorted``
+
+
+class _Queries(NamedTuple):
+    """One process's share of a direction's queries, in gallery terms."""
+
+    rows: Tensor  # [Q] rows of the prepared embeddings
+    labels: Tensor
+    groups: Tensor
+    block_start: Tensor  # [Q] start of the query's label run in ``label_order``
+    block_count: Tensor  # [Q] its length (0: no item of that label in the gallery)
+    self_column: Tensor  # [Q] column of the query itself in the gallery, -1 if absent
+
+
+class EmbeddingRecallAtK(PerKViews, Metric):
+    r"""Recall@K of embeddings ranked against a gallery that is complete only at the end.
+
+    ``update`` stores embeddings with their labels (relevance = same label) and roles;
+    ``compute`` ranks every query against the whole gallery. Leave-one-out (metric
+    learning: CUB, SOP, In-shop) adds items with ``role="both"``: every item is a query
+    against all the others. Query/gallery protocols (re-ID) add the two sets separately;
+    cross-modal retrieval (image <-> text) adds the two modalities as query and gallery
+    and sets ``bidirectional=True``.
+
+    A query never retrieves itself: with ``ids`` a gallery item with the query's id is
+    that same sample and is ignored; without ``ids`` an item added with ``role="both"``
+    is excluded from its own gallery by its position in the data (never by dropping
+    the first neighbour, which may be a tied duplicate). Items repeated with the same
+    ``ids`` within a role (DistributedSampler padding, a dataset yielding each image once
+    per caption) count once. Ignored items are neither positives nor negatives; ties
+    follow ``ties`` (DESIGN section 1), never sort order.
+
+    ``compute`` never materialises the query x gallery matrix: queries are ranked in
+    tiles whose scores fit in ``chunk_bytes`` (at least one query a tile), on the
+    embeddings' device, and the result does not depend on ``chunk_bytes``. Under DDP
+    (states gathered by torchmetrics' sync) each process ranks only its share of the
+    queries against the gathered gallery and the hit counts are summed with
+    ``all_reduce``, so every process returns the single-process result. With
+    ``sync_on_compute=False`` every process computes on its own data alone.
+
+    Embeddings are stored in the metric's dtype (``float32`` unless changed with
+    ``set_dtype``), which every process agrees on when states are gathered.
+    The stored states grow with the data: O(items x D).
+
+    Args:
+        k: an int or a sequence of distinct ints, as for
+            :class:`~recall_at_k.RetrievalRecallAtK`.
+        similarity: ``"cosine"`` (L2-normalise, then dot), ``"dot"``, ``"euclidean"``
+            (negative squared L2 distance), or a callable ``(queries [T, D], gallery
+            [G, D]) -> scores [T, G]`` (higher = more similar; called once per tile).
+        exclude: ``"none"``; ``"same_group"``: gallery items in the query's group are
+            ignored; ``"same_label_and_group"``: items with the query's label and group
+            are ignored (the Market-1501 "junk" rule). Both need ``groups`` in every
+            ``update``.
+        bidirectional: also rank the gallery against the queries; the result's keys
+            become ``"{direction}/recall@{k}"`` (always a dict, even for an int ``k``).
+        directions: the two key prefixes: query -> gallery, then gallery -> query.
+        ties: ``"pessimistic"`` (default), ``"optimistic"`` or ``"expected"``.
+        empty_target_action: a query without a valid positive counts as a miss
+            (``"neg"``), a hit (``"pos"``), not at all (``"skip"``), or raises
+            (``"error"``).
+        chunk_bytes: upper bound of the bytes of one tile's scores (on CPU tiles stay
+            within 32 MiB even when it allows more). Peak memory of ``compute`` is about
+            one tile (twice it for ``ties="expected"``) plus copies of the embeddings.
+        key: template of the result's keys, ``"recall@{k}"`` by default.
+        validate_args: check that embeddings are finite, and a callable similarity's
+            scores free of NaN (these checks read values on the host).
+        metric_kwargs: torchmetrics' own (``sync_on_compute``, ``process_group``, ...).
+
+    Example:
+        Leave-one-out over four items of two classes:
+
+        >>> import torch
+        >>> from recall_at_k import EmbeddingRecallAtK
+        >>> metric = EmbeddingRecallAtK(k=(1, 2))
+        >>> embeddings = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8]])
+        >>> metric.update(embeddings, torch.tensor([0, 0, 1, 1]))
+        >>> metric.compute()
+        {'recall@1': tensor(0.5000), 'recall@2': tensor(1.)}
+
+        Image -> text and text -> image, two captions per image; the image ids make the
+        image, repeated once per caption, count once:
+
+        >>> metric = EmbeddingRecallAtK(k=1, bidirectional=True, directions=("i2t", "t2i"))
+        >>> images = torch.tensor([[1.0, 0.0], [0.0, 1.0]]).repeat_interleave(2, dim=0)
+        >>> image_ids = torch.tensor([0, 0, 1, 1])
+        >>> captions = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.1, 0.9], [0.3, 0.7]])
+        >>> metric.update(images, image_ids, role="query", ids=image_ids)
+        >>> metric.update(captions, image_ids, role="gallery")
+        >>> metric.compute()
+        {'i2t/recall@1': tensor(1.), 't2i/recall@1': tensor(0.7500)}
+    """
+
+    is_differentiable: bool = False
+    higher_is_better: bool = True
+    full_state_update: bool = False
+    plot_lower_bound: float = 0.0
+    plot_upper_bound: float = 1.0
+
+    last_compute_num_queries_ranked: dict[str, int]
+    """Queries this process ranked in the last ``compute``, per direction (its share under
+    DDP, every query otherwise)."""
+
+    def __init__(
+        self,
+        k: int | Sequence[int] = (1, 5, 10),
+        *,
+        similarity: str | Similarity = "cosine",
+        exclude: str = "none",
+        bidirectional: bool = False,
+        directions: Sequence[str] = ("q2g", "g2q"),
+        ties: str = "pessimistic",
+        empty_target_action: str = "neg",
+        chunk_bytes: int = 256 * 2**20,
+        key: str = "recall@{k}",
+        validate_args: bool = True,
+        **metric_kwargs: Any,
+    ) -> None:
+        super().__init__(**metric_kwargs)
+        self.ks = _k_validation(k)
+        if not callable(similarity):
+            _choice_validation("similarity", similarity, SIMILARITIES)
+        _choice_validation("exclude", exclude, EXCLUDES)
+        _ties_validation(ties)
+        _empty_target_action_validation(empty_target_action)
+        _key_validation(key)
+        self.directions = _directions_validation(directions)
+        self.chunk_bytes = _chunk_bytes_validation(chunk_bytes)
+        self.single_k = isinstance(k, int)
+        self.max_k = max(self.ks)
+        self.similarity = similarity
+        self.exclude = exclude
+        self.bidirectional = bool(bidirectional)
+        self.ties = ties
+        self.empty_target_action = empty_target_action
+        self.key = key
+        self.validate_args = validate_args
+        self.last_compute_num_queries_ranked = {}
+        # The process group whose gathered states the running compute() sees; set by
+        # sync() for the compute that follows it, None when states are local.
+        self._gathered: tuple[Any] | None = None
+        self._in_forward = False
+        # (width, role) of the first embeddings since the state was last empty.
+        self._first_width: tuple[int, str] | None = None
+        # Embeddings are stored flattened (1-D) so that a process without data, which
+        # torchmetrics represents by an empty 1-D tensor of the metric's dtype, gathers
+        # with the others; the width is kept in the metadata.
+        self.add_state("embedding_values", [], dist_reduce_fx="cat")
+        self.add_state("embedding_meta", [], dist_reduce_fx="cat")
+        keys = [self.key.format(k=k) for k in self.ks]
+        if self.bidirectional:
+            keys = [f"{direction}/{key}" for direction in self.directions for key in keys]
+        self._init_views(keys)
+
+    # ------------------------------------------------------------------ update
+
+    def update(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        *,
+        role: str = "both",
+        groups: Tensor | None = None,
+        ids: Tensor | None = None,
+    ) -> None:
+        """Add a batch of items.
+
+        Args:
+            embeddings: float ``[B, D]``.
+            labels: integer ``[B]``; a gallery item is relevant to a query with the same
+                label (a class, an identity, an image id).
+            role: ``"query"``, ``"gallery"`` or ``"both"`` (leave-one-out).
+            groups: integer ``[B]`` (camera, source photo, video, ...); needed by
+                ``exclude``.
+            ids: integer ``[B]`` sample ids, shared by the roles: a gallery item with a
+                query's id is that query and is ignored; an id repeated within a role
+                counts once.
+        """
+        self._touch_views()
+        _embedding_structure_validation(embeddings, labels, role, groups, ids)
+        if self.exclude != "none" and groups is None:
+            raise ValueError(
+                f"`groups` are required with exclude={self.exclude!r}: pass the group"
+                " (camera, source, ...) of every item to update()"
+            )
+        width = embeddings.shape[1]
+        values = self._state("embedding_values")
+        meta_state = self._state("embedding_meta")
+        assert isinstance(values, list) and isinstance(meta_state, list)
+        if not values:
+            self._first_width = (width, role)
+        elif self._first_width is not None and self._first_width[0] != width:
+            first, first_role = self._first_width
+            raise ValueError(
+                f"`embeddings` of role {role!r} have width {width}, but earlier embeddings"
+                f" (role {first_role!r}) have width {first}; queries and gallery must"
+                " come from one embedding space"
+            )
+        if self.validate_args:
+            _embedding_values_validation(embeddings)
+        batch = embeddings.shape[0]
+        device = embeddings.device
+        flags = _ROLE_FLAGS[role]
+        flags |= _HAS_GROUP if groups is not None else 0
+        flags |= _HAS_ID if ids is not None else 0
+        zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+        meta = torch.stack(
+            [
+                labels.to(torch.int64),
+                groups.to(torch.int64) if groups is not None else zeros,
+                ids.to(torch.int64) if ids is not None else zeros,
+                torch.full_like(zeros, flags),
+                torch.full_like(zeros, width),
+            ],
+            dim=1,
+        )
+        values.append(embeddings.detach().to(self.dtype).reshape(-1))
+        meta_state.append(meta)
+
+    def _state(self, name: str) -> list[Tensor] | Tensor:
+        """A cat state: a list of tensors, or one tensor once gathered by ``sync``."""
+        value: list[Tensor] | Tensor = getattr(self, name)
+        return value
+
+    # ------------------------------------------------------------------ sync hooks
+
+    def sync(
+        self,
+        dist_sync_fn: Callable[..., Any] | None = None,
+        process_group: Any | None = None,
+        should_sync: bool = True,
+        distributed_available: Callable[..., Any] | None = None,
+    ) -> None:
+        """torchmetrics' ``sync``, recording whether the states are now gathered.
+
+        ``compute`` shards the queries across processes only when this call gathered the
+        states. A process without data gets an empty metadata tensor of the right shape
+        and dtype, so that every process gathers tensors of one dtype and rank.
+        """
+        available = distributed_available or self.distributed_available_fn
+        will_sync = bool(should_sync and callable(available) and available())
+        meta = self._state("embedding_meta")
+        if will_sync and isinstance(meta, list) and not meta:
+            meta.append(torch.zeros(0, _META_COLUMNS, dtype=torch.int64, device=self.device))
+        self._gathered = None
+        super().sync(
+            dist_sync_fn=dist_sync_fn,
+            process_group=process_group,
+            should_sync=should_sync,
+            distributed_available=distributed_available,
+        )
+        if will_sync:
+            self._gathered = (process_group or self.process_group,)
+
+    def unsync(self, should_unsync: bool = True) -> None:
+        """torchmetrics' ``unsync``; the states are local again afterwards."""
+        super().unsync(should_unsync=should_unsync)
+        if should_unsync:
+            self._gathered = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The batch value (the batch ranked against itself), accumulating the batch.
+
+        A direction that the batch alone cannot rank (no query or no gallery in it) is
+        NaN in the batch value rather than an error.
+        """
+        self._in_forward = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._in_forward = False
+
+    # ------------------------------------------------------------------ compute
+
+    def compute(self) -> RecallOutput:
+        """Recall@K over everything seen (gathered across processes when synced)."""
+        try:
+            return self._compute()
+        finally:
+            self._gathered = None
+
+    def _compute(self) -> RecallOutput:
+        embeddings, meta = self._stored()
+        world, rank, group = 1, 0, None
+        if self._gathered is not None and dist.is_available() and dist.is_initialized():
+            group = self._gathered[0]
+            world = dist.get_world_size(group)
+            rank = dist.get_rank(group)
+        identity = _identities(meta)
+        specs = [(self.directions[0], _IS_QUERY, _IS_GALLERY)]
+        if self.bidirectional:
+            specs.append((self.directions[1], _IS_GALLERY, _IS_QUERY))
+        in_forward = self._in_forward
+        prepared = self._prepare(embeddings)
+        ranked: dict[str, int] = {}
+        hists: list[Tensor] = []
+        counts: list[Tensor] = []
+        valid: list[bool] = []
+        previous: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+        failure: Exception | None = None
+        for index, (name, query_flag, gallery_flag) in enumerate(specs):
+            queries = _select(meta, identity, query_flag)
+            gallery = _select(meta, identity, gallery_flag)
+            missing = self._missing(index, name, queries, gallery)
+            if missing is not None:
+                if not in_forward:
+                    raise ValueError(missing)
+                valid.append(False)
+                hists.append(self._zero_hist(embeddings.device))
+                counts.append(torch.zeros(4, dtype=torch.int64, device=embeddings.device))
+                ranked[name] = 0
+                continue
+            valid.append(True)
+            if previous is not None and _same_sets(previous, queries, gallery):
+                # Leave-one-out: gallery -> query is query -> gallery again.
+                hists.append(hists[-1])
+                counts.append(counts[-1])
+                ranked[name] = ranked[specs[index - 1][0]]
+                continue
+            previous = (queries.rows, gallery.rows, queries.identity, gallery.identity)
+            num = queries.rows.shape[0]
+            lo, hi = num * rank // world, num * (rank + 1) // world
+            share = _Side(queries.rows[lo:hi], queries.identity[lo:hi])
+            try:
+                hist, count = self._rank(prepared, meta, share, gallery)
+            except Exception as err:
+                if world == 1:
+                    raise
+                # Take part in the all_reduce below, so that no other process waits
+                # forever, then raise here and there.
+                failure = err
+                hist = self._zero_hist(embeddings.device)
+                count = torch.tensor([0, 0, 0, 1], device=embeddings.device)
+            hists.append(hist)
+            counts.append(count)
+            ranked[name] = hi - lo
+        self.last_compute_num_queries_ranked = ranked
+        hist_all = torch.stack(hists)
+        count_all = torch.stack(counts)
+        if world > 1:
+            dist.all_reduce(hist_all, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(count_all, op=dist.ReduceOp.SUM, group=group)
+        if failure is not None:
+            raise failure
+        if int(count_all[:, 3].sum()):
+            raise RuntimeError(
+                "EmbeddingRecallAtK.compute() failed on another process; see its error"
+            )
+        if int(count_all[:, 2].sum()):
+            raise ValueError(
+                f"`similarity` returned NaN scores for {int(count_all[:, 2].sum())} quer(ies);"
+                " scores must not be NaN (a bug in a callable, or the overflow of huge"
+                " embeddings under 'dot' / 'euclidean')"
+            )
+        return self._results(specs, valid, hist_all, count_all[:, :2])
+
+    def _results(
+        self,
+        specs: list[tuple[str, int, int]],
+        valid: list[bool],
+        hists: Tensor,
+        counts: Tensor,
+    ) -> RecallOutput:
+        if not self.bidirectional:
+            if not valid[0]:
+                return format_recall(self._nan(hists.device), self.ks, self.single_k, self.key)
+            return recall_result(
+                hists[0], counts[0], self.ks, self.single_k, self.key, self.empty_target_action
+            )
+        output: dict[str, Tensor] = {}
+        for index, (name, _, _) in enumerate(specs):
+            key = f"{name}/{self.key}"
+            if not valid[index]:
+                part = format_recall(self._nan(hists.device), self.ks, False, key)
+            else:
+                try:
+                    part = recall_result(
+                        hists[index], counts[index], self.ks, False, key, self.empty_target_action
+                    )
+                except ValueError as err:
+                    raise ValueError(f"direction {name!r}: {err}") from err
+            assert isinstance(part, dict)
+            output.update(part)
+        return output
+
+    def _nan(self, device: torch.device) -> Tensor:
+        return torch.full((len(self.ks),), float("nan"), dtype=torch.float64, device=device)
+
+    def _zero_hist(self, device: torch.device) -> Tensor:
+        dtype = torch.float64 if self.ties == "expected" else torch.int64
+        return torch.zeros(self.max_k, dtype=dtype, device=device)
+
+    def _missing(self, index: int, name: str, queries: _Side, gallery: _Side) -> str | None:
+        """The error message when a direction has no queries or no gallery."""
+        query_role, gallery_role = ("query", "gallery") if index == 0 else ("gallery", "query")
+        arrow = "query -> gallery" if index == 0 else "gallery -> query"
+        sides = ((queries, "queries", query_role), (gallery, "gallery", gallery_role))
+        for side, what, role in sides:
+            if side.rows.numel() == 0:
+                return (
+                    f"`role`: direction {name!r} ({arrow}) has no {what} at compute(): add"
+                    f" embeddings with role={role!r} or role='both' first"
+                )
+        return None
+
+    def _stored(self) -> tuple[Tensor, Tensor]:
+        """The (possibly gathered) embeddings ``[N, D]`` and metadata ``[N, 5]``."""
+        values = self._state("embedding_values")
+        meta_state = self._state("embedding_meta")
+        has_meta = isinstance(meta_state, Tensor) or len(meta_state) > 0
+        meta = dim_zero_cat(meta_state) if has_meta else torch.zeros(0, _META_COLUMNS)
+        meta = meta.to(torch.int64).reshape(-1, _META_COLUMNS)
+        # A copy of our own in every case (torch.cat copies), which _prepare may change.
+        if isinstance(values, Tensor):
+            flat = values.clone()
+        elif values:
+            flat = torch.cat(values)
+        else:
+            flat = torch.zeros(0, dtype=self.dtype)
+        meta = meta.to(flat.device)
+        num = meta.shape[0]
+        if num == 0:
+            return flat.reshape(0, 0), meta
+        widths = meta[:, _WIDTH]
+        width_min, width_max = (int(v) for v in torch.aminmax(widths))
+        if width_min != width_max:
+            raise ValueError(
+                "`embeddings` must all have one width: got widths"
+                f" {sorted(set(widths.tolist()))} across query and gallery"
+                " embeddings (on this or another process)"
+            )
+        if flat.numel() != num * width_min:
+            raise ValueError(
+                f"`embeddings`: the state holds {flat.numel()} values for {num} items of"
+                f" width {width_min}; it was corrupted"
+            )
+        return flat.reshape(num, width_min), meta
+
+    def _prepare(self, embeddings: Tensor) -> Tensor:
+        """Embeddings in a float dtype of at least 32 bits; L2-normalised for "cosine"
+        (``embeddings`` is compute's own copy, so this may work in place)."""
+        embeddings = embeddings.to(torch.promote_types(embeddings.dtype, torch.float32))
+        if self.similarity == "cosine":
+            # What F.normalize computes, without another copy of the embeddings.
+            norms = torch.linalg.vector_norm(embeddings, dim=1, keepdim=True)
+            embeddings.div_(norms.clamp_min_(1e-12))
+        return embeddings
+
+    # ------------------------------------------------------------------ ranking
+
+    def _rank(
+        self, embeddings: Tensor, meta: Tensor, queries: _Side, gallery_side: _Side
+    ) -> tuple[Tensor, Tensor]:
+        """Histogram ``[max K]`` and counts ``[4]``: queries with / without a valid
+        positive, queries with NaN scores, and 0 (the slot of a failure elsewhere)."""
+        device = embeddings.device
+        hist_total = self._zero_hist(device)
+        counts = torch.zeros(4, dtype=torch.int64, device=device)
+        if queries.rows.numel() == 0:
+            return hist_total, counts
+        gallery = self._gallery(embeddings, meta, gallery_side)
+        num_gallery = gallery.embeddings.shape[0]
+        share = self._queries(meta, queries, gallery)
+        itemsize = gallery.embeddings.element_size()
+        tile_bytes = self.chunk_bytes
+        if device.type == "cpu":
+            # Larger CPU tiles buy nothing (the product is as fast in 32 MiB tiles) and
+            # cost memory: the bound of chunk_bytes still holds, the tile is only smaller.
+            tile_bytes = min(tile_bytes, _CPU_TILE_BYTES)
+        rows_per_tile = max(1, tile_bytes // max(1, num_gallery * itemsize))
+        need = _kernel.needs_for(self.ties)
+        check_nan = self.validate_args and self._may_produce_nan(embeddings)
+        buffer: Tensor | None = None
+        for start in range(0, share.rows.shape[0], rows_per_tile):
+            tile = _Queries._make(t[start : start + rows_per_tile] for t in share)
+            tile_embeddings = embeddings.index_select(0, tile.rows)
+            scores, buffer = self._scores(tile_embeddings, gallery, buffer)
+            if check_nan:
+                nan_rows = torch.isnan(scores).any(dim=1)
+                counts[2] += nan_rows.sum()
+            tie_counts = self._tile_counts(scores, tile, gallery, need)
+            hist, query_counts = _kernel.rank_histogram(tie_counts, self.ties, self.max_k)
+            hist_total += hist
+            counts[:2] += query_counts
+        return hist_total, counts
+
+    def _may_produce_nan(self, embeddings: Tensor) -> bool:
+        """Whether scores could be NaN although the embeddings are finite."""
+        if callable(self.similarity):
+            return True
+        if self.similarity == "cosine" or embeddings.numel() == 0:
+            return False
+        # dot / euclidean overflow to inf (and inf - inf = NaN) only for huge values.
+        largest = float(embeddings.abs().amax())
+        bound = 4.0 * embeddings.shape[1] * largest * largest
+        return bound >= torch.finfo(embeddings.dtype).max / 4
+
+    def _gallery(self, embeddings: Tensor, meta: Tensor, side: _Side) -> _Gallery:
+        labels = meta[side.rows, _LABEL]
+        labels_sorted, label_order = torch.sort(labels, stable=True)
+        # Leave-one-out galleries are every row: no copy then.
+        whole = side.rows.shape[0] == embeddings.shape[0]
+        gallery_embeddings = embeddings if whole else embeddings[side.rows]
+        neg_sq_norms = None
+        if self.similarity == "euclidean":
+            neg_sq_norms = gallery_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
+        block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
+        block_starts = torch.cumsum(block_counts, dim=0) - block_counts
+        identity_sorted, identity_column = torch.sort(side.identity)
+        return _Gallery(
+            gallery_embeddings,
+            neg_sq_norms,
+            labels,
+            meta[side.rows, _GROUP],
+            label_order,
+            block_labels,
+            block_starts,
+            block_counts,
+            identity_sorted,
+            identity_column,
+        )
+
+    def _queries(self, meta: Tensor, side: _Side, gallery: _Gallery) -> _Queries:
+        labels = meta[side.rows, _LABEL]
+        block = torch.searchsorted(gallery.block_labels, labels)
+        block = block.clamp(max=gallery.block_labels.shape[0] - 1)
+        found = gallery.block_labels[block] == labels
+        block_start = gallery.block_starts[block]
+        block_count = torch.where(found, gallery.block_counts[block], 0)
+        position = torch.searchsorted(gallery.identity_sorted, side.identity)
+        position = position.clamp(max=gallery.identity_sorted.shape[0] - 1)
+        is_self = gallery.identity_sorted[position] == side.identity
+        self_column = torch.where(is_self, gallery.identity_column[position], -1)
+        return _Queries(
+            side.rows,
+            labels,
+            meta[side.rows, _GROUP],
+            block_start,
+            block_count,
+            self_column,
+        )
+
+    def _scores(
+        self, queries: Tensor, gallery: _Gallery, buffer: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Scores ``[T, G]`` of a tile, written into ``buffer`` when there is one."""
+        num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
+        if callable(self.similarity):
+            scores = self.similarity(queries, gallery.embeddings)
+            if (
+                not isinstance(scores, Tensor)
+                or tuple(scores.shape) != (num_rows, num_gallery)
+                or not scores.is_floating_point()
+            ):
+                shape = list(scores.shape) if isinstance(scores, Tensor) else type(scores)
+                raise ValueError(
+                    f"`similarity` must return floating point scores of shape"
+                    f" [{num_rows}, {num_gallery}] for a tile of queries, got {shape}"
+                )
+            # A private copy: the tile is written to below.
+            return scores.detach().clone(memory_format=torch.contiguous_format), buffer
+        if buffer is None:
+            buffer = torch.empty(
+                (num_rows, num_gallery), dtype=queries.dtype, device=queries.device
+            )
+        out = buffer[:num_rows]
+        gallery_t = gallery.embeddings.T
+        if self.similarity == "euclidean":
+            assert gallery.neg_sq_norms is not None
+            # -(|q|^2 - 2 q.g + |g|^2)
+            torch.addmm(gallery.neg_sq_norms, queries, gallery_t, alpha=2, out=out)
+            out.sub_(queries.square().sum(dim=1, keepdim=True))
+        else:
+            torch.matmul(queries, gallery_t, out=out)
+        return out, buffer
+
+    def _ignore_in_place(self, scores: Tensor, tile: _Queries, gallery: _Gallery) -> None:
+        """Write NaN over the items each query must ignore, except the label-and-group
+        junk, which lies inside the label blocks and is handled there."""
+        rows = torch.arange(scores.shape[0], device=scores.device)
+        column = tile.self_column.clamp(min=0)
+        current = scores[rows, column]
+        scores[rows, column] = torch.where(tile.self_column >= 0, float("nan"), current)
+        if self.exclude == "same_group":
+            same_group = tile.groups.unsqueeze(1) == gallery.groups.unsqueeze(0)
+            scores.masked_fill_(same_group, float("nan"))
+
+    def _tile_counts(
+        self,
+        scores: Tensor,
+        tile: _Queries,
+        gallery: _Gallery,
+        need: tuple[bool, bool, bool],
+    ) -> _kernel.TieCounts:
+        self._ignore_in_place(scores, tile, gallery)
+        num_gallery = scores.shape[1]
+        widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
+        if widest > _SPARSE_MAX_BLOCK_FRACTION * num_gallery:
+            return self._dense_counts(scores, tile, gallery, need)
+        return _block_counts(scores, tile, gallery, need, widest, self.exclude)
+
+    def _dense_counts(
+        self,
+        scores: Tensor,
+        tile: _Queries,
+        gallery: _Gallery,
+        need: tuple[bool, bool, bool],
+    ) -> _kernel.TieCounts:
+        """The kernel on full relevance and ignore masks (wide label blocks)."""
+        target = tile.labels.unsqueeze(1) == gallery.labels.unsqueeze(0)
+        ignore = torch.isnan(scores)
+        scores.masked_fill_(ignore, 0.0)
+        if self.exclude == "same_label_and_group":
+            ignore |= target & (tile.groups.unsqueeze(1) == gallery.groups.unsqueeze(0))
+        return _kernel.dense_tie_counts(scores, target, ignore, need)
+
+    # ------------------------------------------------------------------ plot
+
+    def plot(
+        self, val: RecallOutput | Sequence[RecallOutput] | None = None, ax: Any | None = None
+    ) -> tuple[Any, Any]:
+        """Draw Recall@K against K (a CMC curve; one per direction when bidirectional).
+
+        Args:
+            val: a result of :meth:`compute` (default: compute now), or a list of them.
+            ax: a matplotlib axis to draw on; a new figure when ``None``.
+
+        Returns:
+            ``(fig, ax)``.
+
+        Example:
+            >>> import torch
+            >>> from recall_at_k import EmbeddingRecallAtK
+            >>> metric = EmbeddingRecallAtK(k=(1, 2, 3))
+            >>> metric.update(torch.eye(4), torch.tensor([0, 0, 1, 1]))
+            >>> fig, ax = metric.plot()
+        """
+        val = val if val is not None else self.compute()
+        results = [val] if isinstance(val, (Tensor, dict)) else list(val)
+        prefixes = [f"{d}/" for d in self.directions] if self.bidirectional else [""]
+        curves = []
+        for result in results:
+            curve = {}
+            for prefix in prefixes:
+                keys = [prefix + self.key.format(k=k) for k in self.ks]
+                curve[prefix.rstrip("/")] = (self.ks, values_of(result, keys))
+            curves.append(curve)
+        return plot_curves(curves[0] if len(curves) == 1 else curves, ax, type(self).__name__)
+
+
+def _identities(meta: Tensor) -> Tensor:
+    """A sample identity per row: rows sharing an id share it, a row without id is alone."""
+    num = meta.shape[0]
+    has_id = (meta[:, _FLAGS] & _HAS_ID) != 0
+    identity = torch.empty(num, dtype=torch.int64, device=meta.device)
+    ids, order = torch.sort(meta[has_id, _ID])
+    distinct, inverse_sorted = torch.unique_consecutive(ids, return_inverse=True)
+    inverse = torch.empty_like(inverse_sorted)
+    inverse[order] = inverse_sorted
+    identity[has_id] = inverse
+    without = (~has_id).nonzero().squeeze(1)
+    identity[without] = distinct.shape[0] + torch.arange(without.shape[0], device=meta.device)
+    return identity
+
+
+def _select(meta: Tensor, identity: Tensor, flag: int) -> _Side:
+    """Rows playing a role, keeping the first row of each identity (dedupe by id)."""
+    rows = ((meta[:, _FLAGS] & flag) != 0).nonzero().squeeze(1)
+    ident = identity[rows]
+    first = torch.full((meta.shape[0],), meta.shape[0], dtype=torch.int64, device=meta.device)
+    first.scatter_reduce_(0, ident, rows, reduce="amin")
+    keep = first[ident] == rows
+    return _Side(rows[keep], ident[keep])
+
+
+def _same_sets(previous: tuple[Tensor, Tensor, Tensor, Tensor], q: _Side, g: _Side) -> bool:
+    """Whether a direction ranks the same queries against the same gallery as before."""
+    prev_queries, prev_gallery = previous[0], previous[1]
+    return bool(
+        prev_queries.shape == q.rows.shape
+        and prev_gallery.shape == g.rows.shape
+        and torch.equal(prev_queries, q.rows)
+        and torch.equal(prev_gallery, g.rows)
+    )
+
+
+def _count(op: str, values: Tensor, threshold: Tensor) -> Tensor:
+    """Row-wise count of ``values >= threshold`` or ``>``, overwriting ``values``.
+
+    The comparison writes 0/1 into the float tile itself (NaN compares false): no second
+    tile of memory, and on CPU faster than a ``bool`` result. Sums of 0/1 floats are
+    exact below 2**24 items (float64 rows beyond).
+    """
+    if values.shape[-1] >= 2**24 and values.dtype != torch.float64:
+        values = values.to(torch.float64)
+    if op == "ge":
+        values.ge_(threshold)
+    else:
+        values.gt_(threshold)
+    return values.sum(dim=-1).to(torch.int64)
+
+
+def _block_counts(
+    scores: Tensor,
+    tile: _Queries,
+    gallery: _Gallery,
+    need: tuple[bool, bool, bool],
+    widest: int,
+    exclude: str,
+) -> _kernel.TieCounts:
+    """g_>, g_> + e and p of a tile whose positives are read from their label blocks.
+
+    ``scores`` already holds NaN where an item is ignored (the query itself, same-group
+    items). Every item sharing the query's label lies in its block, so the valid
+    negatives at or above s* are all items at or above s* minus the block's items at or
+    above s* (ignored junk of the label-and-group rule included: it is in the block).
+    """
+    want_gt, want_ge, _ = need
+    device = scores.device
+    if widest == 0:  # no query of the tile has an item of its label in the gallery
+        zeros = torch.zeros(scores.shape[0], dtype=torch.int64, device=device)
+        return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool())
+    steps = torch.arange(widest, device=device)
+    in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
+    positions = (tile.block_start.unsqueeze(1) + steps.unsqueeze(0)).clamp_(
+        max=max(scores.shape[1] - 1, 0)
+    )
+    columns = gallery.label_order[positions]
+    block = scores.gather(1, columns)
+    valid = in_block & ~torch.isnan(block)
+    if exclude == "same_label_and_group":
+        valid &= gallery.groups[columns] != tile.groups.unsqueeze(1)
+    best = torch.where(valid, block, float("-inf")).amax(dim=1, keepdim=True)
+    has_positive = valid.any(dim=1)
+    block_at_or_above = block >= best  # NaN compares false
+    tied = (block_at_or_above & valid).sum(dim=1)
+    greater = at_or_above = None
+    if want_gt and want_ge:
+        block_above = ((block > best) & in_block).sum(dim=1)
+        at_or_above_all = _count("ge", scores.clone(), best)
+        greater = _count("gt", scores, best) - block_above
+        at_or_above = at_or_above_all - (block_at_or_above & in_block).sum(dim=1)
+    elif want_gt:
+        greater = _count("gt", scores, best) - ((block > best) & in_block).sum(dim=1)
+    else:
+        at_or_above = _count("ge", scores, best) - (block_at_or_above & in_block).sum(dim=1)
+    return _kernel.TieCounts(greater, at_or_above, tied, has_positive)
