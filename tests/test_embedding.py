@@ -754,3 +754,14 @@ def test_compute_errors() -> None:
     huge = EmbeddingRecallAtK(similarity="dot")
     huge.update(torch.tensor([[1e20, 1e20], [1e20, -1e20], [1.0, 0.0]]), labels)
     _raises(r"`similarity` returned NaN scores for 2 quer.*overflow", huge.compute)
+
+
+def test_a_corrupted_state_is_reported() -> None:
+    metric = EmbeddingRecallAtK(k=1)
+    metric.update(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]))
+    metric.embedding_values[0] = metric.embedding_values[0][:-1]  # one value lost
+    with pytest.raises(
+        ValueError,
+        match=r"`embeddings`: the state holds 11 values for 4 items of width 3; it was corrupted",
+    ):
+        metric.compute()
