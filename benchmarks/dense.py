@@ -6,9 +6,16 @@ positives as a ``[Q, G]`` bool mask. Contestants, each fed the same batches:
 
 - ``amax floor``: ``scores.amax(dim=1)`` over every batch (one read of the scores);
 - ``RetrievalRecallAtK`` (``validate_args=False``, then ``True``), update + compute;
-- ``argsort per query``: the re-ID scripts' way (sort each row, find the true item);
-- ``torchmetrics RetrievalHitRate x 3``: ``top_k`` = 1, 5, 10 in a ``MetricCollection``,
-  fed the flat ``(preds, target, indexes)`` form of the same batches.
+- ``argsort per query``: the re-ID scripts' way (torchreid's ``eval_market1501``): a numpy
+  ``argsort`` of each batch, then a Python loop over the queries building each CMC row;
+- ``CLIP-benchmark topk``: clip_benchmark's ``recall_at_k``: the full ``[Q, G]`` score
+  matrix and positive mask (the batches concatenated), then per K, in batches of 64
+  queries, ``topk`` + ``one_hot`` + a product with the mask (ties broken by sort order);
+- ``torchmetrics RetrievalHitRate x 3``: ``top_k`` = 1, 5, 10 in a ``MetricCollection``
+  (its default compute groups: the three share one stored copy), fed the flat
+  ``(preds, target, indexes)`` form of the same batches. It runs in a child process
+  killed at a time bound, and is not started when its estimated memory exceeds the
+  memory bound; its row then says so.
 
 Run: ``python benchmarks/dense.py [--quick] [--device cpu|cuda] [--no-torchmetrics]``.
 """
@@ -16,20 +23,50 @@ Run: ``python benchmarks/dense.py [--quick] [--device cpu|cuda] [--no-torchmetri
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from measure import Measurement, machine, measure, table, write_section
+from measure import (
+    Contestant,
+    Measurement,
+    machine,
+    measure_bounded,
+    measure_interleaved,
+    over_memory_bound,
+    run_child,
+    table,
+    timed_out,
+    write_section,
+)
 
 from recall_at_k import RetrievalRecallAtK
 
 KS = (1, 5, 10)
 BATCH = 256
+CLIP_BATCH = 64  # clip_benchmark's default --batch_size
+FULL_SIZE = (20_000, 5_000)
+QUICK_SIZE = (2_000, 5_000)
+
+FLOOR = "amax floor"
+OURS_INDEX = "RetrievalRecallAtK, [Q] index target"
+OURS_MASK = "RetrievalRecallAtK, [Q, G] mask target"
+OURS_INDEX_CHECKED = "... index target, validate_args=True"
+OURS_MASK_CHECKED = "... mask target, validate_args=True"
+ARGSORT = "argsort per query (re-ID scripts)"
+CLIP = "CLIP-benchmark topk over the full matrix"
+TORCHMETRICS = "torchmetrics RetrievalHitRate x 3 (flat form)"
+
+# Peak bytes per (query, item) pair of the torchmetrics peer (stored int64 indexes and
+# targets, float32 scores, their concatenation and sort at compute), used to decide
+# whether it can run within the memory bound.
+TORCHMETRICS_BYTES_PER_ITEM = 100
 
 
 def make_data(
@@ -73,13 +110,50 @@ def floor(scores: list[torch.Tensor]) -> Callable[[], object]:
 def argsort_per_query(
     scores: list[torch.Tensor], index: list[torch.Tensor]
 ) -> Callable[[], object]:
+    """torchreid's ``eval_market1501`` CMC: numpy argsort, then a loop over the queries."""
+
     def run() -> object:
-        ranks = []
+        max_rank = max(KS)
+        all_cmc = []
         for s, t in zip(scores, index, strict=True):
-            order = torch.argsort(s, dim=1, descending=True)
-            ranks.append((order == t.unsqueeze(1)).int().argmax(dim=1) + 1)
-        r = torch.cat(ranks)
-        return {k: (r <= k).float().mean() for k in KS}
+            indices = np.argsort(-s.cpu().numpy(), axis=1)
+            matches = (indices == t.cpu().numpy()[:, np.newaxis]).astype(np.int32)
+            for q_idx in range(matches.shape[0]):
+                cmc = matches[q_idx].cumsum()
+                cmc[cmc > 1] = 1
+                all_cmc.append(cmc[:max_rank])
+        mean_cmc = np.asarray(all_cmc, dtype=np.float32).mean(axis=0)
+        return {k: float(mean_cmc[k - 1]) for k in KS}
+
+    return run
+
+
+def _clip_recall_at_k(scores: torch.Tensor, positive_pairs: torch.Tensor, k: int) -> torch.Tensor:
+    """clip_benchmark's ``recall_at_k`` (zeroshot_retrieval.py), verbatim in substance."""
+    nb_queries, nb_gallery = scores.shape
+    topk_indices = torch.topk(scores, k, dim=1)[1]
+    nb_positive = positive_pairs.sum(dim=1)
+    topk_indices_onehot = torch.nn.functional.one_hot(topk_indices, num_classes=nb_gallery)
+    positive_pairs_reshaped = positive_pairs.view(nb_queries, 1, nb_gallery)
+    nb_true_positive = (topk_indices_onehot * positive_pairs_reshaped).sum(dim=(1, 2))
+    return nb_true_positive / nb_positive
+
+
+def clip_topk(scores: list[torch.Tensor], mask: list[torch.Tensor]) -> Callable[[], object]:
+    """clip_benchmark's way: the full score matrix, then ``batchify(recall_at_k)`` per K."""
+
+    def run() -> object:
+        full, positive_pairs = torch.cat(scores), torch.cat(mask)
+        out = {}
+        for k in KS:
+            parts = [
+                _clip_recall_at_k(
+                    full[start : start + CLIP_BATCH], positive_pairs[start : start + CLIP_BATCH], k
+                )
+                for start in range(0, full.shape[0], CLIP_BATCH)
+            ]
+            out[k] = (torch.cat(parts) > 0).float().mean().item()
+        return out
 
     return run
 
@@ -92,9 +166,9 @@ def torchmetrics_hit_rate(
 
     def run() -> object:
         device = scores[0].device
-        collection = MetricCollection(
-            {f"hit@{k}": RetrievalHitRate(top_k=k) for k in KS}, compute_groups=False
-        ).to(device)
+        collection = MetricCollection({f"hit@{k}": RetrievalHitRate(top_k=k) for k in KS}).to(
+            device
+        )
         offset = 0
         for s, t in zip(scores, index, strict=True):
             rows, gallery = s.shape
@@ -108,34 +182,89 @@ def torchmetrics_hit_rate(
     return run
 
 
-def run(quick: bool, device: str, with_torchmetrics: bool = True) -> tuple[str, list[Measurement]]:
-    num_queries, gallery = (2_000, 5_000) if quick else (20_000, 5_000)
+def _torchmetrics_child(
+    num_queries: int, gallery: int, device: str, time_limit: float | None
+) -> Measurement:
+    """The torchmetrics peer, in this (child) process: a small warm-up, then one run."""
+    small, small_index, _ = make_data(64, 100, device, seed=1)
+    torchmetrics_hit_rate(small, small_index)()
+    scores, index, _ = make_data(num_queries, gallery, device)
+    run = torchmetrics_hit_rate(scores, index)
+    return measure_bounded(TORCHMETRICS, run, device=device, time_limit=time_limit)
+
+
+def torchmetrics_row(
+    num_queries: int,
+    gallery: int,
+    device: str,
+    time_limit: float | None,
+    threads: int | None = None,
+) -> Measurement:
+    """The torchmetrics peer in a child process (``threads`` torch threads, default:
+    torch's), within the time and memory bounds."""
+    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
+    skipped = over_memory_bound(TORCHMETRICS, need, device)
+    if skipped is not None:
+        return skipped
+    args = ["--child", "--queries", str(num_queries), "--gallery", str(gallery)]
+    args += ["--device", device]
+    if time_limit is not None:
+        args += ["--time-limit", str(time_limit)]
+    if threads is not None:
+        args += ["--threads", str(threads)]
+    # The child stops the peer at the bound itself; this timeout is only a safety net.
+    safety = None if time_limit is None else 2 * time_limit + 300
+    out = run_child(__file__, args, live_memory=True, timeout=safety)
+    if out is None:
+        assert time_limit is not None
+        return timed_out(TORCHMETRICS, time_limit)
+    return Measurement(**out)
+
+
+def run(
+    quick: bool = False,
+    device: str = "cpu",
+    with_torchmetrics: bool = True,
+    *,
+    size: tuple[int, int] | None = None,
+    repeats: int = 5,
+    slow_repeats: int = 3,
+    time_limit: float | None = None,
+    threads: int | None = None,
+) -> tuple[str, list[Measurement]]:
+    """Every contestant on the same batches; ``(title, rows)``.
+
+    ``size`` (Q, G) overrides the workload's (``QUICK_SIZE`` with ``quick``);
+    ``repeats`` timed runs (after the warm-up) for this package and the floor,
+    ``slow_repeats`` for the argsort and topk peers; ``time_limit`` bounds the
+    torchmetrics peer (seconds, ``None``: no bound), which runs in a child process with
+    ``threads`` torch threads (default: torch's; the others run in this process, with its
+    setting).
+    """
+    num_queries, gallery = size or (QUICK_SIZE if quick else FULL_SIZE)
     scores, index, mask = make_data(num_queries, gallery, device)
-    rows = [
-        measure("amax floor", floor(scores), device=device),
-        measure("RetrievalRecallAtK, [Q] index target", ours(scores, index, False), device=device),
-        measure("RetrievalRecallAtK, [Q, G] mask target", ours(scores, mask, False), device=device),
-        measure("... index target, validate_args=True", ours(scores, index, True), device=device),
-        measure("... mask target, validate_args=True", ours(scores, mask, True), device=device),
-        measure(
-            "argsort per query (re-ID scripts)",
-            argsort_per_query(scores, index),
-            repeats=1,
-            device=device,
-        ),
-    ]
+    slow = slow_repeats
+    rows = measure_interleaved(
+        [
+            Contestant(FLOOR, floor(scores), repeats),
+            Contestant(OURS_INDEX, ours(scores, index, False), repeats),
+            Contestant(OURS_MASK, ours(scores, mask, False), repeats),
+            Contestant(OURS_INDEX_CHECKED, ours(scores, index, True), repeats),
+            Contestant(OURS_MASK_CHECKED, ours(scores, mask, True), repeats),
+            Contestant(ARGSORT, argsort_per_query(scores, index), slow),
+            Contestant(CLIP, clip_topk(scores, mask), slow, "ties broken by sort order"),
+        ],
+        device,
+    )
     if with_torchmetrics:
-        rows.append(
-            measure(
-                "torchmetrics RetrievalHitRate x 3 (flat form)",
-                torchmetrics_hit_rate(scores, index),
-                repeats=1,
-                device=device,
-                time_limit=0.0,
-            )
-        )
+        del scores, index, mask  # the child makes its own copy
+        rows.append(torchmetrics_row(num_queries, gallery, device, time_limit, threads))
     title = f"Q = {num_queries:,} x G = {gallery:,}, float32, batches of {BATCH}, K = {KS}"
     return title, rows
+
+
+def render(rows: list[Measurement]) -> str:
+    return table(rows, reference=OURS_INDEX, floor=FLOOR, memory=True)
 
 
 def main() -> None:
@@ -143,13 +272,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Q = 2,000 instead of 20,000")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--no-torchmetrics", action="store_true", help="skip the slow peer")
+    parser.add_argument("--time-limit", type=float, default=None, help="torchmetrics bound (s)")
     parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--queries", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gallery", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    title, rows = run(args.quick, args.device, not args.no_torchmetrics)
-    text = table(rows, reference="RetrievalRecallAtK, [Q] index target", floor="amax floor")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.child:
+        row = _torchmetrics_child(args.queries, args.gallery, args.device, args.time_limit)
+        print(json.dumps(vars(row)))
+        return
+    title, rows = run(args.quick, args.device, not args.no_torchmetrics, time_limit=args.time_limit)
     command = " ".join(["python benchmarks/dense.py", *sys.argv[1:]])
     body = (
-        f"## Dense workload\n\n{title}. {machine(args.device)}.\n\nCommand: `{command}`\n\n{text}\n"
+        f"## Dense workload\n\n{title}. {machine(args.device)}.\n\n"
+        f"Command: `{command}`\n\n{render(rows)}\n"
     )
     print(body)
     if not args.no_write:

@@ -1,0 +1,284 @@
+"""Scaling of RetrievalRecallAtK: time against Q x G and against the number of K, state size.
+
+- time against Q x G (dense form, batches of 256 rows, K = (1, 5, 10), index and mask
+  targets, ``validate_args=False``) beside the ``amax`` floor over the same batches, at
+  three or more sizes: the cost per score should stay flat (linear scaling);
+- time against the number of K (K = 1..n, index target): should be flat, the state is a
+  histogram of first-hit ranks and every K is read off it at ``compute``;
+- the size of the state in bytes against Q: constant for the dense form; for comparison
+  the flat form (O(queries x max K)) and ``EmbeddingRecallAtK`` (O(items x D)).
+
+Tables plus one figure (``benchmarks/scaling.png``).
+
+Run: ``python benchmarks/scaling.py [--quick] [--device cpu|cuda] [--figure PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchmetrics import Metric
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from dense import floor, make_data, ours
+from measure import Contestant, fmt_bytes, fmt_seconds, machine, markdown_table, measure_interleaved
+
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+
+FIGURE = Path(__file__).with_name("scaling.png")
+
+# (Q, G) sizes, the (Q, G) of the K sweep, the number of K values, the Q of the state
+# sweep, and the timed repeats, per mode.
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {
+        "grid": [(2_500, 2_000), (5_000, 4_000), (10_000, 8_000), (20_000, 10_000)],
+        "k_size": (10_000, 5_000),
+        "k_counts": [1, 3, 10, 30, 100],
+        "state_queries": [10, 1_000, 100_000],
+        "repeats": 5,
+    },
+    "quick": {
+        "grid": [(500, 1_000), (1_000, 2_000), (2_000, 4_000)],
+        "k_size": (1_000, 2_000),
+        "k_counts": [1, 3, 10, 30, 100],
+        "state_queries": [10, 1_000, 100_000],
+        "repeats": 3,
+    },
+    "tiny": {
+        "grid": [(128, 100), (256, 200), (512, 400)],
+        "k_size": (256, 200),
+        "k_counts": [1, 3, 10],
+        "state_queries": [10, 100, 1_000],
+        "repeats": 1,
+    },
+}
+
+STATE_GALLERY = 8  # items a query in the state sweep (the dense state does not depend on it)
+EMBEDDING_DIM = 128
+
+
+def state_bytes(metric: Metric) -> int:
+    """Bytes held by a metric's states (tensors and lists of tensors)."""
+    total = 0
+    for value in metric.metric_state.values():
+        parts = value if isinstance(value, list) else [value]
+        total += sum(part.numel() * part.element_size() for part in parts)
+    return total
+
+
+def time_against_size(
+    grid: list[tuple[int, int]], repeats: int, device: str
+) -> list[dict[str, Any]]:
+    rows = []
+    for num_queries, gallery in grid:
+        scores, index, mask = make_data(num_queries, gallery, device)
+        floor_m, index_m, mask_m = measure_interleaved(
+            [
+                Contestant("floor", floor(scores), repeats),
+                Contestant("index", ours(scores, index, False), repeats),
+                Contestant("mask", ours(scores, mask, False), repeats),
+            ],
+            device,
+        )
+        rows.append(
+            {
+                "queries": num_queries,
+                "gallery": gallery,
+                "floor": floor_m.seconds,
+                "index": index_m.seconds,
+                "mask": mask_m.seconds,
+            }
+        )
+        del scores, index, mask
+    return rows
+
+
+def time_against_k(
+    size: tuple[int, int], counts: list[int], repeats: int, device: str
+) -> list[dict[str, Any]]:
+    scores, index, _ = make_data(*size, device)
+
+    def with_ks(ks: tuple[int, ...]) -> Any:
+        def run() -> object:
+            metric = RetrievalRecallAtK(ks, validate_args=False).to(device)
+            for s, t in zip(scores, index, strict=True):
+                metric.update(s, t)
+            return metric.compute()
+
+        return run
+
+    measured = measure_interleaved(
+        [Contestant(str(n), with_ks(tuple(range(1, n + 1))), repeats) for n in counts], device
+    )
+    return [{"ks": n, "seconds": m.seconds} for n, m in zip(counts, measured, strict=True)]
+
+
+def state_against_queries(queries: list[int], device: str) -> list[dict[str, Any]]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for num in queries:
+        dense = RetrievalRecallAtK((1, 5, 10), validate_args=False).to(device)
+        flat = RetrievalRecallAtK((1, 5, 10), validate_args=False).to(device)
+        embedding = EmbeddingRecallAtK((1, 5, 10), validate_args=False).to(device)
+        for start in range(0, num, 4096):
+            rows_here = min(4096, num - start)
+            scores = torch.randn(rows_here, STATE_GALLERY, generator=gen).to(device)
+            target = torch.randint(0, STATE_GALLERY, (rows_here,), generator=gen).to(device)
+            dense.update(scores, target)
+            mask = torch.zeros_like(scores, dtype=torch.bool)
+            mask[torch.arange(rows_here, device=device), target] = True
+            ids = torch.arange(start, start + rows_here, device=device)
+            flat.update(
+                scores.flatten(), mask.flatten(), indexes=ids.repeat_interleave(STATE_GALLERY)
+            )
+            embeddings = torch.randn(rows_here, EMBEDDING_DIM, generator=gen).to(device)
+            embedding.update(embeddings, target)
+        rows.append(
+            {
+                "queries": num,
+                "dense": state_bytes(dense),
+                "flat": state_bytes(flat),
+                "embedding": state_bytes(embedding),
+            }
+        )
+    return rows
+
+
+def _ns_per_score(seconds: float, row: dict[str, Any]) -> str:
+    return f"{seconds / (row['queries'] * row['gallery']) * 1e9:.2f}"
+
+
+def tables(
+    size_rows: list[dict[str, Any]], k_rows: list[dict[str, Any]], state_rows: list[dict[str, Any]]
+) -> str:
+    size_table = markdown_table(
+        [
+            "Q",
+            "G",
+            "Q x G",
+            "amax floor",
+            "index target",
+            "mask target",
+            "ns / score: floor",
+            "index",
+            "mask",
+            "index / floor",
+            "mask / floor",
+        ],
+        [
+            [
+                f"{r['queries']:,}",
+                f"{r['gallery']:,}",
+                f"{r['queries'] * r['gallery']:,}",
+                fmt_seconds(r["floor"]),
+                fmt_seconds(r["index"]),
+                fmt_seconds(r["mask"]),
+                _ns_per_score(r["floor"], r),
+                _ns_per_score(r["index"], r),
+                _ns_per_score(r["mask"], r),
+                f"{r['index'] / r['floor']:.2f}x",
+                f"{r['mask'] / r['floor']:.2f}x",
+            ]
+            for r in size_rows
+        ],
+    )
+    base = k_rows[0]["seconds"]
+    k_table = markdown_table(
+        ["number of K (K = 1..n)", "time", "time / one K"],
+        [[r["ks"], fmt_seconds(r["seconds"]), f"{r['seconds'] / base:.2f}x"] for r in k_rows],
+    )
+    state_table = markdown_table(
+        ["Q", "dense state", "flat state", "EmbeddingRecallAtK state"],
+        [
+            [
+                f"{r['queries']:,}",
+                f"{r['dense']:,} B",
+                fmt_bytes(r["flat"]),
+                fmt_bytes(r["embedding"]),
+            ]
+            for r in state_rows
+        ],
+    )
+    return (
+        "Time against Q x G (dense form, update + compute, `validate_args=False`; the cost"
+        " per score should stay flat):\n\n"
+        f"{size_table}\n\n"
+        "Time against the number of K (index target):\n\n"
+        f"{k_table}\n\n"
+        f"State size against Q (dense and flat: {STATE_GALLERY} items a query; embedding:"
+        f" D = {EMBEDDING_DIM}, float32). The dense state is a histogram of max K ranks plus"
+        " two counts; the flat form keeps max K scores a query; EmbeddingRecallAtK keeps"
+        " the embeddings:\n\n"
+        f"{state_table}"
+    )
+
+
+def figure(
+    size_rows: list[dict[str, Any]],
+    k_rows: list[dict[str, Any]],
+    state_rows: list[dict[str, Any]],
+    path: Path,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    cells = [r["queries"] * r["gallery"] for r in size_rows]
+    for key, label in (("floor", "amax floor"), ("index", "index target"), ("mask", "mask target")):
+        axes[0].plot(cells, [r[key] for r in size_rows], "o-", label=label)
+    ref = size_rows[0]["index"] / cells[0]
+    axes[0].plot(cells, [c * ref for c in cells], ":", color="grey", label="linear")
+    axes[0].set(xscale="log", yscale="log", xlabel="Q x G", ylabel="seconds")
+    axes[0].set_title("time against Q x G")
+    axes[0].legend()
+    axes[1].plot([r["ks"] for r in k_rows], [r["seconds"] for r in k_rows], "o-")
+    axes[1].set(xscale="log", xlabel="number of K (K = 1..n)", ylabel="seconds")
+    axes[1].set_ylim(bottom=0)
+    axes[1].set_title("time against the number of K")
+    queries = [r["queries"] for r in state_rows]
+    for key, label in (
+        ("dense", "RetrievalRecallAtK, dense"),
+        ("flat", "RetrievalRecallAtK, flat"),
+        ("embedding", "EmbeddingRecallAtK"),
+    ):
+        axes[2].plot(queries, [r[key] for r in state_rows], "o-", label=label)
+    axes[2].set(xscale="log", yscale="log", xlabel="Q", ylabel="state bytes")
+    axes[2].set_title("state size against Q")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(mode: str = "full", device: str = "cpu", figure_path: Path | None = FIGURE) -> str:
+    """Every sweep at ``mode``'s sizes; the markdown body (the figure saved when given)."""
+    sizes = SIZES[mode]
+    size_rows = time_against_size(sizes["grid"], sizes["repeats"], device)
+    k_rows = time_against_k(sizes["k_size"], sizes["k_counts"], sizes["repeats"], device)
+    state_rows = state_against_queries(sizes["state_queries"], device)
+    body = tables(size_rows, k_rows, state_rows)
+    if figure_path is not None:
+        figure(size_rows, k_rows, state_rows, figure_path)
+        body += f"\n\n![scaling]({figure_path.name})"
+    return body
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--figure", type=Path, default=FIGURE)
+    args = parser.parse_args()
+    print(f"## Scaling\n\n{machine(args.device)}.\n")
+    print(run("quick" if args.quick else "full", args.device, args.figure))
+
+
+if __name__ == "__main__":
+    main()
