@@ -92,7 +92,7 @@ def spawn(fn: Callable[[int, int, Any], Any], world_size: int, payload: Any) -> 
     """
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
+        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _entry,
             args=(world_size, _free_port(), out_dir, fn, payload),
             nprocs=world_size,

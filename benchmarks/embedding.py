@@ -121,10 +121,13 @@ def _contestant(
     if name in (OURS, OURS_TILED):
         from recall_at_k import EmbeddingRecallAtK
 
-        chunk = {"chunk_bytes": TILE_BYTES} if name == OURS_TILED else {}
+        tiled = name == OURS_TILED
 
         def fill() -> Any:
-            metric = EmbeddingRecallAtK(KS, **chunk).to(embeddings.device)
+            metric = (
+                EmbeddingRecallAtK(KS, chunk_bytes=TILE_BYTES) if tiled else EmbeddingRecallAtK(KS)
+            )
+            metric = metric.to(embeddings.device)
             for start in range(0, num, BATCH):
                 metric.update(embeddings[start : start + BATCH], labels[start : start + BATCH])
             return metric

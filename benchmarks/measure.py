@@ -145,7 +145,8 @@ def sync(device: str) -> None:
 def elapsed(fn: Callable[[], object], device: str) -> float:
     """Seconds one call of ``fn`` takes (CUDA events on a GPU)."""
     if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
         start.record()
         fn()
@@ -441,9 +442,10 @@ def machine(device: str) -> str:
         cpu = found.group(1).strip() if found else cpu
     except OSError:
         pass
+    threads = torch.get_num_threads()
     text = (
         f"CPU {cpu}, {os.cpu_count()} cores, torch {torch.__version__},"
-        f" {torch.get_num_threads()} threads, device {device}"
+        f" {threads} thread{'' if threads == 1 else 's'}, device {device}"
     )
     if device == "cuda":
         text += f" ({torch.cuda.get_device_name()})"

@@ -20,9 +20,10 @@ import datetime
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -106,11 +107,14 @@ class Target:
         return [self.workload, self.what, bound, value, self.met()]
 
 
-def _by_name(rows: list[Measurement]) -> dict[str, Measurement]:
+M = TypeVar("M", bound=Measurement)
+
+
+def _by_name(rows: Sequence[M]) -> dict[str, M]:
     return {row.name: row for row in rows}
 
 
-def _speedup(rows: dict[str, Measurement], peer: str, ours: str) -> tuple[float | None, bool]:
+def _speedup(rows: dict[str, M], peer: str, ours: str) -> tuple[float | None, bool]:
     if peer not in rows or ours not in rows:
         return None, False
     return time_ratio(rows[peer], rows[ours]), rows[peer].at_least
