@@ -139,51 +139,31 @@ def dense_tie_counts(
     if target.dim() == 1:
         return _index_target_counts(scores, target, ignore, need, count_dtype, workspace)
 
+    # Two selects over the batch: positives_only keeps the valid positives' scores (-inf
+    # elsewhere) for s*; negatives_only keeps the valid negatives' scores and puts NaN
+    # elsewhere, which compares false with everything, so no count needs a correction.
     relevant = target if target.dtype == torch.bool else target != 0
-    if ignore is None:
-        # Fast path, all in float arithmetic (the bool-condition ``where`` is several
-        # times slower on CPU): U is +inf on positives and -inf on negatives, so
-        # min(S, U) keeps the positives' scores (negatives -> -inf) and max(S, U) keeps
-        # the negatives' scores (positives -> +inf, which the count then subtracts).
-        valid_pos = relevant
-        as_float = _scratch(workspace, _NEGATIVES_SLOT, scores)
-        as_float.copy_(_byte_view(relevant))
-        num_pos = as_float.sum(dim=-1).to(torch.int64)
-        sentinel = as_float.sub_(0.5).mul_(float("inf"))
-        positives_only = torch.minimum(
-            scores, sentinel, out=_scratch(workspace, _POSITIVES_SLOT, scores)
-        )
-        best = positives_only.amax(dim=-1, keepdim=True)
-        greater = _count("gt", scores, best, count_dtype, workspace) if want_gt else None
-        at_or_above = None
-        if want_ge:
-            negatives_or_inf = torch.maximum(scores, sentinel, out=sentinel)
-            at_or_above = _count("ge", negatives_or_inf, best, count_dtype, workspace) - num_pos
-        has_pos = num_pos > 0
-    else:
-        # positives_only keeps the valid positives' scores (-inf elsewhere); negatives_only
-        # keeps the valid negatives' scores and NaN elsewhere, which compares false with
-        # everything, so its counts need no correction.
-        valid_pos = relevant & ~ignore
-        positives_only = torch.where(
-            valid_pos,
-            scores,
-            _constant(float("-inf"), scores),
-            out=_scratch(workspace, _POSITIVES_SLOT, scores),
-        )
-        best = positives_only.amax(dim=-1, keepdim=True)
-        negatives_only = torch.where(
-            relevant | ignore,
-            _constant(float("nan"), scores),
-            scores,
-            out=_scratch(workspace, _NEGATIVES_SLOT, scores),
-        )
-        greater = at_or_above = None
-        if want_gt:
-            greater = _count("gt", negatives_only, best, count_dtype, workspace)
-        if want_ge:
-            at_or_above = _count("ge", negatives_only, best, count_dtype, workspace)
-        has_pos = _any_per_row(valid_pos)
+    valid_pos = relevant if ignore is None else relevant & ~ignore
+    not_negative = relevant if ignore is None else relevant | ignore
+    positives_only = torch.where(
+        valid_pos,
+        scores,
+        _constant(float("-inf"), scores),
+        out=_scratch(workspace, _POSITIVES_SLOT, scores),
+    )
+    best = positives_only.amax(dim=-1, keepdim=True)
+    negatives_only = torch.where(
+        not_negative,
+        _constant(float("nan"), scores),
+        scores,
+        out=_scratch(workspace, _NEGATIVES_SLOT, scores),
+    )
+    greater = at_or_above = None
+    if want_gt:
+        greater = _count("gt", negatives_only, best, count_dtype, workspace)
+    if want_ge:
+        at_or_above = _count("ge", negatives_only, best, count_dtype, workspace)
+    has_pos = _any_per_row(valid_pos)
 
     tied = None
     if want_p:
@@ -193,11 +173,6 @@ def dense_tie_counts(
         num_pos = valid_pos.sum(dim=-1)
         tied = torch.where(best.squeeze(-1) == float("-inf"), num_pos, tied)
     return TieCounts(greater, at_or_above, tied, has_pos)
-
-
-def _byte_view(mask: Tensor) -> Tensor:
-    """A bool mask as uint8 without a copy where possible (bool kernels are slow on CPU)."""
-    return mask.view(torch.uint8) if mask.is_contiguous() else mask.to(torch.uint8)
 
 
 def _any_per_row(mask: Tensor) -> Tensor:
