@@ -33,6 +33,7 @@ from recall_at_k._plot import plot_curves, values_of
 from recall_at_k._result import RecallOutput, format_recall, recall_result
 from recall_at_k._validation import (
     _choice_validation,
+    _describe,
     _empty_target_action_validation,
     _k_validation,
     _key_validation,
@@ -63,10 +64,6 @@ _SPARSE_MAX_BLOCK_FRACTION = 0.25
 _CPU_TILE_BYTES = 32 * 2**20
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def _describe(tensor: Tensor) -> str:
-    return f"shape {list(tensor.shape)} and dtype {tensor.dtype}"
 
 
 def _embedding_structure_validation(
