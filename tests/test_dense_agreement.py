@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference import reference_first_hit_rank, reference_recall
 
-from recall_at_k import RetrievalRecallAtK
+from recall_at_k import RetrievalRecallAtK, _kernel
 from recall_at_k.functional import retrieval_first_hit_rank, retrieval_recall_at_k
 
 TIES = ("pessimistic", "optimistic", "expected")
@@ -58,9 +58,18 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: list[float], ks: tu
             assert got == pytest.approx(want, abs=1e-6), (k, got, want)
 
 
+@pytest.mark.parametrize("block_bytes", [None, 1], ids=["default-blocks", "one-row-blocks"])
 @pytest.mark.parametrize("seed", range(6))
-def test_agreement_with_reference(seed: int) -> None:
-    """600 random cases: every tie policy, every empty-target action, batch splits."""
+def test_agreement_with_reference(
+    seed: int, block_bytes: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """600 random cases: every tie policy, every empty-target action, batch splits.
+
+    Run twice: with the CPU mask path's default row blocks (a case fits in one) and with
+    blocks of one row, so that every row of a case is its own block.
+    """
+    if block_bytes is not None:
+        monkeypatch.setattr(_kernel, "_CPU_BLOCK_BYTES", block_bytes)
     rng = random.Random(seed)
     for _ in range(100):
         case = _random_case(rng)
@@ -119,6 +128,53 @@ class _no_warning:
 
     def __exit__(self, *exc: object) -> None:
         self._ctx.__exit__(*exc)
+
+
+def _several_row_blocks_case() -> tuple[torch.Tensor, torch.Tensor]:
+    """A [Q, G] mask batch larger than one CPU row block, with heavy ties, infinities,
+    rows whose positives all score -inf and rows without a positive."""
+    gen = torch.Generator().manual_seed(7)
+    num_queries, gallery = 300, 700  # 187 rows fit a block of the default size: 2 blocks
+    assert num_queries * gallery * 4 > _kernel._CPU_BLOCK_BYTES
+    levels = torch.tensor([float("-inf"), -1.0, 0.0, 0.5, 1.0, float("inf")])
+    scores = levels[torch.randint(0, len(levels), (num_queries, gallery), generator=gen)]
+    mask = torch.rand(num_queries, gallery, generator=gen) < 0.01
+    mask[::7] = False  # no positive
+    rows = torch.arange(3, num_queries, 11)
+    scores[rows] = torch.where(mask[rows], float("-inf"), scores[rows])  # positives at -inf
+    return scores, mask
+
+
+@pytest.mark.parametrize("ties", ["pessimistic", "optimistic"])
+def test_mask_path_agrees_on_a_batch_of_several_row_blocks(ties: str) -> None:
+    scores, mask = _several_row_blocks_case()
+    ks = (1, 5, 10, 100)
+    expected = reference_recall(scores.tolist(), mask.tolist(), None, ks, ties, "neg")
+    got = retrieval_recall_at_k(scores, mask, ks, ties=ties, empty_target_action="neg")
+    assert isinstance(got, dict)
+    _assert_close(got, expected, ks)
+    ranks = retrieval_first_hit_rank(scores, mask, ties=ties)
+    want = [
+        reference_first_hit_rank(row, m, None, ties)
+        for row, m in zip(scores.tolist(), mask.tolist(), strict=True)
+    ]
+    assert ranks.tolist() == want
+
+
+def test_mask_path_counts_equal_the_select_path_for_every_count() -> None:
+    """The CPU block path (no ignore) and the select path (taken with an all-False
+    ignore) give the same g_>, g_> + e, p and has-positive on the case above (the
+    reference enumerates tie placements, too slow for "expected" at this size)."""
+    scores, mask = _several_row_blocks_case()
+    need = (True, True, True)
+    blocks = _kernel.dense_tie_counts(scores, mask, None, need)
+    selects = _kernel.dense_tie_counts(scores, mask, torch.zeros_like(mask), need)
+    assert torch.equal(blocks.has_positive, selects.has_positive)
+    has = blocks.has_positive
+    assert has.any() and not has.all()
+    for name in ("greater", "equal", "tied_positives"):
+        a, b = getattr(blocks, name), getattr(selects, name)
+        assert torch.equal(a[has], b[has]), name
 
 
 def test_design_worked_examples_through_the_metric() -> None:

@@ -13,7 +13,8 @@ Comparisons write into floating point buffers rather than ``bool`` tensors: on C
 ``bool``-output kernels of torch are several times slower than the float ones, and a sum
 over 0/1 floats is exact while the row holds fewer than 2**24 (float32) items. Selects
 write into reused buffers (:class:`Workspace`): a fresh multi-megabyte temporary costs
-a page fault per 4 KiB on CPU.
+a page fault per 4 KiB on CPU. On CPU a ``[Q, G]`` mask target without ignore avoids
+``torch.where`` altogether (:func:`_mask_target_counts_by_blocks`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def _scratch(
     return workspace.get(slot, like.shape, dtype, like.device)
 
 
-_COUNT_SLOT, _NEGATIVES_SLOT, _POSITIVES_SLOT = 0, 1, 2
+_COUNT_SLOT, _NEGATIVES_SLOT, _POSITIVES_SLOT, _SIGNS_SLOT = 0, 1, 2, 3
+
+# The CPU mask path works on blocks of rows of about this many bytes of scores, so that
+# each block and its two scratch blocks stay in the core's L2 cache between the passes.
+_CPU_BLOCK_BYTES = 512 * 2**10
 
 
 def _constant(value: float, like: Tensor) -> Tensor:
@@ -138,6 +143,8 @@ def dense_tie_counts(
 
     if target.dim() == 1:
         return _index_target_counts(scores, target, ignore, need, count_dtype, workspace)
+    if ignore is None and scores.device.type in ("cpu", "meta"):
+        return _mask_target_counts_by_blocks(scores, target, need, count_dtype, workspace)
 
     # Two selects over the batch: positives_only keeps the valid positives' scores (-inf
     # elsewhere) for s*; negatives_only keeps the valid negatives' scores and puts NaN
@@ -173,6 +180,104 @@ def dense_tie_counts(
         num_pos = valid_pos.sum(dim=-1)
         tied = torch.where(best.squeeze(-1) == float("-inf"), num_pos, tied)
     return TieCounts(greater, at_or_above, tied, has_pos)
+
+
+def _mask_target_counts_by_blocks(
+    scores: Tensor,
+    target: Tensor,
+    need: tuple[bool, bool, bool],
+    count_dtype: torch.dtype,
+    workspace: Workspace | None,
+) -> TieCounts:
+    """:func:`dense_tie_counts` for a ``[Q, G]`` mask target without ignore, on CPU.
+
+    ``torch.where`` with a ``bool`` condition is not vectorised on CPU (several times the
+    cost of a float comparison), so the mask enters the float domain through byte
+    arithmetic and one int8-to-float conversion instead: ``signs`` is +1 for a negative
+    and -1 for a positive, ``signs * -inf`` is -inf / +inf, and clamping the scores to
+    that from above keeps the positives' scores (-inf elsewhere) exactly, infinities
+    included. Then:
+
+    - s* = the row maximum of that; ``greater`` = #(scores > s*) (no positive is above
+      s*); ``p`` = #(kept >= s*), the positives tied at s*; ``g_> + e`` = #(scores >= s*)
+      minus p;
+    - when s* = -inf (every valid positive scored -inf, or none) the kept row is all
+      -inf, so p and g_> + e come from the number of positives, the sum of ``signs``.
+
+    Rows go in blocks that stay in the core's cache between these passes
+    (``_CPU_BLOCK_BYTES``), with one scratch block that each pass overwrites in turn.
+    """
+    num_queries, gallery = scores.shape
+    device = scores.device
+    want_gt, want_ge, want_p = need
+    relevant = target if target.dtype == torch.bool else target != 0
+    # 1 + 254 * mask wraps to 255 (int8 -1) for a positive and is 1 for a negative.
+    signs_u8 = _scratch(workspace, _SIGNS_SLOT, relevant, torch.uint8)
+    one = torch.ones((), dtype=torch.uint8, device=device)
+    torch.add(one, relevant.view(torch.uint8), alpha=254, out=signs_u8)
+    rows = max(1, _CPU_BLOCK_BYTES // (gallery * scores.element_size()))
+    rows = min(rows, num_queries)
+    kept_buffer = _scratch_rows(workspace, _POSITIVES_SLOT, rows, gallery, scores.dtype, device)
+    best = torch.empty((num_queries, 1), dtype=scores.dtype, device=device)
+    sign_sum = torch.empty(num_queries, dtype=count_dtype, device=device)
+    greater_f = torch.empty(num_queries, dtype=count_dtype, device=device)
+    at_or_above_f = torch.empty(num_queries, dtype=count_dtype, device=device)
+    kept_f = torch.empty(num_queries, dtype=count_dtype, device=device)
+    blocks = zip(
+        torch.split(scores, rows),
+        torch.split(signs_u8.view(torch.int8), rows),
+        torch.split(best, rows),
+        torch.split(sign_sum, rows),
+        torch.split(at_or_above_f, rows),
+        torch.split(kept_f, rows),
+        torch.split(greater_f, rows),
+        strict=True,
+    )
+    for block, signs, row_best, row_signs, row_ge, row_kept, row_gt in blocks:
+        n = block.shape[0]
+        kept = kept_buffer if n == rows else kept_buffer[:n]
+        kept.copy_(signs)
+        torch.sum(kept, dim=-1, dtype=count_dtype, out=row_signs)
+        kept.mul_(float("-inf"))
+        torch.clamp(block, max=kept, out=kept)  # min(score, +-inf); NaN-free
+        torch.amax(kept, dim=-1, keepdim=True, out=row_best)
+        # The comparisons reuse the one scratch block: the kept scores go first.
+        if want_ge or want_p:
+            kept.ge_(row_best)
+            torch.sum(kept, dim=-1, dtype=count_dtype, out=row_kept)
+        if want_ge:
+            torch.ge(block, row_best, out=kept)
+            torch.sum(kept, dim=-1, dtype=count_dtype, out=row_ge)
+        if want_gt:
+            torch.gt(block, row_best, out=kept)
+            torch.sum(kept, dim=-1, dtype=count_dtype, out=row_gt)
+    num_pos = ((gallery - sign_sum) * 0.5).to(torch.int64)
+    all_minus_inf = best.squeeze(-1) == float("-inf")
+    tied = None
+    if want_ge or want_p:
+        tied = torch.where(all_minus_inf, num_pos, kept_f.to(torch.int64))
+    greater = greater_f.to(torch.int64) if want_gt else None
+    at_or_above = None
+    if want_ge:
+        assert tied is not None
+        at_or_above = torch.where(
+            all_minus_inf, gallery - num_pos, at_or_above_f.to(torch.int64) - tied
+        )
+    return TieCounts(greater, at_or_above, tied if want_p else None, num_pos > 0)
+
+
+def _scratch_rows(
+    workspace: Workspace | None,
+    slot: int,
+    rows: int,
+    columns: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    shape = torch.Size((rows, columns))
+    if workspace is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return workspace.get(slot, shape, dtype, device)
 
 
 def _any_per_row(mask: Tensor) -> Tensor:

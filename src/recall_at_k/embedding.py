@@ -62,6 +62,8 @@ _SPARSE_MAX_BLOCK_FRACTION = 0.25
 
 # On CPU, tiles hold at most this many bytes of scores, whatever chunk_bytes allows.
 _CPU_TILE_BYTES = 32 * 2**20
+# Rows of a tile counted at a time on CPU: a block that stays in the core's cache.
+_CPU_COUNT_BLOCK_BYTES = 2 * 2**20
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -135,15 +137,19 @@ class _Side(NamedTuple):
 
 
 class _Gallery(NamedTuple):
-    """A direction's gallery, prepared for scoring; columns follow its rows."""
+    """A direction's gallery, prepared for scoring.
 
-    embeddings: Tensor  # [G, D]; L2-normalised for "cosine"
+    Its columns are the gallery's items sorted by label (stable), so that each label's
+    items are one run of adjacent columns: a query's positives are read as a contiguous
+    block of its score row.
+    """
+
+    embeddings: Tensor  # [G, D] in column order; L2-normalised for "cosine"
     neg_sq_norms: Tensor | None  # [1, G] negated squared norms, for "euclidean"
-    labels: Tensor  # [G]
+    labels: Tensor  # [G], ascending
     groups: Tensor  # [G]
-    label_order: Tensor  # [G] the columns sorted by label: each label's block is a run
     block_labels: Tensor  # [C] distinct labels, ascending
-    block_starts: Tensor  # [C] where each label's run starts in ``label_order``
+    block_starts: Tensor  # [C] the first column of each label's run
     block_counts: Tensor  # [C] the run's length
     identity_sorted: Tensor  # [G] identities, ascending
     identity_column: Tensor  # [G] column of each entry of ``identity_sorted``
@@ -155,7 +161,7 @@ class _Queries(NamedTuple):
     rows: Tensor  # [Q] rows of the prepared embeddings
     labels: Tensor
     groups: Tensor
-    block_start: Tensor  # [Q] start of the query's label run in ``label_order``
+    block_start: Tensor  # [Q] first column of the query's label run
     block_count: Tensor  # [Q] its length (0: no item of that label in the gallery)
     self_column: Tensor  # [Q] column of the query itself in the gallery, -1 if absent
 
@@ -644,23 +650,20 @@ class EmbeddingRecallAtK(PerKViews, Metric):
         return bound >= torch.finfo(embeddings.dtype).max / 4
 
     def _gallery(self, embeddings: Tensor, meta: Tensor, side: _Side) -> _Gallery:
-        labels = meta[side.rows, _LABEL]
-        labels_sorted, label_order = torch.sort(labels, stable=True)
-        # Leave-one-out galleries are every row: no copy then.
-        whole = side.rows.shape[0] == embeddings.shape[0]
-        gallery_embeddings = embeddings if whole else embeddings[side.rows]
+        labels_sorted, label_order = torch.sort(meta[side.rows, _LABEL], stable=True)
+        rows = side.rows[label_order]
+        gallery_embeddings = embeddings[rows]
         neg_sq_norms = None
         if self.similarity == "euclidean":
             neg_sq_norms = gallery_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
         block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
         block_starts = torch.cumsum(block_counts, dim=0) - block_counts
-        identity_sorted, identity_column = torch.sort(side.identity)
+        identity_sorted, identity_column = torch.sort(side.identity[label_order])
         return _Gallery(
             gallery_embeddings,
             neg_sq_norms,
-            labels,
-            meta[side.rows, _GROUP],
-            label_order,
+            labels_sorted,
+            meta[rows, _GROUP],
             block_labels,
             block_starts,
             block_counts,
@@ -832,20 +835,41 @@ def _same_sets(previous: tuple[Tensor, Tensor, Tensor, Tensor], q: _Side, g: _Si
     )
 
 
-def _count(op: str, values: Tensor, threshold: Tensor) -> Tensor:
-    """Row-wise count of ``values >= threshold`` or ``>``, overwriting ``values``.
+def _row_counts(
+    scores: Tensor, threshold: Tensor, want_gt: bool, want_ge: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Row-wise counts of ``scores > threshold`` and ``scores >= threshold``.
 
-    The comparison writes 0/1 into the float tile itself (NaN compares false): no second
-    tile of memory, and on CPU faster than a ``bool`` result. Sums of 0/1 floats are
-    exact below 2**24 items (float64 rows beyond).
+    Overwrites ``scores``: each comparison writes 0/1 into the float tile itself (NaN
+    compares false), which needs no second tile of memory and, on CPU, is faster than a
+    ``bool`` result. Sums of 0/1 floats are exact below 2**24 items (float64 rows
+    beyond; 16-bit tiles sum in float32). On CPU the rows go in blocks of about
+    ``_CPU_COUNT_BLOCK_BYTES``, so that each block's sum reads what its comparison has
+    just written from the core's cache.
     """
-    if values.shape[-1] >= 2**24 and values.dtype != torch.float64:
-        values = values.to(torch.float64)
-    if op == "ge":
-        values.ge_(threshold)
-    else:
-        values.gt_(threshold)
-    return values.sum(dim=-1).to(torch.int64)
+    num_rows, num_gallery = scores.shape
+    exact_dtype = scores.dtype if scores.dtype in (torch.float32, torch.float64) else torch.float32
+    if num_gallery >= 2**24:
+        exact_dtype = torch.float64
+    step = num_rows
+    if scores.device.type == "cpu":
+        step = max(1, _CPU_COUNT_BLOCK_BYTES // max(1, num_gallery * scores.element_size()))
+    greater = torch.empty(num_rows, dtype=torch.int64, device=scores.device) if want_gt else None
+    at_or_above = (
+        torch.empty(num_rows, dtype=torch.int64, device=scores.device) if want_ge else None
+    )
+    spare = torch.empty_like(scores[:step]) if want_gt and want_ge else None
+    for start in range(0, num_rows, step):
+        block = scores[start : start + step]
+        bound = threshold[start : start + step]
+        if greater is not None:
+            above = block if spare is None else spare[: block.shape[0]]
+            torch.gt(block, bound, out=above)
+            greater[start : start + step] = above.sum(dim=1, dtype=exact_dtype)
+        if at_or_above is not None:
+            block.ge_(bound)
+            at_or_above[start : start + step] = block.sum(dim=1, dtype=exact_dtype)
+    return greater, at_or_above
 
 
 def _block_counts(
@@ -870,10 +894,9 @@ def _block_counts(
         return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool())
     steps = torch.arange(widest, device=device)
     in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
-    positions = (tile.block_start.unsqueeze(1) + steps.unsqueeze(0)).clamp_(
+    columns = (tile.block_start.unsqueeze(1) + steps.unsqueeze(0)).clamp_(
         max=max(scores.shape[1] - 1, 0)
     )
-    columns = gallery.label_order[positions]
     block = scores.gather(1, columns)
     valid = in_block & ~torch.isnan(block)
     if exclude == "same_label_and_group":
@@ -882,14 +905,9 @@ def _block_counts(
     has_positive = valid.any(dim=1)
     block_at_or_above = block >= best  # NaN compares false
     tied = (block_at_or_above & valid).sum(dim=1)
-    greater = at_or_above = None
-    if want_gt and want_ge:
-        block_above = ((block > best) & in_block).sum(dim=1)
-        at_or_above_all = _count("ge", scores.clone(), best)
-        greater = _count("gt", scores, best) - block_above
-        at_or_above = at_or_above_all - (block_at_or_above & in_block).sum(dim=1)
-    elif want_gt:
-        greater = _count("gt", scores, best) - ((block > best) & in_block).sum(dim=1)
-    else:
-        at_or_above = _count("ge", scores, best) - (block_at_or_above & in_block).sum(dim=1)
+    greater, at_or_above = _row_counts(scores, best, want_gt, want_ge)
+    if greater is not None:
+        greater -= ((block > best) & in_block).sum(dim=1)
+    if at_or_above is not None:
+        at_or_above -= (block_at_or_above & in_block).sum(dim=1)
     return _kernel.TieCounts(greater, at_or_above, tied, has_positive)
