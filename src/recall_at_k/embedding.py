@@ -7,9 +7,10 @@ fit in ``chunk_bytes``, summing the per-tile rank histograms of the shared kerne
 DDP the states are gathered by torchmetrics; each process then ranks only its share of the
 queries and the histograms are summed with ``all_reduce``.
 
-Per tile, a query's positives are read from a small block: the gallery columns listed
-in label order put the items of each label in one run, so a query's positives are the
-``block_count`` columns that follow ``block_start`` in that order. Ignored items (the
+Per tile, a query's positives are read from a small block: the gallery's columns are its
+items sorted by label, which puts the items of each label in one run of adjacent
+columns, so a query's positives are the ``block_count`` columns from ``block_start`` on
+(a gather of adjacent values). Ignored items (the
 query itself, same-group items) are written as NaN into the tile, and NaN compares false
 with everything, so the full-width work per tile is one matrix product and one
 comparison with the best positive's score. When a tile's label blocks are wide (few,
