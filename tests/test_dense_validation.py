@@ -203,3 +203,41 @@ def test_one_dimensional_preds_without_indexes_points_to_the_flat_form() -> None
         RetrievalRecallAtK()(torch.rand(4), torch.tensor([0, 1, 0, 0]), torch.tensor([0, 0, 1, 1]))
     with pytest.raises(ValueError, match=r"`scores` must be a floating point .* got shape \[3\]"):
         retrieval_recall_at_k(torch.rand(3), T)
+
+
+@pytest.mark.parametrize(
+    ("position", "target_kind"),
+    [
+        ((0, 0), "bool"),  # on a positive
+        ((1, 3), "bool"),  # on a negative
+        ((4, 2), "bool"),  # in a row without a positive
+        ((5, 1), "bool"),  # in a row whose positive scores -inf
+        ((299, 699), "bool"),  # the last row of the second CPU row block
+        ((7, 5), "int"),  # 0/1 integer mask
+    ],
+)
+def test_nan_is_found_by_the_mask_path_itself(position: tuple[int, int], target_kind: str) -> None:
+    """A [Q, G] mask without ignore takes the CPU path that detects NaN rows in its own
+    pass (no separate NaN check); the error, its count and the untouched state hold."""
+    scores = torch.rand(300, 700)
+    mask = torch.zeros(300, 700, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[4] = False
+    scores[5, 0] = float("-inf")
+    scores[position] = float("nan")
+    scores[150, 10] = float("nan")
+    target = mask if target_kind == "bool" else mask.to(torch.int64)
+    match = r"`scores` must not contain NaN, found 2 NaN value\(s\)"
+    metric = RetrievalRecallAtK(k=(1, 5))
+    metric.update(torch.rand(2, 700), mask[:2])
+    before = metric.rank_histogram.clone(), metric.query_counts.clone()
+    with pytest.raises(ValueError, match=match):
+        metric.update(scores, target)
+    assert torch.equal(metric.rank_histogram, before[0])
+    assert torch.equal(metric.query_counts, before[1])
+    for ties in ("pessimistic", "optimistic"):
+        with pytest.raises(ValueError, match=match):
+            retrieval_first_hit_rank(scores, target, ties=ties)
+    for ties in ("pessimistic", "optimistic", "expected"):
+        with pytest.raises(ValueError, match=match):
+            retrieval_recall_at_k(scores, target, ties=ties)

@@ -221,11 +221,18 @@ def test_matches_brute_force_reference(
     batches, kwargs = SCENARIOS[scenario]()
     expected = reference_embedding_recall(batches, KS, ties=ties, **_reference_kwargs(kwargs))
     assert not all(v in (0.0, 1.0) for v in expected.values())  # a scenario that tells
+    # Routes: dense masks or label blocks; on CPU the blocks by panels of columns (of
+    # the default size, and of one column each) or, as on a GPU, in whole tiles.
+    panel_options = ((True, embedding_module._CPU_PANEL_BYTES), (True, 1), (False, 1))
     for fraction in ROUTES:
         monkeypatch.setattr(embedding_module, "_SPARSE_MAX_BLOCK_FRACTION", fraction)
-        for chunk in CHUNKS:
-            got = run_metric(batches, ties=ties, chunk_bytes=chunk, **kwargs)
-            assert got == pytest.approx(expected, abs=1e-6, nan_ok=True), (fraction, chunk)
+        for panels, panel_bytes in panel_options:
+            monkeypatch.setattr(embedding_module, "_CPU_PANELS", panels)
+            monkeypatch.setattr(embedding_module, "_CPU_PANEL_BYTES", panel_bytes)
+            for chunk in CHUNKS:
+                got = run_metric(batches, ties=ties, chunk_bytes=chunk, **kwargs)
+                where = (fraction, panels, panel_bytes, chunk)
+                assert got == pytest.approx(expected, abs=1e-6, nan_ok=True), where
 
 
 @pytest.mark.parametrize("action", ("neg", "pos", "skip"))

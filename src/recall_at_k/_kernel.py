@@ -36,12 +36,15 @@ class TieCounts(NamedTuple):
     ``greater`` is g_>, ``equal`` is e, ``tied_positives`` is p and ``has_positive`` tells
     whether the query has any valid positive (when it has none the counts are meaningless).
     Any of the first three may be ``None`` when the policy at hand does not need it.
+    ``nan_rows`` (bool ``[Q]``) is set only by a path whose own passes reveal which rows
+    hold a NaN score (see :func:`reveals_nan`); the counts of such rows are meaningless.
     """
 
     greater: Tensor | None
     equal: Tensor | None
     tied_positives: Tensor | None
     has_positive: Tensor
+    nan_rows: Tensor | None = None
 
 
 class Workspace:
@@ -97,6 +100,19 @@ def _count_dtype(scores: Tensor) -> torch.dtype:
     return torch.float64
 
 
+def reveals_nan(scores: Tensor, target: Tensor, ignore: Tensor | None) -> bool:
+    """Whether :func:`dense_tie_counts` will report NaN rows in ``nan_rows`` itself.
+
+    The CPU mask path takes the maximum over every item of each row (NaN propagates
+    through it), so a separate NaN check of the scores would read them once more.
+    """
+    return _takes_block_path(scores, target, ignore) and scores.shape[-1] > 0
+
+
+def _takes_block_path(scores: Tensor, target: Tensor, ignore: Tensor | None) -> bool:
+    return target.dim() == 2 and ignore is None and scores.device.type in ("cpu", "meta")
+
+
 def _count(
     op: str, values: Tensor, threshold: Tensor, dtype: torch.dtype, workspace: Workspace | None
 ) -> Tensor:
@@ -143,7 +159,7 @@ def dense_tie_counts(
 
     if target.dim() == 1:
         return _index_target_counts(scores, target, ignore, need, count_dtype, workspace)
-    if ignore is None and scores.device.type in ("cpu", "meta"):
+    if _takes_block_path(scores, target, ignore):
         return _mask_target_counts_by_blocks(scores, target, need, count_dtype, workspace)
 
     # Two selects over the batch: positives_only keeps the valid positives' scores (-inf
@@ -263,7 +279,10 @@ def _mask_target_counts_by_blocks(
         at_or_above = torch.where(
             all_minus_inf, gallery - num_pos, at_or_above_f.to(torch.int64) - tied
         )
-    return TieCounts(greater, at_or_above, tied if want_p else None, num_pos > 0)
+    # The clamp keeps a NaN score and the row maximum propagates it: s* is NaN exactly
+    # when the row holds a NaN.
+    nan_rows = torch.isnan(best.squeeze(-1))
+    return TieCounts(greater, at_or_above, tied if want_p else None, num_pos > 0, nan_rows)
 
 
 def _scratch_rows(

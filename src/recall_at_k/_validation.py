@@ -13,7 +13,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from recall_at_k._kernel import EMPTY_TARGET_ACTIONS, TIES
+from recall_at_k._kernel import (
+    EMPTY_TARGET_ACTIONS,
+    TIES,
+    TieCounts,
+    Workspace,
+    dense_tie_counts,
+    reveals_nan,
+)
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 
@@ -112,13 +119,22 @@ def _scores_values_validation(scores: Tensor, name: str = "scores") -> None:
     # amax propagates NaN: one fast reduction finds whether there is any (a bool-output
     # isnan over the whole batch is several times slower on CPU); count only then.
     if scores.numel() and bool(torch.isnan(scores.detach().amax())):
-        count = int(torch.isnan(scores).sum())
-        raise ValueError(f"`{name}` must not contain NaN, found {count} NaN value(s)")
+        _raise_nan(scores, name)
 
 
-def _dense_values_validation(scores: Tensor, target: Tensor) -> None:
-    """Value checks of a dense input (each reads tensor values on the host)."""
-    _scores_values_validation(scores)
+def _raise_nan(scores: Tensor, name: str = "scores") -> None:
+    count = int(torch.isnan(scores).sum())
+    raise ValueError(f"`{name}` must not contain NaN, found {count} NaN value(s)")
+
+
+def _dense_values_validation(scores: Tensor, target: Tensor, *, check_nan: bool = True) -> None:
+    """Value checks of a dense input (each reads tensor values on the host).
+
+    ``check_nan=False`` leaves NaN to :func:`_checked_dense_tie_counts`, for the kernel
+    paths that find NaN rows in their own passes.
+    """
+    if check_nan:
+        _scores_values_validation(scores)
     if not target.numel():
         return
     if target.dim() == 1:
@@ -154,3 +170,25 @@ def _query_ids_validation(query_ids: Tensor, scores: Tensor) -> None:
             f" one id per row of `scores`, got {_describe(query_ids)}"
         )
     _same_device_validation(preds=scores, query_ids=query_ids)
+
+
+def _checked_dense_tie_counts(
+    scores: Tensor,
+    target: Tensor,
+    ignore: Tensor | None,
+    need: tuple[bool, bool, bool],
+    validate_args: bool,
+    workspace: Workspace | None = None,
+) -> TieCounts:
+    """:func:`dense_tie_counts` after the value checks that ``validate_args`` asks for.
+
+    Where the kernel reveals NaN rows itself (:func:`reveals_nan`), the NaN check reads
+    its result instead of the scores: one pass over the batch fewer.
+    """
+    fused = validate_args and reveals_nan(scores, target, ignore)
+    if validate_args:
+        _dense_values_validation(scores, target, check_nan=not fused)
+    counts = dense_tie_counts(scores, target, ignore, need, workspace)
+    if fused and counts.nan_rows is not None and bool(counts.nan_rows.any()):
+        _raise_nan(scores)
+    return counts

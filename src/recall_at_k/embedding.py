@@ -65,6 +65,11 @@ _SPARSE_MAX_BLOCK_FRACTION = 0.25
 _CPU_TILE_BYTES = 32 * 2**20
 # Rows of a tile counted at a time on CPU: a block that stays in the core's cache.
 _CPU_COUNT_BLOCK_BYTES = 2 * 2**20
+# On CPU a tile's scores are computed in panels of columns of about this many bytes,
+# each compared with the best positive's score while it is still in the core's cache.
+_CPU_PANEL_BYTES = 2 * 2**20
+# Whether CPU tiles go by panels (tests turn it off to run the whole-tile route on CPU).
+_CPU_PANELS = True
 
 _INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -625,15 +630,24 @@ class EmbeddingRecallAtK(PerKViews, Metric):
         rows_per_tile = max(1, tile_bytes // max(1, num_gallery * itemsize))
         need = _kernel.needs_for(self.ties)
         check_nan = self.validate_args and self._may_produce_nan(embeddings)
+        by_panels = (
+            _CPU_PANELS and device.type == "cpu" and not callable(self.similarity) and not check_nan
+        )
         buffer: Tensor | None = None
         for start in range(0, share.rows.shape[0], rows_per_tile):
             tile = _Queries._make(t[start : start + rows_per_tile] for t in share)
             tile_embeddings = embeddings.index_select(0, tile.rows)
-            scores, buffer = self._scores(tile_embeddings, gallery, buffer)
-            if check_nan:
-                nan_rows = torch.isnan(scores).any(dim=1)
-                counts[2] += nan_rows.sum()
-            tie_counts = self._tile_counts(scores, tile, gallery, need)
+            widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
+            if by_panels and widest <= _SPARSE_MAX_BLOCK_FRACTION * num_gallery:
+                tie_counts, buffer = self._panel_counts(
+                    tile_embeddings, tile, gallery, need, widest, buffer
+                )
+            else:
+                scores, buffer = self._scores(tile_embeddings, gallery, buffer)
+                if check_nan:
+                    nan_rows = torch.isnan(scores).any(dim=1)
+                    counts[2] += nan_rows.sum()
+                tie_counts = self._tile_counts(scores, tile, gallery, need, widest)
             hist, query_counts = _kernel.rank_histogram(tie_counts, self.ties, self.max_k)
             hist_total += hist
             counts[:2] += query_counts
@@ -673,7 +687,10 @@ class EmbeddingRecallAtK(PerKViews, Metric):
         )
 
     def _queries(self, meta: Tensor, side: _Side, gallery: _Gallery) -> _Queries:
-        labels = meta[side.rows, _LABEL]
+        """The share's queries in label order: a tile's label blocks are then adjacent
+        and together one run of columns (what :meth:`_panel_counts` computes first)."""
+        labels, order = torch.sort(meta[side.rows, _LABEL], stable=True)
+        side = _Side(side.rows[order], side.identity[order])
         block = torch.searchsorted(gallery.block_labels, labels)
         block = block.clamp(max=gallery.block_labels.shape[0] - 1)
         found = gallery.block_labels[block] == labels
@@ -711,30 +728,95 @@ class EmbeddingRecallAtK(PerKViews, Metric):
                 )
             # A private copy: the tile is written to below.
             return scores.detach().clone(memory_format=torch.contiguous_format), buffer
-        if buffer is None:
-            buffer = torch.empty(
-                (num_rows, num_gallery), dtype=queries.dtype, device=queries.device
-            )
-        out = buffer[:num_rows]
-        gallery_t = gallery.embeddings.T
+        return self._product(queries, gallery, 0, num_gallery, buffer)
+
+    def _product(
+        self, queries: Tensor, gallery: _Gallery, first: int, stop: int, buffer: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """Scores ``[T, stop - first]`` of a tile against the gallery columns
+        ``first:stop``, written into ``buffer`` (grown when too small)."""
+        num_rows, width = queries.shape[0], stop - first
+        if buffer is None or buffer.numel() < num_rows * width:
+            buffer = torch.empty(num_rows * width, dtype=queries.dtype, device=queries.device)
+        out = buffer[: num_rows * width].view(num_rows, width)
+        gallery_t = gallery.embeddings[first:stop].T
         if self.similarity == "euclidean":
             assert gallery.neg_sq_norms is not None
             # -(|q|^2 - 2 q.g + |g|^2)
-            torch.addmm(gallery.neg_sq_norms, queries, gallery_t, alpha=2, out=out)
+            torch.addmm(gallery.neg_sq_norms[:, first:stop], queries, gallery_t, alpha=2, out=out)
             out.sub_(queries.square().sum(dim=1, keepdim=True))
         else:
             torch.matmul(queries, gallery_t, out=out)
         return out, buffer
 
-    def _ignore_in_place(self, scores: Tensor, tile: _Queries, gallery: _Gallery) -> None:
-        """Write NaN over the items each query must ignore, except the label-and-group
-        junk, which lies inside the label blocks and is handled there."""
+    def _panel_counts(
+        self,
+        queries: Tensor,
+        tile: _Queries,
+        gallery: _Gallery,
+        need: tuple[bool, bool, bool],
+        widest: int,
+        buffer: Tensor | None,
+    ) -> tuple[_kernel.TieCounts, Tensor | None]:
+        """:func:`_block_counts` of a tile whose scores never exist all at once (CPU).
+
+        The tile's queries are in label order, so their label blocks together are one
+        run of columns ``[lo, hi)``: those scores come first, give each query's s*, p
+        and its block's share of the counts; the other columns follow in panels of
+        about ``_CPU_PANEL_BYTES``, each counted against s* while still in cache. Every
+        score is computed once (in one product), so ties compare exactly as in one
+        full tile.
+        """
+        num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
+        if widest == 0:  # no query of the tile has an item of its label in the gallery
+            zeros = torch.zeros(num_rows, dtype=torch.int64, device=queries.device)
+            return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool()), buffer
+        present = tile.block_count > 0
+        lo = int(torch.where(present, tile.block_start, num_gallery).min())
+        hi = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
+        scores, buffer = self._product(queries, gallery, lo, hi, buffer)
+        self._ignore_in_place(scores, tile, gallery, lo)
+        block_tile = tile._replace(block_start=tile.block_start - lo)
+        counts, best = _block_counts(
+            scores, block_tile, gallery.groups[lo:hi], need, widest, self.exclude
+        )
+        greater, at_or_above = counts.greater, counts.equal
+        width = max(1, _CPU_PANEL_BYTES // (num_rows * queries.element_size()))
+        panels = [(a, min(a + width, lo)) for a in range(0, lo, width)]
+        panels += [(a, min(a + width, num_gallery)) for a in range(hi, num_gallery, width)]
+        # Each query lies in its own label block, so only same-group exclusion, or an id
+        # shared by items of different labels, ignores anything outside [lo, hi).
+        self_outside = (tile.self_column >= 0) & (
+            (tile.self_column < lo) | (tile.self_column >= hi)
+        )
+        ignore_outside = self.exclude == "same_group" or bool(self_outside.any())
+        for first, stop in panels:
+            scores, buffer = self._product(queries, gallery, first, stop, buffer)
+            if ignore_outside:
+                self._ignore_in_place(scores, tile, gallery, first)
+            panel_gt, panel_ge = _row_counts(scores, best, need[0], need[1])
+            if greater is not None and panel_gt is not None:
+                greater += panel_gt
+            if at_or_above is not None and panel_ge is not None:
+                at_or_above += panel_ge
+        return counts, buffer
+
+    def _ignore_in_place(
+        self, scores: Tensor, tile: _Queries, gallery: _Gallery, first: int = 0
+    ) -> None:
+        """Write NaN over the items each query must ignore in the gallery columns
+        ``first:first + scores.shape[1]``, except the label-and-group junk, which lies
+        inside the label blocks and is handled there."""
+        width = scores.shape[1]
         rows = torch.arange(scores.shape[0], device=scores.device)
-        column = tile.self_column.clamp(min=0)
+        local = tile.self_column - first
+        inside = (tile.self_column >= 0) & (local >= 0) & (local < width)
+        column = local.clamp(min=0, max=max(width - 1, 0))
         current = scores[rows, column]
-        scores[rows, column] = torch.where(tile.self_column >= 0, float("nan"), current)
+        scores[rows, column] = torch.where(inside, float("nan"), current)
         if self.exclude == "same_group":
-            same_group = tile.groups.unsqueeze(1) == gallery.groups.unsqueeze(0)
+            groups = gallery.groups[first : first + width]
+            same_group = tile.groups.unsqueeze(1) == groups.unsqueeze(0)
             scores.masked_fill_(same_group, float("nan"))
 
     def _tile_counts(
@@ -743,13 +825,13 @@ class EmbeddingRecallAtK(PerKViews, Metric):
         tile: _Queries,
         gallery: _Gallery,
         need: tuple[bool, bool, bool],
+        widest: int,
     ) -> _kernel.TieCounts:
+        """Counts of a whole ``[T, G]`` tile (GPU, callable similarity, NaN checks)."""
         self._ignore_in_place(scores, tile, gallery)
-        num_gallery = scores.shape[1]
-        widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
-        if widest > _SPARSE_MAX_BLOCK_FRACTION * num_gallery:
+        if widest > _SPARSE_MAX_BLOCK_FRACTION * scores.shape[1]:
             return self._dense_counts(scores, tile, gallery, need)
-        return _block_counts(scores, tile, gallery, need, widest, self.exclude)
+        return _block_counts(scores, tile, gallery.groups, need, widest, self.exclude)[0]
 
     def _dense_counts(
         self,
@@ -876,32 +958,36 @@ def _row_counts(
 def _block_counts(
     scores: Tensor,
     tile: _Queries,
-    gallery: _Gallery,
+    groups: Tensor,
     need: tuple[bool, bool, bool],
     widest: int,
     exclude: str,
-) -> _kernel.TieCounts:
+) -> tuple[_kernel.TieCounts, Tensor]:
     """g_>, g_> + e and p of a tile whose positives are read from their label blocks.
 
     ``scores`` already holds NaN where an item is ignored (the query itself, same-group
     items). Every item sharing the query's label lies in its block, so the valid
     negatives at or above s* are all items at or above s* minus the block's items at or
     above s* (ignored junk of the label-and-group rule included: it is in the block).
+    ``groups`` are the groups of the columns of ``scores``; ``tile.block_start`` counts
+    in those columns. Returns the counts and s* (``[T, 1]``).
     """
     want_gt, want_ge, _ = need
     device = scores.device
     if widest == 0:  # no query of the tile has an item of its label in the gallery
         zeros = torch.zeros(scores.shape[0], dtype=torch.int64, device=device)
-        return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool())
+        best = torch.full((scores.shape[0], 1), float("-inf"), device=device)
+        return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool()), best
     steps = torch.arange(widest, device=device)
     in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
+    # Rows without a block (block_count 0) may start anywhere: keep them in range.
     columns = (tile.block_start.unsqueeze(1) + steps.unsqueeze(0)).clamp_(
-        max=max(scores.shape[1] - 1, 0)
+        min=0, max=max(scores.shape[1] - 1, 0)
     )
     block = scores.gather(1, columns)
     valid = in_block & ~torch.isnan(block)
     if exclude == "same_label_and_group":
-        valid &= gallery.groups[columns] != tile.groups.unsqueeze(1)
+        valid &= groups[columns] != tile.groups.unsqueeze(1)
     best = torch.where(valid, block, float("-inf")).amax(dim=1, keepdim=True)
     has_positive = valid.any(dim=1)
     block_at_or_above = block >= best  # NaN compares false
@@ -911,4 +997,4 @@ def _block_counts(
         greater -= ((block > best) & in_block).sum(dim=1)
     if at_or_above is not None:
         at_or_above -= (block_at_or_above & in_block).sum(dim=1)
-    return _kernel.TieCounts(greater, at_or_above, tied, has_positive)
+    return _kernel.TieCounts(greater, at_or_above, tied, has_positive), best

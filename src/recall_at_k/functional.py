@@ -21,8 +21,8 @@ from torch import Tensor
 from recall_at_k import _kernel
 from recall_at_k._result import RecallOutput, format_recall, recall_result
 from recall_at_k._validation import (
+    _checked_dense_tie_counts,
     _dense_structure_validation,
-    _dense_values_validation,
     _empty_target_action_validation,
     _k_validation,
     _key_validation,
@@ -68,9 +68,9 @@ def retrieval_first_hit_rank(
     """
     _ties_validation(ties, allowed=("pessimistic", "optimistic"))
     _dense_structure_validation(scores, target, ignore)
-    if validate_args:
-        _dense_values_validation(scores, target)
-    counts = _kernel.dense_tie_counts(scores, target, ignore, _kernel.needs_for(ties))
+    counts = _checked_dense_tie_counts(
+        scores, target, ignore, _kernel.needs_for(ties), validate_args
+    )
     return _kernel.first_hit_rank(counts, ties)
 
 
@@ -114,9 +114,9 @@ def retrieval_recall_at_k(
     _empty_target_action_validation(empty_target_action)
     _key_validation(key)
     _dense_structure_validation(scores, target, ignore)
-    if validate_args:
-        _dense_values_validation(scores, target)
-    counts = _kernel.dense_tie_counts(scores, target, ignore, _kernel.needs_for(ties))
+    counts = _checked_dense_tie_counts(
+        scores, target, ignore, _kernel.needs_for(ties), validate_args
+    )
     hist, queries = _kernel.rank_histogram(counts, ties, max(ks))
     return recall_result(hist, queries, ks, isinstance(k, int), key, empty_target_action)
 

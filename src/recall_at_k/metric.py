@@ -13,6 +13,7 @@ from recall_at_k import _flat, _kernel
 from recall_at_k._plot import plot_curves, values_of
 from recall_at_k._result import RecallOutput, recall_result
 from recall_at_k._validation import (
+    _checked_dense_tie_counts,
     _dense_structure_validation,
     _dense_values_validation,
     _empty_target_action_validation,
@@ -250,14 +251,19 @@ class RetrievalRecallAtK(PerKViews, Metric):
                 " takes [Q, G] scores)"
             )
         _dense_structure_validation(preds, target, ignore)
-        if self.validate_args:
-            _dense_values_validation(preds, target)
         if preds.shape[0] == 0:
+            if self.validate_args:
+                _dense_values_validation(preds, target)
             return
         if query_ids is not None:
             _query_ids_validation(query_ids, preds)
-        counts = _kernel.dense_tie_counts(
-            preds, target, ignore, _kernel.needs_for(self.ties), self._workspace
+        counts = _checked_dense_tie_counts(
+            preds,
+            target,
+            ignore,
+            _kernel.needs_for(self.ties),
+            self.validate_args,
+            self._workspace,
         )
         outcomes = _kernel.query_outcomes(counts, self.ties, self.max_k)
         if query_ids is None:
