@@ -16,6 +16,12 @@ with everything, so the full-width work per tile is one matrix product and one
 comparison with the best positive's score. When a tile's label blocks are wide (few,
 large classes) the tile goes through :func:`recall_at_k._kernel.dense_tie_counts` with
 full relevance and ignore masks instead; both routes give the same counts.
+
+On CPU the block route never holds a tile's full score rows: queries are ranked in label
+order, so a tile's label blocks form one run of columns, scored first; the remaining
+columns follow in panels of ``_CPU_PANEL_BYTES`` that are compared with each query's
+best positive while they are still in the core's cache. Every score is computed exactly
+once, so ties compare as in one full tile.
 """
 
 from __future__ import annotations
