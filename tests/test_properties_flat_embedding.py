@@ -91,13 +91,23 @@ def test_flat_form_matches_reference(case: dict[str, object]) -> None:
 @st.composite
 def embedding_cases(draw: st.DrawFn) -> dict[str, object]:
     n = draw(st.integers(2, 9))
-    coords = st.sampled_from([-1.0, 0.0, 1.0, 2.0])
     similarity = draw(st.sampled_from(["dot", "euclidean", "cosine"]))
-    embeddings = []
+    # Scores must be exact in float32 whatever kernel the matrix product uses (a fused
+    # multiply-add rounds differently, see the README): small integers for dot and
+    # euclidean; for cosine, vectors whose normalised entries are exact (an axis times
+    # 1 or 2, or four entries of +-1, norm 2), so every cosine is in {0, +-0.5, +-1}.
+    embeddings: list[list[float]] = []
     for _ in range(n):
-        vector = [draw(coords), draw(coords)]
-        if similarity == "cosine" and vector == [0.0, 0.0]:
-            vector = [1.0, 0.0]  # cosine needs non-zero vectors
+        if similarity == "cosine":
+            kind = draw(st.sampled_from(["axis", "signs"]))
+            if kind == "axis":
+                vector = [0.0] * 4
+                vector[draw(st.integers(0, 3))] = draw(st.sampled_from([-2.0, -1.0, 1.0, 2.0]))
+            else:
+                vector = [draw(st.sampled_from([-1.0, 1.0])) for _ in range(4)]
+        else:
+            coords = st.sampled_from([-1.0, 0.0, 1.0, 2.0])
+            vector = [draw(coords), draw(coords)]
         embeddings.append(vector)
     roles = draw(st.sampled_from(["both", "split"]))
     return {
