@@ -21,7 +21,9 @@ On CPU the block route never holds a tile's full score rows: queries are ranked 
 order, so a tile's label blocks form one run of columns, scored first; the remaining
 columns follow in panels of ``_CPU_PANEL_BYTES`` that are compared with each query's
 best positive while they are still in the core's cache. Every score is computed exactly
-once, so ties compare as in one full tile.
+once, so the value that sets a query's s* is the one its counts compare. (Ties are ties of
+the computed scores: a BLAS product may round one dot product differently at different
+columns, see the README.)
 """
 
 from __future__ import annotations
@@ -770,8 +772,8 @@ class EmbeddingRecallAtK(PerKViews, Metric):
         run of columns ``[lo, hi)``: those scores come first, give each query's s*, p
         and its block's share of the counts; the other columns follow in panels of
         about ``_CPU_PANEL_BYTES``, each counted against s* while still in cache. Every
-        score is computed once (in one product), so ties compare exactly as in one
-        full tile.
+        score is computed once, so the positive that sets s* is counted with that same
+        value.
         """
         num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
         if widest == 0:  # no query of the tile has an item of its label in the gallery
