@@ -85,7 +85,7 @@ def _scratch(
 _COUNT_SLOT, _NEGATIVES_SLOT, _POSITIVES_SLOT, _SIGNS_SLOT = 0, 1, 2, 3
 
 # The CPU mask path works on blocks of rows of about this many bytes of scores, so that
-# each block and its two scratch blocks stay in the core's L2 cache between the passes.
+# each block and its one scratch block stay in the core's L2 cache between the passes.
 _CPU_BLOCK_BYTES = 512 * 2**10
 
 
@@ -233,7 +233,7 @@ def _mask_target_counts_by_blocks(
     torch.add(one, relevant.view(torch.uint8), alpha=254, out=signs_u8)
     rows = max(1, _CPU_BLOCK_BYTES // (gallery * scores.element_size()))
     rows = min(rows, num_queries)
-    kept_buffer = _scratch_rows(workspace, _POSITIVES_SLOT, rows, gallery, scores.dtype, device)
+    kept_buffer = _scratch(workspace, _POSITIVES_SLOT, scores[:rows])
     best = torch.empty((num_queries, 1), dtype=scores.dtype, device=device)
     sign_sum = torch.empty(num_queries, dtype=count_dtype, device=device)
     greater_f = torch.empty(num_queries, dtype=count_dtype, device=device)
@@ -283,20 +283,6 @@ def _mask_target_counts_by_blocks(
     # when the row holds a NaN.
     nan_rows = torch.isnan(best.squeeze(-1))
     return TieCounts(greater, at_or_above, tied if want_p else None, num_pos > 0, nan_rows)
-
-
-def _scratch_rows(
-    workspace: Workspace | None,
-    slot: int,
-    rows: int,
-    columns: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> Tensor:
-    shape = torch.Size((rows, columns))
-    if workspace is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return workspace.get(slot, shape, dtype, device)
 
 
 def _any_per_row(mask: Tensor) -> Tensor:

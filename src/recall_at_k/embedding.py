@@ -777,8 +777,7 @@ class EmbeddingRecallAtK(PerKViews, Metric):
         """
         num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
         if widest == 0:  # no query of the tile has an item of its label in the gallery
-            zeros = torch.zeros(num_rows, dtype=torch.int64, device=queries.device)
-            return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool()), buffer
+            return _no_positive_counts(num_rows, queries.device), buffer
         present = tile.block_count > 0
         lo = int(torch.where(present, tile.block_start, num_gallery).min())
         hi = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
@@ -963,6 +962,12 @@ def _row_counts(
     return greater, at_or_above
 
 
+def _no_positive_counts(num_rows: int, device: torch.device) -> _kernel.TieCounts:
+    """The counts of a tile none of whose queries has an item of its label."""
+    zeros = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool())
+
+
 def _block_counts(
     scores: Tensor,
     tile: _Queries,
@@ -983,9 +988,8 @@ def _block_counts(
     want_gt, want_ge, _ = need
     device = scores.device
     if widest == 0:  # no query of the tile has an item of its label in the gallery
-        zeros = torch.zeros(scores.shape[0], dtype=torch.int64, device=device)
         best = torch.full((scores.shape[0], 1), float("-inf"), device=device)
-        return _kernel.TieCounts(zeros, zeros, zeros, zeros.bool()), best
+        return _no_positive_counts(scores.shape[0], device), best
     steps = torch.arange(widest, device=device)
     in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
     # Rows without a block (block_count 0) may start anywhere: keep them in range.
