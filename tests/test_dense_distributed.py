@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from distributed_harness import run_distributed
+from helpers import run_distributed
 
 from recall_at_k import RetrievalRecallAtK
 

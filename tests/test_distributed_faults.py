@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import run_distributed
+from helpers import run_distributed
 
 from recall_at_k import RetrievalRecallAtK
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from distributed_harness import run_distributed
 from embedding_reference import Batch, reference_embedding_recall
+from helpers import run_distributed
 from torch import Tensor
 from torchmetrics import MetricCollection
 

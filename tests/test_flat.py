@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_harness import run_distributed
+from helpers import run_distributed
 from reference import reference_recall
 from torchmetrics import MetricCollection
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_harness import run_distributed
+from helpers import run_distributed
 
 from recall_at_k import RetrievalRecallAtK
 from recall_at_k.functional import retrieval_recall_at_k

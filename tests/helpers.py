@@ -1,4 +1,4 @@
-"""Run a function in real processes joined by a gloo process group on 127.0.0.1.
+"""Shared test helpers; first of all real processes joined by a gloo process group on 127.0.0.1.
 
 Usage::
 
