@@ -601,6 +601,49 @@ def check_call_styles(case: Case) -> None:
             assert_close(flattened, ref, f"collection member {name} ({positional=})")
 
 
+def check_beside_torchmetrics(case: Case) -> None:
+    """Flat form in a MetricCollection with RetrievalHitRate and RetrievalMRR, positionally.
+
+    On tie-free scores Recall@K is torchmetrics' ``RetrievalHitRate(top_k=K)``; a padded
+    repeat (``complete_queries``) is left out, as torchmetrics would count it twice.
+    """
+    from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR
+
+    calls = case.calls()[:3] if case.whole_calls else case.calls()
+    gen = torch.Generator().manual_seed(1)
+    total = sum(call.rows for call in calls)
+    distinct = torch.randperm(total, generator=gen).float() / total
+    tie_free, start = [], 0
+    for call in calls:
+        tensors = dict(call.tensors)
+        tensors["preds"] = distinct[start : start + call.rows]
+        start += call.rows
+        tie_free.append(Call(tensors, dict(call.options)))
+    ignore_index = case.options.get("ignore_index")
+    theirs = {
+        f"hit_rate@{k}": RetrievalHitRate(top_k=k, ignore_index=ignore_index) for k in case.ks
+    }
+    collection = MetricCollection(
+        {"ours": case.make(), "mrr": RetrievalMRR(ignore_index=ignore_index), **theirs}
+    )
+    mrr = RetrievalMRR(ignore_index=ignore_index)
+    for call in tie_free:
+        call_metric(collection, call, positional=True, names=RETRIEVAL_POSITIONAL)
+        update(mrr, call)
+    result = collection.compute()
+    expected = case.reference(tie_free)
+    if isinstance(case.k, int):
+        ours = {next(iter(expected)): float(result["ours"])}
+    else:
+        ours = {key: float(result[key]) for key in expected}
+    assert_close(ours, expected, "beside torchmetrics")
+    hit_rates = {
+        key: float(result[f"hit_rate@{k}"]) for k, key in zip(case.ks, expected, strict=True)
+    }
+    assert_close(hit_rates, expected, "RetrievalHitRate(top_k=k)")
+    assert abs(float(result["mrr"]) - float(mrr.compute())) <= TOLERANCE
+
+
 # ---------------------------------------------------------------- distributed
 
 

@@ -25,6 +25,7 @@ from conformance import (
     as_values,
     assert_close,
     check_batching_and_order,
+    check_beside_torchmetrics,
     check_call_styles,
     check_compute_on_cpu,
     check_dtype_casts,
@@ -61,6 +62,13 @@ CHECKS: dict[str, Callable[[Case], None]] = {
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_case(case: Case, check: str) -> None:
     CHECKS[check](case)
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.name.startswith("flat")], ids=lambda c: c.name
+)
+def test_flat_case_beside_torchmetrics_retrieval_metrics(case: Case) -> None:
+    check_beside_torchmetrics(case)
 
 
 # ---------------------------------------------------------------- two processes, one spawn
