@@ -136,6 +136,15 @@ def _dense_reference(
     )
 
 
+@pytest.mark.parametrize("cls", [RetrievalRecallAtK, EmbeddingRecallAtK])
+def test_class_attributes_are_torchmetrics(cls: type[Metric]) -> None:
+    assert cls.full_state_update is False
+    assert cls.higher_is_better is True
+    assert cls.is_differentiable is False
+    assert cls.plot_lower_bound == 0.0
+    assert cls.plot_upper_bound == 1.0
+
+
 # ---------------------------------------------------------------- 1: torchmetrics' signature
 
 

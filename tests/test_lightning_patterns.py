@@ -90,7 +90,8 @@ class Recipes(pl.LightningModule):
     """Training: forward + per_k on step and epoch, int k via self.log, embeddings per step.
 
     Validation: per_k at epoch end (monitored by a checkpoint), a MetricCollection with
-    RetrievalMRR computed and reset at epoch end, an EmbeddingRecallAtK computed by hand.
+    RetrievalMRR computed and reset at epoch end, the same collection logged member by
+    member in the step, an EmbeddingRecallAtK computed by hand.
     """
 
     def __init__(self) -> None:
@@ -103,6 +104,9 @@ class Recipes(pl.LightningModule):
         self.val_recall = RetrievalRecallAtK(k=KS)
         self.val_metrics = MetricCollection(
             {"recall": RetrievalRecallAtK(k=KS), "mrr": RetrievalMRR()}, prefix="val_c/"
+        )
+        self.val_members = MetricCollection(
+            {"recall": RetrievalRecallAtK(k=KS), "mrr": RetrievalMRR()}
         )
         self.val_embedding = EmbeddingRecallAtK(k=EMBEDDING_KS, similarity="dot")
         self.train_seen: list[tuple[int, Tensor, Tensor]] = []
@@ -128,6 +132,13 @@ class Recipes(pl.LightningModule):
         self.log_dict(self.val_recall.per_k("val/"))
         self.val_metrics.update(
             scores.flatten(), one_hot(target, GALLERY), indexes=ids.repeat_interleave(GALLERY)
+        )
+        # The same collection logged member by member: one line, Lightning computes and resets.
+        self.val_members.update(
+            scores.flatten(), one_hot(target, GALLERY), indexes=ids.repeat_interleave(GALLERY)
+        )
+        self.log_dict(
+            {**self.val_members["recall"].per_k("val_m/"), "val_m/mrr": self.val_members["mrr"]}
         )
         self.val_embedding.update(scores, target)
         self.val_seen.append((self.current_epoch, scores.clone(), target.clone(), ids.clone()))
@@ -169,6 +180,8 @@ def test_fit_logs_every_recipe_with_the_reference_values(tmp_path: Path) -> None
         *(f"val/{key}" for key in keys),
         *(f"val_c/{key}" for key in keys),
         "val_c/mrr",
+        *(f"val_m/{key}" for key in keys),
+        "val_m/mrr",
         *(f"val_emb/{key}" for key in emb_keys),
     }
     assert expected_columns <= set(columns), sorted(set(columns))
@@ -203,10 +216,12 @@ def test_fit_logs_every_recipe_with_the_reference_values(tmp_path: Path) -> None
         for i, key in enumerate(keys):
             assert columns[f"val/{key}"][epoch] == pytest.approx(want[i], abs=1e-6), key
             assert columns[f"val_c/{key}"][epoch] == pytest.approx(want[i], abs=1e-6), key
+            assert columns[f"val_m/{key}"][epoch] == pytest.approx(want[i], abs=1e-6), key
         mrr = RetrievalMRR()
         for s, y, ids in seen:
             mrr.update(s.flatten(), one_hot(y, GALLERY), indexes=ids.repeat_interleave(GALLERY))
         assert columns["val_c/mrr"][epoch] == pytest.approx(float(mrr.compute()), abs=1e-6)
+        assert columns["val_m/mrr"][epoch] == pytest.approx(float(mrr.compute()), abs=1e-6)
         emb = embedding_reference([(scores, target)], similarity="dot")
         for i, key in enumerate(emb_keys):
             assert columns[f"val_emb/{key}"][epoch] == pytest.approx(emb[i], abs=1e-6), key
