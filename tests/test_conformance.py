@@ -585,7 +585,7 @@ def test_bidirectional_compute_before_any_update_is_nan_for_every_key() -> None:
     assert all(math.isnan(float(v)) for v in result.values())
 
 
-def test_inputs_reused_by_the_caller_do_not_change_the_state() -> None:
+def test_query_ids_reused_by_the_caller_do_not_change_the_state() -> None:
     gen = torch.Generator().manual_seed(12)
     scores = torch.randint(0, 3, (8, 5), generator=gen).float()
     target = torch.randint(0, 5, (8,), generator=gen)
@@ -597,15 +597,20 @@ def test_inputs_reused_by_the_caller_do_not_change_the_state() -> None:
     dense.update(scores[:0], target[:0], query_ids=ids[:0])
     assert list(dense.compute().values()) == pytest.approx(want)
 
+
+def test_flat_inputs_reused_by_the_caller_do_not_change_the_state() -> None:
     flat = RetrievalRecallAtK(k=(1, 2))
     preds, relevant, indexes = _flat_tie_free(3)
     want_flat = _flat_reference(preds, relevant, indexes, (1, 2))
     buffers = (preds.clone(), relevant.clone(), indexes.clone())
-    flat.update(*buffers)
+    flat.update(buffers[0], buffers[1], indexes=buffers[2])
     for buffer in buffers:
         buffer.zero_()
     assert list(flat.compute().values()) == pytest.approx(want_flat)
 
+
+def test_embedding_inputs_reused_by_the_caller_do_not_change_the_state() -> None:
+    gen = torch.Generator().manual_seed(13)
     embeddings = torch.randn(10, 4, generator=gen)
     labels = torch.randint(0, 3, (10,), generator=gen)
     groups, sample_ids = torch.arange(10) % 3, torch.arange(10)
