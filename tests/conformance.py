@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from embedding_reference import Batch, members, reference_embedding_recall
+from embedding_reference import Batch, items_of, members, reference_embedding_recall
 from reference import reference_recall
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
@@ -162,8 +162,6 @@ def _embedding_reference(case: Case, calls: Sequence[Call]) -> dict[str, float]:
     }
     out = reference_embedding_recall(batches, case.ks, **options)
     # A direction that these calls alone cannot rank (no query or no gallery) is NaN.
-    from embedding_reference import items_of
-
     items = items_of(batches)
     as_query, as_gallery = ("query", "both"), ("gallery", "both")
     plan = [("q2g", as_query, as_gallery), ("g2q", as_gallery, as_query)]

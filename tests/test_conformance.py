@@ -570,7 +570,7 @@ def test_merge_state_without_groups_into_same_group_is_an_error() -> None:
 @pytest.mark.parametrize("cls", [RetrievalRecallAtK, EmbeddingRecallAtK])
 def test_compute_before_any_update_warns_and_is_nan(cls: type[Metric], k: Any) -> None:
     metric = cls(k=k)
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="NaN"):
         result = metric.compute()
     values = [result] if isinstance(result, Tensor) else list(result.values())
     assert len(values) == (1 if isinstance(k, int) else 2)
@@ -579,7 +579,7 @@ def test_compute_before_any_update_warns_and_is_nan(cls: type[Metric], k: Any) -
 
 def test_bidirectional_compute_before_any_update_is_nan_for_every_key() -> None:
     metric = EmbeddingRecallAtK(k=(1, 5), bidirectional=True)
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="NaN"):
         result = metric.compute()
     assert list(result) == ["q2g/recall@1", "q2g/recall@5", "g2q/recall@1", "g2q/recall@5"]
     assert all(math.isnan(float(v)) for v in result.values())
