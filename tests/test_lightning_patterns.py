@@ -89,7 +89,8 @@ def one_hot(target: Tensor, width: int) -> Tensor:
 class Recipes(pl.LightningModule):
     """Training: forward + per_k on step and epoch, int k via self.log, embeddings per step.
 
-    Validation: per_k at epoch end (monitored by a checkpoint), a MetricCollection with
+    Validation: per_k at epoch end (monitored by a checkpoint), forward + per_k on step
+    and epoch, a MetricCollection with
     RetrievalMRR computed and reset at epoch end, the same collection logged member by
     member in the step, an EmbeddingRecallAtK computed by hand.
     """
@@ -102,6 +103,7 @@ class Recipes(pl.LightningModule):
         self.train_top1 = RetrievalRecallAtK(k=1)
         self.train_embedding = EmbeddingRecallAtK(k=EMBEDDING_KS, similarity="dot")
         self.val_recall = RetrievalRecallAtK(k=KS)
+        self.val_steps = RetrievalRecallAtK(k=KS)
         self.val_metrics = MetricCollection(
             {"recall": RetrievalRecallAtK(k=KS), "mrr": RetrievalMRR()}, prefix="val_c/"
         )
@@ -130,6 +132,8 @@ class Recipes(pl.LightningModule):
         scores = self.layer(features)
         self.val_recall.update(scores, target)
         self.log_dict(self.val_recall.per_k("val/"))
+        self.val_steps(scores, target)
+        self.log_dict(self.val_steps.per_k("val_s/"), on_step=True, on_epoch=True)
         self.val_metrics.update(
             scores.flatten(), one_hot(target, GALLERY), indexes=ids.repeat_interleave(GALLERY)
         )
@@ -178,6 +182,8 @@ def test_fit_logs_every_recipe_with_the_reference_values(tmp_path: Path) -> None
         "train/top1",
         *(f"train_emb/{key}" for key in emb_keys),
         *(f"val/{key}" for key in keys),
+        *(f"val_s/{key}_step" for key in keys),
+        *(f"val_s/{key}_epoch" for key in keys),
         *(f"val_c/{key}" for key in keys),
         "val_c/mrr",
         *(f"val_m/{key}" for key in keys),
@@ -195,6 +201,12 @@ def test_fit_logs_every_recipe_with_the_reference_values(tmp_path: Path) -> None
     for i, key in enumerate(emb_keys):
         want = [embedding_reference([(s, y)], similarity="dot")[i] for _, s, y in steps]
         assert columns[f"train_emb/{key}"] == pytest.approx(want, abs=1e-6), key
+
+    val_batches = [(s, y) for _, s, y, _ in model.val_seen]
+    assert len(val_batches) == 6
+    for i, key in enumerate(keys):
+        want = [dense_reference(s, y, KS)[i] for s, y in val_batches]
+        assert columns[f"val_s/{key}_step"] == pytest.approx(want, abs=1e-6), key
 
     # Per epoch: everything the epoch saw, from a fresh state each epoch.
     for epoch in range(2):
@@ -217,6 +229,7 @@ def test_fit_logs_every_recipe_with_the_reference_values(tmp_path: Path) -> None
             assert columns[f"val/{key}"][epoch] == pytest.approx(want[i], abs=1e-6), key
             assert columns[f"val_c/{key}"][epoch] == pytest.approx(want[i], abs=1e-6), key
             assert columns[f"val_m/{key}"][epoch] == pytest.approx(want[i], abs=1e-6), key
+            assert columns[f"val_s/{key}_epoch"][epoch] == pytest.approx(want[i], abs=1e-6), key
         mrr = RetrievalMRR()
         for s, y, ids in seen:
             mrr.update(s.flatten(), one_hot(y, GALLERY), indexes=ids.repeat_interleave(GALLERY))
