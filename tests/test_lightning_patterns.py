@@ -90,9 +90,9 @@ class Recipes(pl.LightningModule):
     """Training: forward + per_k on step and epoch, int k via self.log, embeddings per step.
 
     Validation: per_k at epoch end (monitored by a checkpoint), forward + per_k on step
-    and epoch, a MetricCollection with
-    RetrievalMRR computed and reset at epoch end, the same collection logged member by
-    member in the step, an EmbeddingRecallAtK computed by hand.
+    and epoch, a MetricCollection with RetrievalMRR computed and reset at epoch end, the
+    same collection logged member by member in the step, an EmbeddingRecallAtK computed
+    by hand.
     """
 
     def __init__(self) -> None:
