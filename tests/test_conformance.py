@@ -390,8 +390,9 @@ def test_complete_queries_state_is_queries_times_max_k() -> None:
             rows = (indexes.unsqueeze(1) == part.unsqueeze(0)).any(1)
             metric.update(preds[rows], target[rows], indexes[rows])
         sizes.append(_flat_state_bytes(metric))
-    assert sizes[0] == sizes[1], f"the state grows with items per query: {sizes}"
-    assert sizes[0] <= 2 * queries * (max_k + 16) * 8, f"{sizes[0]} bytes for {queries} queries"
+    # O(items) would be at least 8 bytes an item: 80,000 and 160,000 bytes here.
+    bound = 2 * queries * (max_k + 16) * 8
+    assert max(sizes) <= bound, f"{sizes} bytes of state for {queries} queries (bound {bound})"
 
 
 # ---------------------------------------------------------------- 9: torchmetrics' wrappers
