@@ -6,106 +6,33 @@
   process's embeddings, then each process ranks only its share of the queries against the
   whole gallery and the hit counts are summed.
 
-The same data in both cases, split evenly over the processes; each process runs one
-torch thread, so two processes use two cores. ``update`` is not timed: after a barrier
-each process times its ``compute()`` (sync included) on a fresh metric; a run's time is
-the slowest process's, the table shows the median over the runs.
-
-Run: ``python benchmarks/distributed.py [--quick]``.
+The processes are spawned by the tests' gloo helper (``tests/helpers.py``). The same
+data in both cases, split evenly over the processes; each process runs one torch thread,
+so two processes use two cores. ``update`` is not timed: after a barrier each process
+times its ``compute()`` (sync included) on a fresh metric; a run's time is the slowest
+process's, the table shows the median over the runs.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from embedding import DIM, make_data
+from measure import Section, fmt_seconds, markdown_table
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from measure import fmt_seconds, machine, markdown_table
+from helpers import run_distributed
 
 KS = (1, 5, 10)
 BATCH = 256
-DIM = 128
-CLASSES = 100
-
-# Dense (Q, G), embedding N, timed runs per mode.
-SIZES: dict[str, dict[str, Any]] = {
-    "full": {"dense": (4_096, 5_000), "embedding": 10_000, "repeats": 3},
-    "quick": {"dense": (1_024, 1_000), "embedding": 2_000, "repeats": 2},
-    "tiny": {"dense": (256, 100), "embedding": 300, "repeats": 1},
-}
-
-
-# ------------------------------------------------------------------------- spawn
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    out_dir: str,
-    fn: Callable[[int, int, Any], Any],
-    payload: Any,
-) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    result: dict[str, Any]
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            result = {"ok": fn(rank, world_size, payload)}
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # report everything to the parent
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def spawn(fn: Callable[[int, int, Any], Any], world_size: int, payload: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, payload)`` in ``world_size`` gloo processes.
-
-    The processes are forked where the platform can (no second import of torch and
-    torchmetrics, which takes longer than the whole measurement); each sets one torch
-    thread before anything else, as DataLoader workers do, which is what makes a fork
-    after the parent's multi-threaded work safe.
-    """
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            _entry,
-            args=(world_size, _free_port(), out_dir, fn, payload),
-            nprocs=world_size,
-            join=True,
-            start_method=method,
-        )
-        results = []
-        for rank in range(world_size):
-            result = torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
-            if "error" in result:
-                raise RuntimeError(f"rank {rank} failed:\n{result['error']}")
-            results.append(result["ok"])
-        return results
 
 
 # ----------------------------------------------------------------------- workers
@@ -159,10 +86,7 @@ def _dense_maker(size: tuple[int, int]) -> Callable[[range, Any], Any]:
 def _embedding_maker(num: int) -> Callable[[range, Any], Any]:
     from recall_at_k import EmbeddingRecallAtK
 
-    gen = torch.Generator().manual_seed(0)
-    centres = torch.randn(CLASSES, DIM, generator=gen)
-    labels = torch.randint(0, CLASSES, (num,), generator=gen)
-    embeddings = centres[labels] + 2.5 * torch.randn(num, DIM, generator=gen)
+    embeddings, labels = make_data(num)
 
     def make(rows: range, group: Any) -> Any:
         metric = EmbeddingRecallAtK(KS, process_group=group)
@@ -197,18 +121,13 @@ def worker(rank: int, world_size: int, payload: dict[str, Any]) -> dict[str, Any
 # ------------------------------------------------------------------------ report
 
 
-def run(mode: str = "full") -> str:
-    """Both metrics with 1 and 2 processes at ``mode``'s sizes; the markdown body."""
-    sizes = SIZES[mode]
-    payload = {"dense": sizes["dense"], "embedding": sizes["embedding"]}
-    outs = spawn(worker, 2, {**payload, "repeats": sizes["repeats"]})
+def run(dense_size: tuple[int, int], embedding_num: int, *, repeats: int) -> Section:
+    """Both metrics with 1 and 2 processes: dense ``(Q, G)``, ``embedding_num`` embeddings."""
+    payload = {"dense": dense_size, "embedding": embedding_num, "repeats": repeats}
+    outs = run_distributed(worker, 2, payload)
     cases = [
-        ("dense", "RetrievalRecallAtK, dense", "Q = {:,} x G = {:,}".format(*sizes["dense"])),
-        (
-            "embedding",
-            "EmbeddingRecallAtK, leave-one-out",
-            f"N = {sizes['embedding']:,}, D = {DIM}",
-        ),
+        ("dense", "RetrievalRecallAtK, dense", "Q = {:,} x G = {:,}".format(*dense_size)),
+        ("embedding", "EmbeddingRecallAtK, leave-one-out", f"N = {embedding_num:,}, D = {DIM}"),
     ]
     body = []
     for case, name, data in cases:
@@ -248,22 +167,10 @@ def run(mode: str = "full") -> str:
         ],
         body,
     )
-    return (
+    return Section(
         "Time of `compute()` (sync included), gloo on 127.0.0.1, one torch thread a"
-        f" process, median of {sizes['repeats']} run(s) of the slowest process. The"
+        f" process, median of {repeats} run(s) of the slowest process. The"
         " 1-process rows run on a process group of process 0 alone, holding all the data."
         f" 2-process results equal the 1-process ones: {'yes' if same_single else 'NO'}.\n\n"
         f"{table}"
     )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    print(f"## Distributed cost\n\n{machine('cpu')}.\n")
-    print(run("quick" if args.quick else "full"))
-
-
-if __name__ == "__main__":
-    main()
