@@ -27,21 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 from measure import (
+    TIME_COLUMN,
     Contestant,
-    Measurement,
     Section,
+    Setup,
+    bounded_peer,
     by_name,
-    call,
     contestant_table,
     measure_bounded,
     measure_interleaved,
     memory_ratio_column,
-    over_memory_bound,
     peak_column,
-    safety_timeout,
-    time_column,
     time_ratio_column,
-    timed_out,
 )
 
 from recall_at_k import RetrievalRecallAtK
@@ -67,22 +64,30 @@ TORCHMETRICS_BYTES_PER_ITEM = 100
 Batches = list[torch.Tensor]
 
 
+def random_block(
+    rows: int, gallery: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[rows, G]`` scores, each row's true column and the same positive as a bool mask."""
+    scores = torch.randn(rows, gallery, generator=gen)
+    true = torch.randint(0, gallery, (rows,), generator=gen)
+    scores[torch.arange(rows), true] += 2.0  # a model that is right often enough to matter
+    mask = torch.zeros(rows, gallery, dtype=torch.bool)
+    mask[torch.arange(rows), true] = True
+    return scores, true, mask
+
+
 def make_data(
     num_queries: int, gallery: int, device: str, seed: int = 0
 ) -> tuple[Batches, Batches, Batches]:
     """Score batches, their ``[B]`` true columns and the same positives as ``[B, G]`` masks."""
     gen = torch.Generator().manual_seed(seed)
-    scores, index, mask = [], [], []
+    scores: Batches = []
+    index: Batches = []
+    mask: Batches = []
     for start in range(0, num_queries, BATCH):
-        rows = min(BATCH, num_queries - start)
-        s = torch.randn(rows, gallery, generator=gen)
-        t = torch.randint(0, gallery, (rows,), generator=gen)
-        s[torch.arange(rows), t] += 2.0  # a model that is right often enough to matter
-        m = torch.zeros(rows, gallery, dtype=torch.bool)
-        m[torch.arange(rows), t] = True
-        scores.append(s.to(device))
-        index.append(t.to(device))
-        mask.append(m.to(device))
+        block = random_block(min(BATCH, num_queries - start), gallery, gen)
+        for into, part in zip((scores, index, mask), block, strict=True):
+            into.append(part.to(device))
     return scores, index, mask
 
 
@@ -99,10 +104,7 @@ def ours(
 
 
 def floor(scores: Batches) -> Callable[[], object]:
-    def run() -> object:
-        return [s.amax(dim=1) for s in scores]
-
-    return run
+    return lambda: [s.amax(dim=1) for s in scores]
 
 
 def argsort_per_query(scores: Batches, index: Batches) -> Callable[[], object]:
@@ -187,45 +189,21 @@ def torchmetrics_peer(
     return asdict(measure_bounded(TORCHMETRICS, run, device=device, time_limit=time_limit))
 
 
-def _torchmetrics_row(
-    num_queries: int, gallery: int, device: str, time_limit: float | None, threads: int
-) -> Measurement:
-    """The torchmetrics peer in a child process, within the time and memory bounds."""
-    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
-    skipped = over_memory_bound(TORCHMETRICS, need, device)
-    if skipped is not None:
-        return skipped
-    kwargs = {"num_queries": num_queries, "gallery": gallery, "device": device}
-    out = call(
-        torchmetrics_peer,
-        {**kwargs, "time_limit": time_limit},
-        threads=threads,
-        live_memory=True,
-        timeout=safety_timeout(time_limit),
-    )
-    if out is None:
-        assert time_limit is not None
-        return timed_out(TORCHMETRICS, time_limit)
-    return Measurement(**out)
-
-
 def run(
     size: tuple[int, int],
     *,
     repeats: int,
     slow_repeats: int,
-    time_limit: float | None,
-    threads: int,
-    device: str = "cpu",
+    setup: Setup,
 ) -> Section:
     """Every contestant on the same batches of ``size`` = (Q, G) queries x items.
 
     ``repeats`` timed runs (after the warm-up) for this package and the floor,
-    ``slow_repeats`` for the argsort and topk peers; ``time_limit`` bounds the
-    torchmetrics peer (seconds, ``None``: no bound), which runs in a child process with
-    ``threads`` torch threads (the others run in this process).
+    ``slow_repeats`` for the argsort and topk peers; the torchmetrics peer runs in a
+    child process (:func:`measure.bounded_peer`), the others in this process.
     """
     num_queries, gallery = size
+    device = setup.device
     scores, index, mask = make_data(num_queries, gallery, device)
     rows = measure_interleaved(
         [
@@ -240,12 +218,14 @@ def run(
         device,
     )
     del scores, index, mask  # the child makes its own copy
-    rows.append(_torchmetrics_row(num_queries, gallery, device, time_limit, threads))
+    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
+    kwargs = {"num_queries": num_queries, "gallery": gallery, "device": device}
+    rows.append(bounded_peer(TORCHMETRICS, need, torchmetrics_peer, kwargs, setup))
     named = by_name(rows)
     table = contestant_table(
         rows,
         [
-            time_column(),
+            TIME_COLUMN,
             peak_column(),
             time_ratio_column("time / this metric", named[OURS_INDEX]),
             memory_ratio_column("memory / this metric", named[OURS_INDEX]),

@@ -15,6 +15,7 @@ process's, the table shows the median over the runs.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -33,9 +34,6 @@ from helpers import run_distributed
 
 KS = (1, 5, 10)
 BATCH = 256
-
-
-# ----------------------------------------------------------------------- workers
 
 
 def _shard(num: int, rank: int, world_size: int) -> range:
@@ -64,35 +62,26 @@ def _timed_computes(
     }
 
 
-def _dense_maker(size: tuple[int, int]) -> Callable[[range, Any], Any]:
-    from recall_at_k import RetrievalRecallAtK
+def _maker(case: str, size: Any) -> Callable[[range, Any], Any]:
+    """Fresh metrics of ``case`` updated with the given rows of its data, in batches."""
+    from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 
-    num_queries, gallery = size
-    gen = torch.Generator().manual_seed(0)
-    scores = torch.randn(num_queries, gallery, generator=gen)
-    target = torch.randint(0, gallery, (num_queries,), generator=gen)
-    scores[torch.arange(num_queries), target] += 2.0
-
-    def make(rows: range, group: Any) -> Any:
-        metric = RetrievalRecallAtK(KS, validate_args=False, process_group=group)
-        for start in range(rows.start, rows.stop, BATCH):
-            stop = min(start + BATCH, rows.stop)
-            metric.update(scores[start:stop], target[start:stop])
-        return metric
-
-    return make
-
-
-def _embedding_maker(num: int) -> Callable[[range, Any], Any]:
-    from recall_at_k import EmbeddingRecallAtK
-
-    embeddings, labels = make_data(num)
+    if case == "dense":
+        num_queries, gallery = size
+        gen = torch.Generator().manual_seed(0)
+        inputs = torch.randn(num_queries, gallery, generator=gen)
+        targets = torch.randint(0, gallery, (num_queries,), generator=gen)
+        inputs[torch.arange(num_queries), targets] += 2.0
+        new = functools.partial(RetrievalRecallAtK, KS, validate_args=False)
+    else:
+        inputs, targets = make_data(size)
+        new = functools.partial(EmbeddingRecallAtK, KS)
 
     def make(rows: range, group: Any) -> Any:
-        metric = EmbeddingRecallAtK(KS, process_group=group)
+        metric = new(process_group=group)
         for start in range(rows.start, rows.stop, BATCH):
             stop = min(start + BATCH, rows.stop)
-            metric.update(embeddings[start:stop], labels[start:stop])
+            metric.update(inputs[start:stop], targets[start:stop])
         return metric
 
     return make
@@ -103,9 +92,9 @@ def worker(rank: int, world_size: int, payload: dict[str, Any]) -> dict[str, Any
     alone = dist.new_group([0])
     repeats = payload["repeats"]
     out = {}
-    for case, maker in (("dense", _dense_maker), ("embedding", _embedding_maker)):
+    for case in ("dense", "embedding"):
         size = payload[case]
-        make = maker(size)
+        make = _maker(case, size)
         total = size[0] if isinstance(size, tuple) else size
         single = None
         if rank == 0:
@@ -120,6 +109,28 @@ def worker(rank: int, world_size: int, payload: dict[str, Any]) -> dict[str, Any
 
 # ------------------------------------------------------------------------ report
 
+HEAD = ("metric", "data (all processes)", "processes", "compute() time", "time / 1 process")
+HEAD += ("queries ranked per process", "same result on every process", "recall@1")
+
+
+def _table_row(name: str, data: str, parts: list[dict[str, Any]], single: float) -> list[str]:
+    """The row of one case on ``len(parts)`` processes (``parts``: each one's timings)."""
+    seconds = statistics.median(
+        max(runs) for runs in zip(*(p["times"] for p in parts), strict=True)
+    )
+    values = parts[0]["values"]
+    ranked = [p["ranked"] for p in parts]
+    return [
+        name,
+        data,
+        str(len(parts)),
+        fmt_seconds(seconds),
+        f"{seconds / single:.2f}x",
+        "—" if None in ranked else ", ".join(f"{r:,}" for r in ranked),
+        "yes" if all(p["values"] == values for p in parts) else "NO",
+        f"{values['recall@1']:.4f}",
+    ]
+
 
 def run(dense_size: tuple[int, int], embedding_num: int, *, repeats: int) -> Section:
     """Both metrics with 1 and 2 processes: dense ``(Q, G)``, ``embedding_num`` embeddings."""
@@ -132,41 +143,12 @@ def run(dense_size: tuple[int, int], embedding_num: int, *, repeats: int) -> Sec
     body = []
     for case, name, data in cases:
         single = statistics.median(outs[0][case][1]["times"])
-        for world_size in (1, 2):
-            parts = [outs[0][case][1]] if world_size == 1 else [o[case][2] for o in outs]
-            runs = zip(*(p["times"] for p in parts), strict=True)
-            seconds = statistics.median(max(times) for times in runs)
-            values = parts[0]["values"]
-            same = all(p["values"] == values for p in parts)
-            ranked = [p["ranked"] for p in parts]
-            body.append(
-                [
-                    name,
-                    data,
-                    world_size,
-                    fmt_seconds(seconds),
-                    f"{seconds / single:.2f}x",
-                    "—" if None in ranked else ", ".join(f"{r:,}" for r in ranked),
-                    "yes" if same else "NO",
-                    f"{values['recall@1']:.4f}",
-                ]
-            )
+        body.append(_table_row(name, data, [outs[0][case][1]], single))
+        body.append(_table_row(name, data, [out[case][2] for out in outs], single))
     same_single = all(
         outs[0][case][1]["values"] == outs[0][case][2]["values"] for case, _, _ in cases
     )
-    table = markdown_table(
-        [
-            "metric",
-            "data (all processes)",
-            "processes",
-            "compute() time",
-            "time / 1 process",
-            "queries ranked per process",
-            "same result on every process",
-            "recall@1",
-        ],
-        body,
-    )
+    table = markdown_table(HEAD, body)
     return Section(
         "Time of `compute()` (sync included), gloo on 127.0.0.1, one torch thread a"
         f" process, median of {repeats} run(s) of the slowest process. The"

@@ -17,17 +17,13 @@ compares:
 - ``full N x N matrix + topk``: the whole score matrix, the diagonal set to -inf, then
   ``topk(10)``.
 
-Each contestant runs once per round, in rounds that interleave the contestants, each run
-after a warm-up on a small workload: time is the median over rounds (``update`` +
-``compute`` for the metric), ratios the median of the per-round ratios. Peak memory is
-the resident-set high-water mark during the compute step over what was resident just
-before it (for the metric: with the embeddings already stored), in a child that runs
-with ``MALLOC_MMAP_THRESHOLD_`` fixed at 128 KiB so that freed buffers leave the
-resident set at once. On CUDA everything but pytorch-metric-learning (faiss-cpu) runs
-on the GPU. A peer that is not installed, or an option the metric lacks, gets a row
-saying so. For the metric, the table also shows how many gallery items a query were
-re-scored in ``compute`` (``last_compute_rescored``; "n/a" where the metric does not
-report it).
+Each contestant runs once per round (after a warm-up), in rounds that interleave them:
+time is the median over rounds (``update`` + ``compute`` for the metric), ratios the
+median of the per-round ratios; peak memory that of the compute step (the metric's
+embeddings already stored), in a child under :func:`measure.live_memory` settings. On
+CUDA all but pytorch-metric-learning (faiss-cpu) runs on the GPU. A peer not installed,
+or an option the metric lacks, keeps a row saying so. The metric's rows show the gallery
+items a query re-scored (``last_compute_rescored``, else "n/a").
 """
 
 from __future__ import annotations
@@ -40,20 +36,21 @@ from typing import Any
 
 import torch
 from measure import (
+    RECALL_COLUMN,
+    TIME_COLUMN,
     Measurement,
     Section,
+    Setup,
     by_name,
-    call,
+    call_each,
     contestant_table,
-    elapsed,
     fmt_ratio,
     peak_column,
     peak_since,
-    recall_column,
     start_peak,
-    time_column,
     time_ratio,
     time_ratio_column,
+    timed,
 )
 
 from recall_at_k import EmbeddingRecallAtK
@@ -211,13 +208,6 @@ def _contestant(name: str, num: int, seed: int, device: str) -> tuple[Prepare, C
     raise ValueError(f"unknown contestant {name!r}")
 
 
-def _timed_call(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
-    """``fn()`` and the seconds it took (CUDA events on a GPU)."""
-    out: list[Any] = []
-    seconds = elapsed(lambda: out.append(fn()), device)
-    return out[0], seconds
-
-
 def run_contestants(names: list[str], num: int, device: str) -> list[dict[str, Any]]:
     """Run each contestant once in this process, one after the other (after a warm-up).
 
@@ -234,9 +224,9 @@ def run_contestants(names: list[str], num: int, device: str) -> list[dict[str, A
         except NotRunError as err:
             out.append({"name": name, "error": str(err)})
             continue
-        state, prepared = _timed_call(prepare, device)
+        state, prepared = timed(prepare, device)
         baseline = start_peak(device)
-        result, computed = _timed_call(functools.partial(compute, state), device)
+        result, computed = timed(functools.partial(compute, state), device)
         peak = peak_since(device, baseline)
         del state
         out.append({"name": name, "seconds": prepared + computed, "peak_bytes": peak, **result})
@@ -249,43 +239,27 @@ def _row(name: str, rounds: list[dict[str, Any]]) -> Measurement:
     if "error" in first:
         return Measurement(name, None, None, first["error"])
     times = [out["seconds"] for out in rounds]
+    median, values = statistics.median(times), first.get("values", {})
     peak = int(statistics.median(out["peak_bytes"] for out in rounds))
     details = {"rescored": first["rescored"]} if "rescored" in first else {}
-    return Measurement(
-        name,
-        statistics.median(times),
-        peak,
-        values=first.get("values", {}),
-        rounds=times,
-        details=details,
-    )
+    return Measurement(name, median, peak, values=values, rounds=times, details=details)
 
 
-def run(num: int, *, repeats: int, threads: int, isolation: str, device: str = "cpu") -> Section:
+def run(num: int, *, repeats: int, setup: Setup) -> Section:
     """Every contestant on ``num`` embeddings, ``repeats`` interleaved rounds.
 
-    Each run is in a child process of its own (``threads`` torch and faiss threads);
-    ``isolation`` ``"grouped"`` runs a round's contestants one after the other in one
-    child instead, ``"inline"`` (tests) in this process.
+    Each round's runs are isolated as :func:`measure.call_each` says.
     """
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONTESTANTS}
-    groups = [list(CONTESTANTS)] if isolation != "process" else [[n] for n in CONTESTANTS]
+    kwargs = {"num": num, "device": setup.device}
     for _ in range(repeats):
-        for group in groups:
-            kwargs = {"names": group, "num": num, "device": device}
-            for out in call(
-                run_contestants,
-                kwargs,
-                threads=threads,
-                live_memory=True,
-                inline=isolation == "inline",
-            ):
-                runs[out["name"]].append(out)
+        for out in call_each(run_contestants, CONTESTANTS, kwargs, setup, live_memory=True):
+            runs[out["name"]].append(out)
     rows = [_row(name, rounds) for name, rounds in runs.items()]
     named = by_name(rows)
     title = (
         f"N = {num:,} items, D = {DIM}, {CLASSES} classes, leave-one-out, cosine,"
-        f" K = {KS}, update in batches of {BATCH}, device {device}"
+        f" K = {KS}, update in batches of {BATCH}, device {setup.device}"
     )
     return Section(f"{title}.\n\n{_table(rows, num)}\n\n{_summary(named, num)}", named)
 
@@ -304,7 +278,7 @@ def _table(rows: list[Measurement], num: int) -> str:
     return contestant_table(
         rows,
         [
-            time_column(),
+            TIME_COLUMN,
             time_ratio_column("time / floor", floor),
             time_ratio_column("time / this metric", ours),
             peak_column("peak memory during compute"),
@@ -313,7 +287,7 @@ def _table(rows: list[Measurement], num: int) -> str:
                 lambda row: fmt_ratio(matrix_over_peak(row, num), digits=1),
             ),
             ("gallery items re-scored a query", rescored),
-            recall_column(),
+            RECALL_COLUMN,
         ],
     )
 

@@ -12,15 +12,11 @@ peak memory compares:
 - ``torchmetrics RetrievalHitRate x 3``: ``top_k`` = 1, 5, 10 in one ``MetricCollection``
   (default ``compute_groups=True``: the three share one stored copy of the items).
 
-Time is update + compute, end to end, excluding the generation of the batches: the
-median of the timed runs in one child, except for torchmetrics (one run, timed in its
-memory run: its large allocations are few); wall-clock time and the process's CPU time.
-Peak memory is measured in a child of its own that runs with ``MALLOC_MMAP_THRESHOLD_``
-fixed at 128 KiB: glibc then hands every freed large buffer back at once, so the
-high-water mark is live memory rather than heap the allocator kept (with its default,
-the 1.28 M-item batches alone leave a few hundred MiB of RSS behind). torchmetrics is
-stopped at a time bound and not started when its estimated peak memory exceeds 80% of
-the available memory; its row says so.
+Time (wall-clock and CPU) is update + compute, end to end, without the generation of the
+batches: the median of the timed runs in one child, except for torchmetrics (one run,
+timed in its memory run: its large allocations are few). Peak memory is measured in a
+child of its own under :func:`measure.live_memory` settings (with glibc's defaults the
+1.28 M-item batches alone leave a few hundred MiB of RSS behind).
 """
 
 from __future__ import annotations
@@ -28,29 +24,31 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
+from dense import random_block
 from measure import (
+    RECALL_COLUMN,
+    TIME_COLUMN,
     Measurement,
     Section,
+    Setup,
     TimeBoundError,
+    bounded_peer,
     by_name,
-    call,
+    call_each,
     contestant_table,
     fmt_ratio,
     fmt_seconds,
     memory_ratio,
     memory_ratio_column,
-    over_memory_bound,
     peak_column,
     peak_since,
-    recall_column,
-    safety_timeout,
     start_peak,
     sync,
     time_bound,
-    time_column,
     time_ratio,
     time_ratio_column,
     timed_out,
@@ -100,11 +98,7 @@ def flat_batches(
 
     for start in range(0, num_queries, BATCH):
         rows = min(BATCH, num_queries - start)
-        scores = torch.randn(rows, gallery, generator=gen)
-        true = torch.randint(0, gallery, (rows,), generator=gen)
-        scores[torch.arange(rows), true] += 2.0  # a model that is right often enough to matter
-        mask = torch.zeros(rows, gallery, dtype=torch.bool)
-        mask[torch.arange(rows), true] = True
+        scores, _, mask = random_block(rows, gallery, gen)
         block = (scores, mask, torch.arange(start, start + rows))
         first = halves(block, slice(0, half))
         yield join(halves(previous, slice(half, gallery)), first) if previous else join(first)
@@ -125,28 +119,21 @@ def _contestant(
             sink.append(batch[0].view(-1, half).amax(dim=1))
 
         return floor_update, lambda: torch.cat(sink).shape
-    if name in (OURS, OURS_UNCHECKED, OURS_SHUFFLED):
-        from recall_at_k import RetrievalRecallAtK
-
-        metric = RetrievalRecallAtK(KS, validate_args=name != OURS_UNCHECKED).to(device)
-
-        def ours_update(batch: Batch) -> None:
-            metric.update(batch[0], batch[1], indexes=batch[2])
-
-        return ours_update, metric.compute
     if name == TORCHMETRICS:
         from torchmetrics import MetricCollection
         from torchmetrics.retrieval import RetrievalHitRate
 
-        collection = MetricCollection({f"recall@{k}": RetrievalHitRate(top_k=k) for k in KS}).to(
-            device
-        )
+        metric: Any = MetricCollection({f"recall@{k}": RetrievalHitRate(top_k=k) for k in KS})
+    else:
+        from recall_at_k import RetrievalRecallAtK
 
-        def theirs_update(batch: Batch) -> None:
-            collection.update(batch[0], batch[1], indexes=batch[2])
+        metric = RetrievalRecallAtK(KS, validate_args=name != OURS_UNCHECKED)
+    metric = metric.to(device)
 
-        return theirs_update, collection.compute
-    raise ValueError(f"unknown contestant {name!r}")
+    def update(batch: Batch) -> None:
+        metric.update(batch[0], batch[1], indexes=batch[2])
+
+    return update, metric.compute
 
 
 def run_contestants(
@@ -208,13 +195,7 @@ def _run_contestant(
         peaks.append(peak_since(device, baseline))
         del update, compute
     values = {k: float(v) for k, v in result.items()} if isinstance(result, dict) else {}
-    return {
-        "name": name,
-        "times": times,
-        "cpu_times": cpu_times,
-        "peak_bytes": peaks[0],
-        "values": values,
-    }
+    return dict(name=name, times=times, cpu_times=cpu_times, peak_bytes=peaks[0], values=values)
 
 
 def _measurement(memory_run: dict[str, Any], timed_run: dict[str, Any]) -> Measurement:
@@ -227,69 +208,47 @@ def _measurement(memory_run: dict[str, Any], timed_run: dict[str, Any]) -> Measu
     )
 
 
-def _torchmetrics_row(
-    workload: dict[str, Any], threads: int, time_limit: float | None, inline: bool
-) -> Measurement:
-    """The torchmetrics peer (timed in its memory run), within the bounds."""
-    need = TORCHMETRICS_BYTES_PER_ITEM * workload["num_queries"] * workload["gallery"]
-    skipped = over_memory_bound(TORCHMETRICS, need, workload["device"])
-    if skipped is not None:
-        return skipped
-    out = call(
-        run_contestants,
-        {**workload, "names": [TORCHMETRICS], "repeats": 1, "time_limit": time_limit},
-        threads=threads,
-        live_memory=True,
-        timeout=safety_timeout(time_limit),
-        inline=inline,
-    )
-    if out is None or out[0].get("timed_out"):
+def torchmetrics_peer(
+    num_queries: int, gallery: int, device: str, time_limit: float | None
+) -> dict[str, Any]:
+    """The torchmetrics peer's row (timed in its memory run), stopped at ``time_limit``."""
+    out = run_contestants([TORCHMETRICS], num_queries, gallery, device, 1, time_limit)[0]
+    if out.get("timed_out"):
         assert time_limit is not None
-        return timed_out(TORCHMETRICS, time_limit)
-    return _measurement(out[0], out[0])
+        return asdict(timed_out(TORCHMETRICS, time_limit))
+    return asdict(_measurement(out, out))
 
 
 def run(
     size: tuple[int, int],
     *,
     repeats: int,
-    time_limit: float | None,
-    threads: int,
-    isolation: str,
-    device: str = "cpu",
+    setup: Setup,
 ) -> Section:
     """Every contestant on the flat batches of ``size`` = (Q, G) queries x items.
 
-    Each contestant other than torchmetrics gets one child process for its peak memory
-    and one for ``repeats`` timed runs (the median is kept); ``isolation`` ``"grouped"``
-    runs them one after the other in one child for memory and one for time instead,
-    ``"inline"`` (tests) everything in this process. Every child runs ``threads`` torch
-    threads. torchmetrics is stopped at ``time_limit`` seconds.
+    Each contestant other than torchmetrics gets a run for its peak memory and one of
+    ``repeats`` timed runs (the median is kept), isolated as :func:`measure.call_each`
+    says; torchmetrics runs as :func:`measure.bounded_peer` says.
     """
     num_queries, gallery = size
-    workload = {"num_queries": num_queries, "gallery": gallery, "device": device}
-    inline = isolation == "inline"
-    groups = [list(OURS_AND_FLOOR)] if isolation != "process" else [[n] for n in OURS_AND_FLOOR]
-    memory_runs: dict[str, dict[str, Any]] = {}
-    timed_runs: dict[str, dict[str, Any]] = {}
-    for group in groups:
-        for live_memory, into, runs in ((True, memory_runs, 1), (False, timed_runs, repeats)):
-            out = call(
-                run_contestants,
-                {**workload, "names": group, "repeats": runs},
-                threads=threads,
-                live_memory=live_memory,
-                inline=inline,
-            )
-            into.update((o["name"], o) for o in out)
+    workload = {"num_queries": num_queries, "gallery": gallery, "device": setup.device}
+
+    def runs(repeats_each: int, live_memory: bool) -> dict[str, dict[str, Any]]:
+        kwargs = {**workload, "repeats": repeats_each}
+        outs = call_each(run_contestants, OURS_AND_FLOOR, kwargs, setup, live_memory)
+        return {out["name"]: out for out in outs}
+
+    memory_runs, timed_runs = runs(1, True), runs(repeats, False)
     rows = [_measurement(memory_runs[name], timed_runs[name]) for name in OURS_AND_FLOOR]
-    rows.append(_torchmetrics_row(workload, threads, time_limit, inline))
+    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
+    rows.append(bounded_peer(TORCHMETRICS, need, torchmetrics_peer, workload, setup))
     named = by_name(rows)
     title = (
         f"Q = {num_queries:,} x G = {gallery:,}, float32, one true item a query, blocks of"
         f" {BATCH} queries, each query split over two flat batches"
         f" ({2 * BATCH * gallery // 2 / 1e6:.2f} M items each), K = {KS},"
-        f" {threads} thread{'s' if threads > 1 else ''} a contestant"
+        f" {setup.threads} thread{'s' if setup.threads > 1 else ''} a contestant"
     )
     return Section(f"{title}.\n\n{_table(rows)}\n\n{_summary(named)}", named)
 
@@ -305,14 +264,14 @@ def _table(rows: list[Measurement]) -> str:
     return contestant_table(
         rows,
         [
-            time_column(),
+            TIME_COLUMN,
             ("CPU time", lambda row: fmt_seconds(row.cpu_seconds)),
             peak_column(),
             time_ratio_column("time / this metric", ours),
             ("CPU time / this metric", cpu_ratio),
             memory_ratio_column("memory / this metric", ours),
             time_ratio_column("time / floor", floor, digits=1),
-            recall_column(),
+            RECALL_COLUMN,
         ],
     )
 

@@ -1,15 +1,10 @@
 """Shared measuring tools of the benchmarks: timing, peak memory, child processes, tables.
 
 Time is the median of repeated runs after a warm-up (CUDA events on a GPU). Peak memory
-is measured in the same process: on CPU the resident-set high-water mark (Linux VmHWM,
-reset through /proc/self/clear_refs before each contestant, with freed heap memory
-handed back to the system first, during a run in which glibc returns every freed large
-buffer at once: :func:`live_memory`), on CUDA ``torch.cuda.max_memory_allocated``; both
-are reported as the increase over what was resident before the contestant started.
-
-A contestant may run in a child process (:func:`call`); one that may exceed a time bound
-is stopped there (:func:`measure_bounded`, :func:`time_bound`) and its row says so
-(:class:`Measurement` ``at_least``) instead of disappearing from the table.
+is the increase over what was resident before a contestant started: on CPU the
+resident-set high-water mark (Linux VmHWM, reset through /proc/self/clear_refs, under
+:func:`live_memory`), on CUDA ``torch.cuda.max_memory_allocated``. A contestant stopped
+at a time bound keeps its row, which says so (:class:`Measurement` ``at_least``).
 """
 
 from __future__ import annotations
@@ -69,6 +64,17 @@ class Section:
     rows: dict[str, Measurement] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How the contestants run: where, with how many torch (and OpenMP) threads a child
+    process, how isolated (:func:`call_each`), and the time bound of the slow peers."""
+
+    device: str = "cpu"
+    threads: int = 1
+    isolation: str = "process"  # or "grouped", or "inline" (tests)
+    time_limit: float | None = None
+
+
 def by_name(rows: Sequence[Measurement]) -> dict[str, Measurement]:
     return {row.name: row for row in rows}
 
@@ -89,12 +95,9 @@ def _hwm_bytes() -> int:
 
 
 def release_memory() -> None:
-    """Collect garbage and hand freed heap memory back to the system (glibc).
-
-    The survivors are then frozen out of later collections (``gc.freeze``): a full
-    collection over everything torch imported takes a few tenths of a second, which
-    would otherwise be paid before every contestant.
-    """
+    """Collect garbage and hand freed heap memory back to the system (glibc); freeze the
+    survivors out of later collections, a few tenths of a second otherwise paid before
+    every contestant."""
     gc.collect()
     gc.freeze()
     with contextlib.suppress(OSError, AttributeError):  # not glibc
@@ -148,16 +151,6 @@ def peak_since(device: str, baseline: int) -> int:
     return max(_hwm_bytes() - baseline, 0)
 
 
-def available_bytes() -> int | None:
-    """Memory the system can still hand out (Linux MemAvailable), None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            found = re.search(r"MemAvailable:\s+(\d+) kB", f.read())
-    except OSError:
-        return None
-    return int(found.group(1)) * 1024 if found else None
-
-
 # -------------------------------------------------------------------------- time
 
 
@@ -166,20 +159,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def elapsed(fn: Callable[[], object], device: str) -> float:
-    """Seconds one call of ``fn`` takes (CUDA events on a GPU)."""
+def timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
+    """``fn()`` and the seconds it took (CUDA events on a GPU)."""
     if device == "cuda":
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
         start.record()
-        fn()
+        result = fn()
         end.record()
         torch.cuda.synchronize()
-        return float(start.elapsed_time(end)) / 1000.0
+        return result, float(start.elapsed_time(end)) / 1000.0
     begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
+    result = fn()
+    return result, time.perf_counter() - begin
 
 
 @dataclass
@@ -195,25 +188,22 @@ class Contestant:
 def measure_interleaved(
     contestants: Sequence[Contestant], device: str = "cpu"
 ) -> list[Measurement]:
-    """Peak memory of a warm-up run, then median times over rounds that interleave them.
-
-    Each contestant first runs once alone (warm-up; its peak memory, under
-    :func:`live_memory`). Then round r runs, one after the other, every contestant with
-    more than r repeats, so that a change of load on a shared machine touches them
-    alike; a time is the median of its rounds.
+    """Each contestant's peak memory in a warm-up run (:func:`live_memory`), then its
+    median time over rounds that interleave the contestants, so that a change of load on
+    a shared machine touches them alike (round r: every contestant with over r repeats).
     """
     peaks = []
     with live_memory():
         for contestant in contestants:
             baseline = start_peak(device)
-            elapsed(contestant.fn, device)
+            timed(contestant.fn, device)
             peaks.append(peak_since(device, baseline))
     release_memory()
     times: list[list[float]] = [[] for _ in contestants]
     for round_index in range(max(c.repeats for c in contestants)):
         for contestant, out in zip(contestants, times, strict=True):
             if round_index < contestant.repeats:
-                out.append(elapsed(contestant.fn, device))
+                out.append(timed(contestant.fn, device)[1])
     release_memory()
     return [
         Measurement(c.name, statistics.median(t), peak, c.note)
@@ -258,7 +248,7 @@ def measure_bounded(
     baseline = start_peak(device)
     try:
         with live_memory(), time_bound(time_limit):
-            seconds = elapsed(fn, device)
+            _, seconds = timed(fn, device)
     except TimeBoundError:
         assert time_limit is not None
         row = timed_out(name, time_limit)
@@ -276,28 +266,27 @@ def measure_bounded(
 def call(
     fn: Callable[..., Any],
     kwargs: dict[str, Any],
+    setup: Setup,
     *,
-    threads: int,
     live_memory: bool = False,
     timeout: float | None = None,
-    inline: bool = False,
 ) -> Any:
     """``fn(**kwargs)``, its result through JSON, in a fresh child process of its own.
 
     ``fn`` is a module-level function of a module on the child's path (the benchmarks
-    and ``PYTHONPATH``). The child runs ``threads`` torch (and OpenMP) threads and, with
-    ``live_memory``, glibc's ``MALLOC_MMAP_THRESHOLD_`` at 128 KiB (see
+    and ``PYTHONPATH``). The child runs ``setup.threads`` torch (and OpenMP) threads and,
+    with ``live_memory``, glibc's ``MALLOC_MMAP_THRESHOLD_`` at 128 KiB (see
     :func:`live_memory`). Returns ``None`` when the child ran past ``timeout`` seconds
     (it is killed: a safety net; a contestant bounds itself with :func:`time_bound`);
-    raises ``RuntimeError`` with its stderr when it fails. ``inline`` calls ``fn`` in
-    this process instead (tests: no interpreter start-up).
+    raises ``RuntimeError`` with its stderr when it fails. The ``"inline"`` isolation
+    calls ``fn`` in this process instead (tests: no interpreter start-up).
     """
-    if inline:
+    if setup.isolation == "inline":
         return json.loads(json.dumps(fn(**kwargs)))
     target = f"{fn.__module__}.{fn.__name__}"
-    command = [sys.executable, str(CHILD_ENTRY), "--threads", str(threads)]
+    command = [sys.executable, str(CHILD_ENTRY), "--threads", str(setup.threads)]
     command += ["--child", target, json.dumps(kwargs)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
     if live_memory:
         env["MALLOC_MMAP_THRESHOLD_"] = str(LIVE_MEMORY_MMAP_THRESHOLD)
     try:
@@ -311,16 +300,45 @@ def call(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def call_each(
+    fn: Callable[..., list[Any]],
+    names: Sequence[str],
+    kwargs: dict[str, Any],
+    setup: Setup,
+    live_memory: bool,
+) -> list[Any]:
+    """``fn(names=..., **kwargs)`` (a list, an item a name) through :func:`call`: with
+    the ``"process"`` isolation a child of its own for each name, else one for all."""
+    groups = [[name] for name in names] if setup.isolation == "process" else [list(names)]
+    outs = []
+    for group in groups:
+        outs += call(fn, {**kwargs, "names": group}, setup, live_memory=live_memory)
+    return outs
+
+
+def bounded_peer(
+    name: str, need: int, fn: Callable[..., Any], kwargs: dict[str, Any], setup: Setup
+) -> Measurement:
+    """A slow peer's row: ``fn(**kwargs, time_limit=...)``, which returns the fields of its
+    :class:`Measurement` and stops itself at ``setup.time_limit``, run by :func:`call`
+    under live-memory settings; not started when it ``need``s more than the memory bound."""
+    skipped = over_memory_bound(name, need, setup.device)
+    if skipped is not None:
+        return skipped
+    bound = setup.time_limit
+    safety = None if bound is None else 2 * bound + 300
+    out = call(fn, {**kwargs, "time_limit": bound}, setup, live_memory=True, timeout=safety)
+    if out is None:
+        assert bound is not None
+        return timed_out(name, bound)
+    return Measurement(**out)
+
+
 def child_main(target: str, kwargs: str) -> None:
     """The child side of :func:`call`: print the JSON of ``module.function(**kwargs)``."""
     module, name = target.rsplit(".", 1)
     fn = getattr(importlib.import_module(module), name)
     print(json.dumps(fn(**json.loads(kwargs))))
-
-
-def safety_timeout(time_limit: float | None) -> float | None:
-    """The kill timeout of a child whose contestant stops itself at ``time_limit``."""
-    return None if time_limit is None else 2 * time_limit + 300
 
 
 def timed_out(name: str, seconds: float) -> Measurement:
@@ -332,7 +350,12 @@ def timed_out(name: str, seconds: float) -> Measurement:
 def over_memory_bound(name: str, need: int, device: str, share: float = 0.8) -> Measurement | None:
     """The row of a contestant that would need ``need`` bytes, over ``share`` of the
     available memory (CPU only); ``None`` when it fits and should run."""
-    free = available_bytes()
+    try:
+        with open("/proc/meminfo") as f:
+            found = re.search(r"MemAvailable:\s+(\d+) kB", f.read())
+    except OSError:
+        found = None
+    free = int(found.group(1)) * 1024 if found else None
     if device != "cpu" or free is None or need <= share * free:
         return None
     note = (
@@ -411,8 +434,7 @@ def contestant_table(rows: Sequence[Measurement], columns: Sequence[Column]) -> 
     return markdown_table(head, body, text_last=True)
 
 
-def time_column(title: str = "time") -> Column:
-    return title, lambda row: fmt_seconds(row.seconds, row.at_least)
+TIME_COLUMN: Column = ("time", lambda row: fmt_seconds(row.seconds, row.at_least))
 
 
 def peak_column(title: str = "peak memory") -> Column:
@@ -427,12 +449,11 @@ def memory_ratio_column(title: str, base: Measurement) -> Column:
     return title, lambda row: fmt_ratio(memory_ratio(row, base), digits=1)
 
 
-def recall_column() -> Column:
-    """Recall@K values, then the row's note (why it did not run, ...)."""
-    return (
-        "Recall@K",
-        lambda row: "; ".join(filter(None, [fmt_values(row.values), row.note])) or "—",
-    )
+# Recall@K values, then the row's note (why it did not run, ...).
+RECALL_COLUMN: Column = (
+    "Recall@K",
+    lambda row: "; ".join(filter(None, [fmt_values(row.values), row.note])) or "—",
+)
 
 
 # ----------------------------------------------------------------------- reports

@@ -1,22 +1,18 @@
 """The benchmarks' one command line: every workload side by side, at one mode's sizes.
 
-This file alone defines the modes (full, ``--quick``, ``--tiny``), the sizes of every
-workload and the acceptance targets; each workload module (``dense``, ``flat``,
-``embedding``, ``scaling``, ``distributed``) exports a ``run(...)`` taking its sizes and
-returning its section (markdown, rows). The run prints markdown tables (time: median of
-repeated runs after a warm-up; peak memory; the ratio of every peer to this package and
-of every contestant to the floor) and writes them with the machine, the exact command
-and the acceptance targets, met or not. Ratios are measured side by side in this one
-run; absolute times mean little on a shared machine.
+This file alone defines the modes (full, ``--quick``, ``--tiny``), every workload's
+sizes and the acceptance targets; each workload module exports a ``run(...)`` that takes
+its sizes and returns its section (markdown and rows). The run prints the tables and
+writes them with the machine, the exact command and the targets, met or not. Ratios are
+measured side by side in one run; absolute times mean little on a shared machine.
 
-Run: ``python benchmarks/run.py [--quick | --tiny] [--device cpu|cuda]``. Without a mode
-flag, the reference sizes (about ten minutes on two cores, most of it the torchmetrics
-peers) and the results go to the committed ``benchmarks/RESULTS.md`` and
-``benchmarks/scaling.png``; ``--quick`` (small sizes, a few minutes) and ``--tiny``
-(seconds, for the tests) write under the git-ignored ``benchmarks/out/<mode>/``.
-``--results PATH`` writes elsewhere (the figure beside it); ``--only dense,flat`` runs
-(and rewrites) only those sections; ``--threads N`` sets the torch threads of every
-process (default 1: steady ratios on a shared machine).
+Run: ``python benchmarks/run.py [--quick | --tiny] [--device cpu|cuda]``. The full run
+(reference sizes, about ten minutes on two cores) rewrites the committed
+``benchmarks/RESULTS.md`` and ``scaling.png``; ``--quick`` (minutes) and ``--tiny``
+(seconds, the tests) write under the git-ignored ``benchmarks/out/<mode>/``. ``--results
+PATH`` writes elsewhere (the figure beside it); ``--only dense,flat`` runs (and
+rewrites) only those sections; ``--threads N``: torch threads of every process (default
+1: steady ratios on a shared machine).
 """
 
 from __future__ import annotations
@@ -42,6 +38,7 @@ import scaling
 from measure import (
     Measurement,
     Section,
+    Setup,
     child_main,
     machine,
     markdown_table,
@@ -53,7 +50,6 @@ from measure import (
 BENCHMARKS = Path(__file__).parent
 COMMITTED_RESULTS = BENCHMARKS / "RESULTS.md"  # the full run's, with scaling.png beside it
 UNCOMMITTED = BENCHMARKS / "out"  # git-ignored: the other modes write under out/<mode>/
-FIGURE = "scaling.png"
 
 
 @dataclass(frozen=True)
@@ -78,62 +74,34 @@ class Mode:
     distributed_repeats: int
 
 
+# fmt: off
 MODES = {
     "full": Mode(
-        dense=(20_000, 5_000),
-        flat=(20_000, 5_000),
-        embedding=20_000,
-        repeats=7,
-        slow_repeats=2,
-        rounds=3,
-        time_limit=900.0,
-        isolation="process",
+        dense=(20_000, 5_000), flat=(20_000, 5_000), embedding=20_000,
+        repeats=7, slow_repeats=2, rounds=3, time_limit=900.0, isolation="process",
         scaling_grid=((2_500, 2_000), (5_000, 4_000), (10_000, 8_000), (20_000, 10_000)),
-        scaling_k_size=(10_000, 5_000),
-        scaling_k_counts=(1, 3, 10, 30, 100),
-        scaling_state_queries=(10, 1_000, 100_000),
-        scaling_repeats=5,
-        distributed_dense=(4_096, 5_000),
-        distributed_embedding=10_000,
-        distributed_repeats=3,
+        scaling_k_size=(10_000, 5_000), scaling_k_counts=(1, 3, 10, 30, 100),
+        scaling_state_queries=(10, 1_000, 100_000), scaling_repeats=5,
+        distributed_dense=(4_096, 5_000), distributed_embedding=10_000, distributed_repeats=3,
     ),
     "quick": Mode(
-        dense=(1_024, 2_000),
-        flat=(1_024, 2_000),
-        embedding=3_000,
-        repeats=3,
-        slow_repeats=1,
-        rounds=1,
-        time_limit=60.0,
-        isolation="grouped",
+        dense=(1_024, 2_000), flat=(1_024, 2_000), embedding=3_000,
+        repeats=3, slow_repeats=1, rounds=1, time_limit=60.0, isolation="grouped",
         scaling_grid=((500, 1_000), (1_000, 2_000), (2_000, 4_000)),
-        scaling_k_size=(1_000, 2_000),
-        scaling_k_counts=(1, 3, 10, 30, 100),
-        scaling_state_queries=(10, 1_000, 100_000),
-        scaling_repeats=3,
-        distributed_dense=(1_024, 1_000),
-        distributed_embedding=2_000,
-        distributed_repeats=2,
+        scaling_k_size=(1_000, 2_000), scaling_k_counts=(1, 3, 10, 30, 100),
+        scaling_state_queries=(10, 1_000, 100_000), scaling_repeats=3,
+        distributed_dense=(1_024, 1_000), distributed_embedding=2_000, distributed_repeats=2,
     ),
     "tiny": Mode(
-        dense=(160, 200),
-        flat=(160, 200),
-        embedding=300,
-        repeats=1,
-        slow_repeats=1,
-        rounds=1,
-        time_limit=60.0,
-        isolation="inline",
+        dense=(160, 200), flat=(160, 200), embedding=300,
+        repeats=1, slow_repeats=1, rounds=1, time_limit=60.0, isolation="inline",
         scaling_grid=((128, 100), (256, 200), (512, 400)),
-        scaling_k_size=(256, 200),
-        scaling_k_counts=(1, 3, 10),
-        scaling_state_queries=(10, 100, 1_000),
-        scaling_repeats=1,
-        distributed_dense=(256, 100),
-        distributed_embedding=300,
-        distributed_repeats=1,
+        scaling_k_size=(256, 200), scaling_k_counts=(1, 3, 10),
+        scaling_state_queries=(10, 100, 1_000), scaling_repeats=1,
+        distributed_dense=(256, 100), distributed_embedding=300, distributed_repeats=1,
     ),
 }
+# fmt: on
 
 Rows = dict[str, Measurement]
 Measured = tuple[float | None, bool]  # a target's value, and whether it is a lower bound
@@ -179,68 +147,29 @@ class Target:
         return f"missed: {self.bound / value:.2f}x short"
 
 
-TORCHMETRICS_OVER_DENSE = "torchmetrics RetrievalHitRate x 3 time / ours ({} target, defaults)"
+TORCHMETRICS = "torchmetrics RetrievalHitRate x 3"
+# fmt: off
 TARGETS = (
-    Target(
-        "dense",
-        TORCHMETRICS_OVER_DENSE.format("index"),
-        300,
-        True,
-        _time_over(dense.TORCHMETRICS, dense.OURS_INDEX_CHECKED),
-    ),
-    Target(
-        "dense",
-        TORCHMETRICS_OVER_DENSE.format("mask"),
-        300,
-        True,
-        _time_over(dense.TORCHMETRICS, dense.OURS_MASK_CHECKED),
-    ),
-    Target(
-        "dense",
-        "ours / amax floor (index target, validate_args=False)",
-        3,
-        False,
-        _time_over(dense.OURS_INDEX, dense.FLOOR),
-    ),
-    Target(
-        "dense",
-        "ours / amax floor (mask target, validate_args=False)",
-        6,
-        False,
-        _time_over(dense.OURS_MASK, dense.FLOOR),
-    ),
-    Target(
-        "flat",
-        "torchmetrics RetrievalHitRate x 3 time / ours",
-        50,
-        True,
-        _time_over(flat.TORCHMETRICS, flat.OURS),
-    ),
-    Target(
-        "flat",
-        "torchmetrics peak memory / ours",
-        10,
-        True,
-        _memory_over(flat.TORCHMETRICS, flat.OURS),
-    ),
-    Target(
-        "embedding", "ours / matmul floor", 1.5, False, _time_over(embedding.OURS, embedding.FLOOR)
-    ),
-    Target(
-        "embedding",
-        "AccuracyCalculator time / ours",
-        1,
-        True,
-        _time_over(embedding.PML, embedding.OURS),
-    ),
-    Target(
-        "embedding",
-        "full N x N matrix / ours' peak memory during compute",
-        10,
-        True,
-        _matrix_over_peak,
-    ),
+    Target("dense", f"{TORCHMETRICS} time / ours (index target, defaults)", 300, True,
+           _time_over(dense.TORCHMETRICS, dense.OURS_INDEX_CHECKED)),
+    Target("dense", f"{TORCHMETRICS} time / ours (mask target, defaults)", 300, True,
+           _time_over(dense.TORCHMETRICS, dense.OURS_MASK_CHECKED)),
+    Target("dense", "ours / amax floor (index target, validate_args=False)", 3, False,
+           _time_over(dense.OURS_INDEX, dense.FLOOR)),
+    Target("dense", "ours / amax floor (mask target, validate_args=False)", 6, False,
+           _time_over(dense.OURS_MASK, dense.FLOOR)),
+    Target("flat", f"{TORCHMETRICS} time / ours", 50, True,
+           _time_over(flat.TORCHMETRICS, flat.OURS)),
+    Target("flat", "torchmetrics peak memory / ours", 10, True,
+           _memory_over(flat.TORCHMETRICS, flat.OURS)),
+    Target("embedding", "ours / matmul floor", 1.5, False,
+           _time_over(embedding.OURS, embedding.FLOOR)),
+    Target("embedding", "AccuracyCalculator time / ours", 1, True,
+           _time_over(embedding.PML, embedding.OURS)),
+    Target("embedding", "full N x N matrix / ours' peak memory during compute", 10, True,
+           _matrix_over_peak),
 )
+# fmt: on
 
 HEADINGS = {
     "dense": "Dense workload",
@@ -251,47 +180,23 @@ HEADINGS = {
 }
 
 
-def workloads(
-    mode: Mode, device: str, threads: int, time_limit: float, figure: Path
-) -> dict[str, Callable[[], Section]]:
+def workloads(mode: Mode, setup: Setup, figure: Path) -> dict[str, Callable[[], Section]]:
     """Every workload's run at ``mode``'s sizes, by section name."""
+    # fmt: off
     return {
         "dense": lambda: dense.run(
-            mode.dense,
-            repeats=mode.repeats,
-            slow_repeats=mode.slow_repeats,
-            time_limit=time_limit,
-            threads=threads,
-            device=device,
-        ),
-        "flat": lambda: flat.run(
-            mode.flat,
-            repeats=mode.rounds,
-            time_limit=time_limit,
-            threads=threads,
-            isolation=mode.isolation,
-            device=device,
-        ),
-        "embedding": lambda: embedding.run(
-            mode.embedding,
-            repeats=mode.rounds,
-            threads=threads,
-            isolation=mode.isolation,
-            device=device,
-        ),
+            mode.dense, repeats=mode.repeats, slow_repeats=mode.slow_repeats, setup=setup),
+        "flat": lambda: flat.run(mode.flat, repeats=mode.rounds, setup=setup),
+        "embedding": lambda: embedding.run(mode.embedding, repeats=mode.rounds, setup=setup),
         "scaling": lambda: scaling.run(
-            list(mode.scaling_grid),
-            k_size=mode.scaling_k_size,
+            list(mode.scaling_grid), k_size=mode.scaling_k_size,
             k_counts=list(mode.scaling_k_counts),
-            state_queries=list(mode.scaling_state_queries),
-            repeats=mode.scaling_repeats,
-            figure_path=figure,
-            device=device,
-        ),
+            state_queries=list(mode.scaling_state_queries), repeats=mode.scaling_repeats,
+            figure_path=figure, device=setup.device),
         "distributed": lambda: distributed.run(
-            mode.distributed_dense, mode.distributed_embedding, repeats=mode.distributed_repeats
-        ),
+            mode.distributed_dense, mode.distributed_embedding, repeats=mode.distributed_repeats),
     }
+    # fmt: on
 
 
 def header(mode_name: str, device: str, command: str, seconds: float) -> str:
@@ -361,13 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
     begin = time.perf_counter()
-    runs = workloads(
-        mode,
-        args.device,
-        args.threads,
-        args.time_limit or mode.time_limit,
-        results.with_name(FIGURE),
-    )
+    time_limit = args.time_limit or mode.time_limit
+    setup = Setup(args.device, args.threads, mode.isolation, time_limit)
+    runs = workloads(mode, setup, results.with_name("scaling.png"))
     bodies: dict[str, str] = {}
     rows: dict[str, Rows] = {}
     for name, heading in HEADINGS.items():

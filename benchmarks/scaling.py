@@ -42,7 +42,7 @@ def time_against_size(
     rows = []
     for num_queries, gallery in grid:
         scores, index, mask = make_data(num_queries, gallery, device)
-        floor_m, index_m, mask_m = measure_interleaved(
+        measured = measure_interleaved(
             [
                 Contestant("floor", floor(scores), repeats),
                 Contestant("index", ours(scores, index, False), repeats),
@@ -50,15 +50,8 @@ def time_against_size(
             ],
             device,
         )
-        rows.append(
-            {
-                "queries": num_queries,
-                "gallery": gallery,
-                "floor": floor_m.seconds,
-                "index": index_m.seconds,
-                "mask": mask_m.seconds,
-            }
-        )
+        times = {row.name: row.seconds for row in measured}
+        rows.append({"queries": num_queries, "gallery": gallery, **times})
         del scores, index, mask
     return rows
 
@@ -97,55 +90,30 @@ def state_against_queries(queries: list[int], device: str) -> list[dict[str, Any
             )
             embeddings = torch.randn(rows_here, EMBEDDING_DIM, generator=gen).to(device)
             embedding.update(embeddings, target)
-        rows.append(
-            {
-                "queries": num,
-                "dense": state_bytes(dense),
-                "flat": state_bytes(flat),
-                "embedding": state_bytes(embedding),
-            }
-        )
+        states = {"dense": dense, "flat": flat, "embedding": embedding}
+        rows.append({"queries": num, **{key: state_bytes(m) for key, m in states.items()}})
     return rows
 
 
-def _ns_per_score(seconds: float, row: dict[str, Any]) -> str:
-    return f"{seconds / (row['queries'] * row['gallery']) * 1e9:.2f}"
+SIZE_HEAD = ("Q", "G", "Q x G", "amax floor", "index target", "mask target")
+SIZE_HEAD += ("ns / score: floor", "index", "mask", "index / floor", "mask / floor")
+TIMED = ("floor", "index", "mask")
+
+
+def _size_row(row: dict[str, Any]) -> list[str]:
+    scores = row["queries"] * row["gallery"]
+    return [
+        *(f"{count:,}" for count in (row["queries"], row["gallery"], scores)),
+        *(fmt_seconds(row[key]) for key in TIMED),
+        *(f"{row[key] / scores * 1e9:.2f}" for key in TIMED),
+        *(f"{row[key] / row['floor']:.2f}x" for key in ("index", "mask")),
+    ]
 
 
 def tables(
     size_rows: list[dict[str, Any]], k_rows: list[dict[str, Any]], state_rows: list[dict[str, Any]]
 ) -> str:
-    size_table = markdown_table(
-        [
-            "Q",
-            "G",
-            "Q x G",
-            "amax floor",
-            "index target",
-            "mask target",
-            "ns / score: floor",
-            "index",
-            "mask",
-            "index / floor",
-            "mask / floor",
-        ],
-        [
-            [
-                f"{r['queries']:,}",
-                f"{r['gallery']:,}",
-                f"{r['queries'] * r['gallery']:,}",
-                fmt_seconds(r["floor"]),
-                fmt_seconds(r["index"]),
-                fmt_seconds(r["mask"]),
-                _ns_per_score(r["floor"], r),
-                _ns_per_score(r["index"], r),
-                _ns_per_score(r["mask"], r),
-                f"{r['index'] / r['floor']:.2f}x",
-                f"{r['mask'] / r['floor']:.2f}x",
-            ]
-            for r in size_rows
-        ],
-    )
+    size_table = markdown_table(SIZE_HEAD, [_size_row(row) for row in size_rows])
     base = k_rows[0]["seconds"]
     k_table = markdown_table(
         ["number of K (K = 1..n)", "time", "time / one K"],
