@@ -189,13 +189,7 @@ def torchmetrics_peer(
     return asdict(measure_bounded(TORCHMETRICS, run, device=device, time_limit=time_limit))
 
 
-def run(
-    size: tuple[int, int],
-    *,
-    repeats: int,
-    slow_repeats: int,
-    setup: Setup,
-) -> Section:
+def run(size: tuple[int, int], *, repeats: int, slow_repeats: int, setup: Setup) -> Section:
     """Every contestant on the same batches of ``size`` = (Q, G) queries x items.
 
     ``repeats`` timed runs (after the warm-up) for this package and the floor,

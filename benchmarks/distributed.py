@@ -72,7 +72,7 @@ def _maker(case: str, size: Any) -> Callable[[range, Any], Any]:
         inputs = torch.randn(num_queries, gallery, generator=gen)
         targets = torch.randint(0, gallery, (num_queries,), generator=gen)
         inputs[torch.arange(num_queries), targets] += 2.0
-        new = functools.partial(RetrievalRecallAtK, KS, validate_args=False)
+        new: Callable[..., Any] = functools.partial(RetrievalRecallAtK, KS, validate_args=False)
     else:
         inputs, targets = make_data(size)
         new = functools.partial(EmbeddingRecallAtK, KS)
@@ -109,8 +109,9 @@ def worker(rank: int, world_size: int, payload: dict[str, Any]) -> dict[str, Any
 
 # ------------------------------------------------------------------------ report
 
-HEAD = ("metric", "data (all processes)", "processes", "compute() time", "time / 1 process")
-HEAD += ("queries ranked per process", "same result on every process", "recall@1")
+HEAD: tuple[str, ...] = ("metric", "data (all processes)", "processes", "compute() time")
+HEAD += ("time / 1 process", "queries ranked per process", "same result on every process")
+HEAD += ("recall@1",)
 
 
 def _table_row(name: str, data: str, parts: list[dict[str, Any]], single: float) -> list[str]:

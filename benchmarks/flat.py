@@ -219,12 +219,7 @@ def torchmetrics_peer(
     return asdict(_measurement(out, out))
 
 
-def run(
-    size: tuple[int, int],
-    *,
-    repeats: int,
-    setup: Setup,
-) -> Section:
+def run(size: tuple[int, int], *, repeats: int, setup: Setup) -> Section:
     """Every contestant on the flat batches of ``size`` = (Q, G) queries x items.
 
     Each contestant other than torchmetrics gets a run for its peak memory and one of

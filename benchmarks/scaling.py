@@ -95,7 +95,7 @@ def state_against_queries(queries: list[int], device: str) -> list[dict[str, Any
     return rows
 
 
-SIZE_HEAD = ("Q", "G", "Q x G", "amax floor", "index target", "mask target")
+SIZE_HEAD: tuple[str, ...] = ("Q", "G", "Q x G", "amax floor", "index target", "mask target")
 SIZE_HEAD += ("ns / score: floor", "index", "mask", "index / floor", "mask / floor")
 TIMED = ("floor", "index", "mask")
 

@@ -8,6 +8,7 @@ git-ignored ``benchmarks/out/<mode>/`` unless ``--results`` says otherwise.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -105,7 +106,6 @@ def test_a_peer_past_its_time_bound_keeps_its_row(
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     paths = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
-    import slow_peer
     from measure import (
         TIME_COLUMN,
         Measurement,
@@ -116,6 +116,7 @@ def test_a_peer_past_its_time_bound_keeps_its_row(
         time_ratio_column,
     )
 
+    slow_peer = importlib.import_module("slow_peer")
     # The safety net kills a child process that runs past its timeout.
     assert call(slow_peer.nap, {"seconds": 30}, Setup(), timeout=0.5) is None
     slow = measure_bounded("slow peer", lambda: time.sleep(30), time_limit=0.5)
