@@ -42,6 +42,7 @@ class RecallAtKMetric(Metric, Generic[OutputT]):
     __jit_unused_properties__: ClassVar[list[str]] = [
         *Metric.__jit_unused_properties__,
         "output_keys",
+        "_view_list",
     ]
     is_differentiable: bool = False
     higher_is_better: bool = True
@@ -119,6 +120,8 @@ class RecallAtKMetric(Metric, Generic[OutputT]):
         for name in exact:
             this._defaults[name] = _to_device_of(this._defaults[name], fn)
             setattr(this, name, _to_device_of(getattr(this, name), fn))
+        # A result computed before a cast is computed again from the exact states.
+        _forget_computed(this)
         return this
 
     def sync(

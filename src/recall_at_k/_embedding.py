@@ -24,9 +24,11 @@ sets a query's s* is the one its counts compare.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from recall_at_k import _kernel
@@ -552,3 +554,126 @@ def nan_scores_error(queries: int) -> ValueError:
         " scores must not be NaN (a bug in a callable, or the overflow of huge embeddings"
         " under 'dot' / 'euclidean')"
     )
+
+
+# ---------------------------------------------------------------------- processes
+
+
+class ProcessGroup(NamedTuple):
+    """The process group whose gathered states a ranking sees (``None``: the default)."""
+
+    group: Any
+
+
+def rank_shared(
+    embeddings: Tensor,
+    labels: Tensor,
+    groups: Tensor,
+    directions: list[tuple[Side, Side] | None],
+    options: RankOptions,
+    route: Route,
+    shared: ProcessGroup | None,
+) -> tuple[list[tuple[Tensor, Tensor] | None], list[int]]:
+    """Rank every direction's (queries, gallery), sharing the queries among processes.
+
+    With ``shared`` (states gathered: every process holds every item) each process ranks
+    its contiguous share of each direction's queries against the whole gallery and the
+    counts are summed over the group, so every process returns the same histograms. A
+    direction that is ``None`` (nothing to rank) gives ``None``; a direction with the
+    same sides as the one before (leave-one-out, both ways) is not ranked twice.
+
+    Returns:
+        The summed ``(hist, queries)`` per direction, and the number of queries this
+        process ranked per direction.
+    """
+    world, me, group = 1, 0, None
+    if shared is not None and dist.is_available() and dist.is_initialized():
+        group = shared.group
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+    results: list[RankCounts | None] = []
+    ranked: list[int] = []
+    failure: Exception | None = None
+    for index, sides in enumerate(directions):
+        if sides is None:
+            results.append(None)
+            ranked.append(0)
+            continue
+        before = directions[index - 1] if index else None
+        if before is not None and same_sides(before, sides):
+            results.append(results[-1])
+            ranked.append(ranked[-1])
+            continue
+        queries, gallery = sides
+        num = queries.rows.shape[0]
+        lo, hi = num * me // world, num * (me + 1) // world
+        share = Side(queries.rows[lo:hi], queries.identity[lo:hi])
+        try:
+            counts = rank(embeddings, labels, groups, share, gallery, options, route)
+        except Exception as err:
+            if world == 1:
+                raise
+            # Take part in the all_reduce, so that no other process waits forever, then
+            # raise here and there.
+            failure = err
+            nothing = Side(share.rows[:0], share.identity[:0])
+            counts = rank(embeddings, labels, groups, nothing, gallery, options, route)
+        results.append(counts)
+        ranked.append(hi - lo)
+    return sum_over_processes(results, world, group, failure), ranked
+
+
+def sum_over_processes(
+    results: list[RankCounts | None],
+    world: int,
+    group: Any,
+    failure: Exception | None,
+) -> list[tuple[Tensor, Tensor] | None]:
+    """Sum each direction's counts over the processes (every process calls this, with
+    its share's counts, or None for a direction that could not be ranked anywhere), then
+    raise a failure of any process on every process.
+
+    Returns:
+        ``(hist, queries)`` per direction, or None where ``results`` holds None.
+    """
+    present = [r for r in results if r is not None]
+    if not present:
+        return [None for _ in results]
+    hists = torch.stack([r.hist for r in present])
+    counts = torch.stack([torch.cat([r.queries, r.nan_queries.reshape(1)]) for r in present])
+    failed = torch.tensor([int(failure is not None)], device=counts.device)
+    if world > 1:
+        dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
+    if failure is not None:
+        raise failure
+    if int(failed):
+        raise RuntimeError("EmbeddingRecallAtK.compute() failed on another process; see its error")
+    nan_queries = int(counts[:, 2].sum())
+    if nan_queries:
+        raise nan_scores_error(nan_queries)
+    reduced = iter(zip(hists, counts[:, :2], strict=True))
+    return [None if r is None else next(reduced) for r in results]
+
+
+def same_sides(previous: tuple[Side, Side], current: tuple[Side, Side]) -> bool:
+    """Whether a direction ranks the same queries against the same gallery as before."""
+    return all(
+        a.rows.shape == b.rows.shape and torch.equal(a.rows, b.rows)
+        for a, b in zip(previous, current, strict=True)
+    )
+
+
+def check_directions(directions: object) -> tuple[str, str]:
+    if (
+        isinstance(directions, str)
+        or not isinstance(directions, Sequence)
+        or len(directions) != 2
+        or not all(isinstance(d, str) and d for d in directions)
+        or directions[0] == directions[1]
+    ):
+        raise ValueError(
+            "`directions` must be two distinct non-empty strings (the key prefixes of"
+            f" query -> gallery and gallery -> query), got {directions!r}"
+        )
+    return (directions[0], directions[1])

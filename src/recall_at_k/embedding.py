@@ -9,16 +9,15 @@ its share of the queries and the histograms are summed with ``all_reduce``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, SupportsIndex, cast, overload
+from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from recall_at_k import _embedding
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
-from recall_at_k._embedding import AUTO_ROUTE, RankCounts, Route, Side
+from recall_at_k._embedding import AUTO_ROUTE, Route, Side
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import (
     EXCLUDES,
@@ -39,21 +38,6 @@ _META_COLUMNS = 5
 _IS_QUERY, _IS_GALLERY, _HAS_GROUP, _HAS_ID = 1, 2, 4, 8
 _ROLE_FLAGS = {"query": _IS_QUERY, "gallery": _IS_GALLERY, "both": _IS_QUERY | _IS_GALLERY}
 _ROLE_NAMES = {flags: role for role, flags in _ROLE_FLAGS.items()}
-
-
-def _check_directions(directions: object) -> tuple[str, str]:
-    if (
-        isinstance(directions, str)
-        or not isinstance(directions, Sequence)
-        or len(directions) != 2
-        or not all(isinstance(d, str) and d for d in directions)
-        or directions[0] == directions[1]
-    ):
-        raise ValueError(
-            "`directions` must be two distinct non-empty strings (the key prefixes of"
-            f" query -> gallery and gallery -> query), got {directions!r}"
-        )
-    return (directions[0], directions[1])
 
 
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
@@ -134,6 +118,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         {'i2t/recall@1': tensor(1.), 't2i/recall@1': tensor(0.7500)}
     """
 
+    __jit_ignored_attributes__: ClassVar[list[str]] = ["last_compute_num_queries_ranked"]
+
     last_compute_num_queries_ranked: dict[str, int]
     """Queries this process ranked in the last ``compute``, per direction (its share under
     DDP, every query otherwise)."""
@@ -207,7 +193,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         validate_args: bool = True,
         **metric_kwargs: Any,
     ) -> None:
-        checked_directions = _check_directions(directions)
+        checked_directions = _embedding.check_directions(directions)
         prefixes = [f"{d}/" for d in checked_directions] if bidirectional else [""]
         super().__init__(
             k,
@@ -228,7 +214,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.last_compute_num_queries_ranked = {}
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
-        self._gathered: tuple[Any] | None = None
+        self._gathered: _embedding.ProcessGroup | None = None
         # Embeddings are stored flattened (1-D, in the metric's dtype) so that a process
         # without data sends an empty block of the same layout; the width is in the
         # metadata.
@@ -315,7 +301,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._gathered = None
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         if will_sync:
-            self._gathered = (process_group or self.process_group,)
+            self._gathered = _embedding.ProcessGroup(process_group or self.process_group)
 
     def unsync(self, should_unsync: bool = True) -> None:
         """The base ``unsync``; the states are local again afterwards."""
@@ -338,11 +324,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             empty = torch.zeros(self.max_k, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
             return [empty for _ in self._prefixes]
         self._check_groups(meta)
-        world, rank, group = 1, 0, None
-        if self._gathered is not None and dist.is_available() and dist.is_initialized():
-            group = self._gathered[0]
-            world = dist.get_world_size(group)
-            rank = dist.get_rank(group)
+        group = self._gathered  # shard across processes only when states are gathered
         identity = _embedding.identities(meta[:, _ID], (meta[:, _FLAGS] & _HAS_ID) != 0)
         roles = [(_IS_QUERY, _IS_GALLERY), (_IS_GALLERY, _IS_QUERY)][: len(self._prefixes)]
         options = _embedding.RankOptions(
@@ -354,83 +336,19 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             self.validate_args and _embedding.may_produce_nan(embeddings, self.similarity),
         )
         prepared = _embedding.prepare(embeddings, self.similarity)
-        labels, groups = meta[:, _LABEL], meta[:, _GROUP]
-        results: list[RankCounts | None] = []
-        ranked: dict[str, int] = {}
-        previous: tuple[Side, Side] | None = None
-        failure: Exception | None = None
+        directions: list[tuple[Side, Side] | None] = []
         for index, (query_flag, gallery_flag) in enumerate(roles):
-            name = self.directions[index]
             queries = _embedding.select((meta[:, _FLAGS] & query_flag) != 0, identity)
             gallery = _embedding.select((meta[:, _FLAGS] & gallery_flag) != 0, identity)
             missing = self._missing(index, queries, gallery)
-            if missing is not None:
-                if not self._in_forward:
-                    raise ValueError(missing)
-                results.append(None)
-                ranked[name] = 0
-                continue
-            if previous is not None and _same_sides(previous, (queries, gallery)):
-                # Leave-one-out: gallery -> query is query -> gallery again.
-                results.append(results[-1])
-                ranked[name] = ranked[self.directions[index - 1]]
-                continue
-            previous = (queries, gallery)
-            num = queries.rows.shape[0]
-            lo, hi = num * rank // world, num * (rank + 1) // world
-            share = Side(queries.rows[lo:hi], queries.identity[lo:hi])
-            try:
-                counts = _embedding.rank(
-                    prepared, labels, groups, share, gallery, options, self._route
-                )
-            except Exception as err:
-                if world == 1:
-                    raise
-                # Take part in the all_reduce below, so that no other process waits
-                # forever, then raise here and there.
-                failure = err
-                counts = _embedding.rank(
-                    prepared,
-                    labels,
-                    groups,
-                    Side(share.rows[:0], share.identity[:0]),
-                    gallery,
-                    options,
-                )
-            results.append(counts)
-            ranked[name] = hi - lo
-        self.last_compute_num_queries_ranked = ranked
-        return self._reduce(results, world, group, failure)
-
-    def _reduce(
-        self,
-        results: list[RankCounts | None],
-        world: int,
-        group: Any,
-        failure: Exception | None,
-    ) -> list[Histogram]:
-        """Sum each direction's counts over the processes (every process calls this)."""
-        present = [r for r in results if r is not None]
-        if not present:
-            return [None for _ in results]
-        hists = torch.stack([r.hist for r in present])
-        counts = torch.stack([torch.cat([r.queries, r.nan_queries.reshape(1)]) for r in present])
-        failed = torch.tensor([int(failure is not None)], device=counts.device)
-        if world > 1:
-            dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
-        if failure is not None:
-            raise failure
-        if int(failed):
-            raise RuntimeError(
-                "EmbeddingRecallAtK.compute() failed on another process; see its error"
-            )
-        nan_queries = int(counts[:, 2].sum())
-        if nan_queries:
-            raise _embedding.nan_scores_error(nan_queries)
-        reduced = iter(zip(hists, counts[:, :2], strict=True))
-        return [None if r is None else next(reduced) for r in results]
+            if missing is not None and not self._in_forward:
+                raise ValueError(missing)
+            directions.append(None if missing is not None else (queries, gallery))
+        histograms, ranked = _embedding.rank_shared(
+            prepared, meta[:, _LABEL], meta[:, _GROUP], directions, options, self._route, group
+        )
+        self.last_compute_num_queries_ranked = dict(zip(self.directions, ranked, strict=False))
+        return histograms
 
     def _check_groups(self, meta: Tensor) -> None:
         """Every item has a group when ``exclude`` reads them (``merge_state`` of items
@@ -484,14 +402,6 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 f" width {width_min}; it was corrupted"
             )
         return flat.reshape(num, width_min), meta
-
-
-def _same_sides(previous: tuple[Side, Side], current: tuple[Side, Side]) -> bool:
-    """Whether a direction ranks the same queries against the same gallery as before."""
-    return all(
-        a.rows.shape == b.rows.shape and torch.equal(a.rows, b.rows)
-        for a, b in zip(previous, current, strict=True)
-    )
 
 
 def _blocks(state: Any) -> list[Tensor]:
