@@ -1,8 +1,8 @@
-"""Dense workload of DESIGN section 4: RetrievalRecallAtK against its peers and the floor.
+"""Dense workload: RetrievalRecallAtK against its peers and the floor.
 
-Q = 20,000 queries x G = 5,000 gallery items, float32 scores, in batches of 256 rows,
-K = (1, 5, 10), for a ``[Q]`` index target (one true item a query) and for the same
-positives as a ``[Q, G]`` bool mask. Contestants, each fed the same batches:
+Q queries x G gallery items, float32 scores, in batches of 256 rows, K = (1, 5, 10), for
+a ``[Q]`` index target (one true item a query) and for the same positives as a
+``[Q, G]`` bool mask. Contestants, each fed the same batches:
 
 - ``amax floor``: ``scores.amax(dim=1)`` over every batch (one read of the scores);
 - ``RetrievalRecallAtK`` (``validate_args=False``, then ``True``), update + compute;
@@ -13,37 +13,32 @@ positives as a ``[Q, G]`` bool mask. Contestants, each fed the same batches:
   queries, ``topk`` + ``one_hot`` + a product with the mask (ties broken by sort order);
 - ``torchmetrics RetrievalHitRate x 3``: ``top_k`` = 1, 5, 10 in a ``MetricCollection``
   (its default compute groups: the three share one stored copy), fed the flat
-  ``(preds, target, indexes)`` form of the same batches. It runs in a child process
-  killed at a time bound, and is not started when its estimated memory exceeds the
+  ``(preds, target, indexes)`` form of the same batches. It runs in a child process,
+  stopped at a time bound, and is not started when its estimated memory exceeds the
   memory bound; its row then says so.
-
-Run: ``python benchmarks/dense.py [--quick] [--device cpu|cuda] [--no-torchmetrics]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from measure import (
+    TIME_COLUMN,
     Contestant,
-    Measurement,
-    machine,
+    Section,
+    Setup,
+    bounded_peer,
+    by_name,
+    contestant_table,
     measure_bounded,
     measure_interleaved,
-    over_memory_bound,
-    run_child,
-    table,
-    timed_out,
-    write_section,
+    memory_ratio_column,
+    peak_column,
+    time_ratio_column,
 )
 
 from recall_at_k import RetrievalRecallAtK
@@ -51,8 +46,6 @@ from recall_at_k import RetrievalRecallAtK
 KS = (1, 5, 10)
 BATCH = 256
 CLIP_BATCH = 64  # clip_benchmark's default --batch_size
-FULL_SIZE = (20_000, 5_000)
-QUICK_SIZE = (2_000, 5_000)
 
 FLOOR = "amax floor"
 OURS_INDEX = "RetrievalRecallAtK, [Q] index target"
@@ -68,31 +61,41 @@ TORCHMETRICS = "torchmetrics RetrievalHitRate x 3 (flat form)"
 # whether it can run within the memory bound.
 TORCHMETRICS_BYTES_PER_ITEM = 100
 
+Batches = list[torch.Tensor]
+
+
+def random_block(
+    rows: int, gallery: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[rows, G]`` scores, each row's true column and the same positive as a bool mask."""
+    scores = torch.randn(rows, gallery, generator=gen)
+    true = torch.randint(0, gallery, (rows,), generator=gen)
+    scores[torch.arange(rows), true] += 2.0  # a model that is right often enough to matter
+    mask = torch.zeros(rows, gallery, dtype=torch.bool)
+    mask[torch.arange(rows), true] = True
+    return scores, true, mask
+
 
 def make_data(
     num_queries: int, gallery: int, device: str, seed: int = 0
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[Batches, Batches, Batches]:
     """Score batches, their ``[B]`` true columns and the same positives as ``[B, G]`` masks."""
     gen = torch.Generator().manual_seed(seed)
-    scores, index, mask = [], [], []
+    scores: Batches = []
+    index: Batches = []
+    mask: Batches = []
     for start in range(0, num_queries, BATCH):
-        rows = min(BATCH, num_queries - start)
-        s = torch.randn(rows, gallery, generator=gen)
-        t = torch.randint(0, gallery, (rows,), generator=gen)
-        s[torch.arange(rows), t] += 2.0  # a model that is right often enough to matter
-        m = torch.zeros(rows, gallery, dtype=torch.bool)
-        m[torch.arange(rows), t] = True
-        scores.append(s.to(device))
-        index.append(t.to(device))
-        mask.append(m.to(device))
+        block = random_block(min(BATCH, num_queries - start), gallery, gen)
+        for into, part in zip((scores, index, mask), block, strict=True):
+            into.append(part.to(device))
     return scores, index, mask
 
 
 def ours(
-    scores: list[torch.Tensor], targets: list[torch.Tensor], validate: bool
+    scores: Batches, targets: Batches, validate: bool, ks: tuple[int, ...] = KS
 ) -> Callable[[], object]:
     def run() -> object:
-        metric = RetrievalRecallAtK(KS, validate_args=validate).to(scores[0].device)
+        metric = RetrievalRecallAtK(ks, validate_args=validate).to(scores[0].device)
         for s, t in zip(scores, targets, strict=True):
             metric.update(s, t)
         return metric.compute()
@@ -100,16 +103,11 @@ def ours(
     return run
 
 
-def floor(scores: list[torch.Tensor]) -> Callable[[], object]:
-    def run() -> object:
-        return [s.amax(dim=1) for s in scores]
-
-    return run
+def floor(scores: Batches) -> Callable[[], object]:
+    return lambda: [s.amax(dim=1) for s in scores]
 
 
-def argsort_per_query(
-    scores: list[torch.Tensor], index: list[torch.Tensor]
-) -> Callable[[], object]:
+def argsort_per_query(scores: Batches, index: Batches) -> Callable[[], object]:
     """torchreid's ``eval_market1501`` CMC: numpy argsort, then a loop over the queries."""
 
     def run() -> object:
@@ -139,7 +137,7 @@ def _clip_recall_at_k(scores: torch.Tensor, positive_pairs: torch.Tensor, k: int
     return nb_true_positive / nb_positive
 
 
-def clip_topk(scores: list[torch.Tensor], mask: list[torch.Tensor]) -> Callable[[], object]:
+def clip_topk(scores: Batches, mask: Batches) -> Callable[[], object]:
     """clip_benchmark's way: the full score matrix, then ``batchify(recall_at_k)`` per K."""
 
     def run() -> object:
@@ -158,9 +156,7 @@ def clip_topk(scores: list[torch.Tensor], mask: list[torch.Tensor]) -> Callable[
     return run
 
 
-def torchmetrics_hit_rate(
-    scores: list[torch.Tensor], index: list[torch.Tensor]
-) -> Callable[[], object]:
+def torchmetrics_hit_rate(scores: Batches, index: Batches) -> Callable[[], object]:
     from torchmetrics import MetricCollection
     from torchmetrics.retrieval import RetrievalHitRate
 
@@ -182,68 +178,27 @@ def torchmetrics_hit_rate(
     return run
 
 
-def _torchmetrics_child(
+def torchmetrics_peer(
     num_queries: int, gallery: int, device: str, time_limit: float | None
-) -> Measurement:
-    """The torchmetrics peer, in this (child) process: a small warm-up, then one run."""
+) -> dict[str, Any]:
+    """The torchmetrics peer, in a child process: a small warm-up, then one bounded run."""
     small, small_index, _ = make_data(64, 100, device, seed=1)
     torchmetrics_hit_rate(small, small_index)()
     scores, index, _ = make_data(num_queries, gallery, device)
     run = torchmetrics_hit_rate(scores, index)
-    return measure_bounded(TORCHMETRICS, run, device=device, time_limit=time_limit)
+    return asdict(measure_bounded(TORCHMETRICS, run, device=device, time_limit=time_limit))
 
 
-def torchmetrics_row(
-    num_queries: int,
-    gallery: int,
-    device: str,
-    time_limit: float | None,
-    threads: int | None = None,
-) -> Measurement:
-    """The torchmetrics peer in a child process (``threads`` torch threads, default:
-    torch's), within the time and memory bounds."""
-    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
-    skipped = over_memory_bound(TORCHMETRICS, need, device)
-    if skipped is not None:
-        return skipped
-    args = ["--child", "--queries", str(num_queries), "--gallery", str(gallery)]
-    args += ["--device", device]
-    if time_limit is not None:
-        args += ["--time-limit", str(time_limit)]
-    if threads is not None:
-        args += ["--threads", str(threads)]
-    # The child stops the peer at the bound itself; this timeout is only a safety net.
-    safety = None if time_limit is None else 2 * time_limit + 300
-    out = run_child(__file__, args, live_memory=True, timeout=safety)
-    if out is None:
-        assert time_limit is not None
-        return timed_out(TORCHMETRICS, time_limit)
-    return Measurement(**out)
+def run(size: tuple[int, int], *, repeats: int, slow_repeats: int, setup: Setup) -> Section:
+    """Every contestant on the same batches of ``size`` = (Q, G) queries x items.
 
-
-def run(
-    quick: bool = False,
-    device: str = "cpu",
-    with_torchmetrics: bool = True,
-    *,
-    size: tuple[int, int] | None = None,
-    repeats: int = 5,
-    slow_repeats: int = 3,
-    time_limit: float | None = None,
-    threads: int | None = None,
-) -> tuple[str, list[Measurement]]:
-    """Every contestant on the same batches; ``(title, rows)``.
-
-    ``size`` (Q, G) overrides the workload's (``QUICK_SIZE`` with ``quick``);
     ``repeats`` timed runs (after the warm-up) for this package and the floor,
-    ``slow_repeats`` for the argsort and topk peers; ``time_limit`` bounds the
-    torchmetrics peer (seconds, ``None``: no bound), which runs in a child process with
-    ``threads`` torch threads (default: torch's; the others run in this process, with its
-    setting).
+    ``slow_repeats`` for the argsort and topk peers; the torchmetrics peer runs in a
+    child process (:func:`measure.bounded_peer`), the others in this process.
     """
-    num_queries, gallery = size or (QUICK_SIZE if quick else FULL_SIZE)
+    num_queries, gallery = size
+    device = setup.device
     scores, index, mask = make_data(num_queries, gallery, device)
-    slow = slow_repeats
     rows = measure_interleaved(
         [
             Contestant(FLOOR, floor(scores), repeats),
@@ -251,50 +206,29 @@ def run(
             Contestant(OURS_MASK, ours(scores, mask, False), repeats),
             Contestant(OURS_INDEX_CHECKED, ours(scores, index, True), repeats),
             Contestant(OURS_MASK_CHECKED, ours(scores, mask, True), repeats),
-            Contestant(ARGSORT, argsort_per_query(scores, index), slow),
-            Contestant(CLIP, clip_topk(scores, mask), slow, "ties broken by sort order"),
+            Contestant(ARGSORT, argsort_per_query(scores, index), slow_repeats),
+            Contestant(CLIP, clip_topk(scores, mask), slow_repeats, "ties broken by sort order"),
         ],
         device,
     )
-    if with_torchmetrics:
-        del scores, index, mask  # the child makes its own copy
-        rows.append(torchmetrics_row(num_queries, gallery, device, time_limit, threads))
-    title = f"Q = {num_queries:,} x G = {gallery:,}, float32, batches of {BATCH}, K = {KS}"
-    return title, rows
-
-
-def render(rows: list[Measurement]) -> str:
-    return table(rows, reference=OURS_INDEX, floor=FLOOR, memory=True)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Q = 2,000 instead of 20,000")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--no-torchmetrics", action="store_true", help="skip the slow peer")
-    parser.add_argument("--time-limit", type=float, default=None, help="torchmetrics bound (s)")
-    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--queries", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--gallery", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.child:
-        row = _torchmetrics_child(args.queries, args.gallery, args.device, args.time_limit)
-        print(json.dumps(vars(row)))
-        return
-    title, rows = run(args.quick, args.device, not args.no_torchmetrics, time_limit=args.time_limit)
-    command = " ".join(["python benchmarks/dense.py", *sys.argv[1:]])
-    body = (
-        f"## Dense workload\n\n{title}. {machine(args.device)}.\n\n"
-        f"Command: `{command}`\n\n{render(rows)}\n"
+    del scores, index, mask  # the child makes its own copy
+    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
+    kwargs = {"num_queries": num_queries, "gallery": gallery, "device": device}
+    rows.append(bounded_peer(TORCHMETRICS, need, torchmetrics_peer, kwargs, setup))
+    named = by_name(rows)
+    table = contestant_table(
+        rows,
+        [
+            TIME_COLUMN,
+            peak_column(),
+            time_ratio_column("time / this metric", named[OURS_INDEX]),
+            memory_ratio_column("memory / this metric", named[OURS_INDEX]),
+            time_ratio_column("time / floor", named[FLOOR]),
+            ("note", lambda row: row.note),
+        ],
     )
-    print(body)
-    if not args.no_write:
-        write_section(f"dense-{args.device}{'-quick' if args.quick else ''}", body)
-
-
-if __name__ == "__main__":
-    main()
+    body = (
+        f"Q = {num_queries:,} x G = {gallery:,}, float32, batches of {BATCH}, K = {KS}."
+        f" update + compute, end to end, from the same batches.\n\n{table}"
+    )
+    return Section(body, named)

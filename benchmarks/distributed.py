@@ -6,109 +6,34 @@
   process's embeddings, then each process ranks only its share of the queries against the
   whole gallery and the hit counts are summed.
 
-The same data in both cases, split evenly over the processes; each process runs one
-torch thread, so two processes use two cores. ``update`` is not timed: after a barrier
-each process times its ``compute()`` (sync included) on a fresh metric; a run's time is
-the slowest process's, the table shows the median over the runs.
-
-Run: ``python benchmarks/distributed.py [--quick]``.
+The processes are spawned by the tests' gloo helper (``tests/helpers.py``). The same
+data in both cases, split evenly over the processes; each process runs one torch thread,
+so two processes use two cores. ``update`` is not timed: after a barrier each process
+times its ``compute()`` (sync included) on a fresh metric; a run's time is the slowest
+process's, the table shows the median over the runs.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
+import functools
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from embedding import DIM, make_data
+from measure import Section, fmt_seconds, markdown_table
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from measure import fmt_seconds, machine, markdown_table
+from helpers import run_distributed
 
 KS = (1, 5, 10)
 BATCH = 256
-DIM = 128
-CLASSES = 100
-
-# Dense (Q, G), embedding N, timed runs per mode.
-SIZES: dict[str, dict[str, Any]] = {
-    "full": {"dense": (4_096, 5_000), "embedding": 10_000, "repeats": 3},
-    "quick": {"dense": (1_024, 1_000), "embedding": 2_000, "repeats": 2},
-    "tiny": {"dense": (256, 100), "embedding": 300, "repeats": 1},
-}
-
-
-# ------------------------------------------------------------------------- spawn
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _entry(
-    rank: int,
-    world_size: int,
-    port: int,
-    out_dir: str,
-    fn: Callable[[int, int, Any], Any],
-    payload: Any,
-) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    result: dict[str, Any]
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            result = {"ok": fn(rank, world_size, payload)}
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # report everything to the parent
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def spawn(fn: Callable[[int, int, Any], Any], world_size: int, payload: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, payload)`` in ``world_size`` gloo processes.
-
-    The processes are forked where the platform can (no second import of torch and
-    torchmetrics, which takes longer than the whole measurement); each sets one torch
-    thread before anything else, as DataLoader workers do, which is what makes a fork
-    after the parent's multi-threaded work safe.
-    """
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            _entry,
-            args=(world_size, _free_port(), out_dir, fn, payload),
-            nprocs=world_size,
-            join=True,
-            start_method=method,
-        )
-        results = []
-        for rank in range(world_size):
-            result = torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
-            if "error" in result:
-                raise RuntimeError(f"rank {rank} failed:\n{result['error']}")
-            results.append(result["ok"])
-        return results
-
-
-# ----------------------------------------------------------------------- workers
 
 
 def _shard(num: int, rank: int, world_size: int) -> range:
@@ -137,38 +62,26 @@ def _timed_computes(
     }
 
 
-def _dense_maker(size: tuple[int, int]) -> Callable[[range, Any], Any]:
-    from recall_at_k import RetrievalRecallAtK
+def _maker(case: str, size: Any) -> Callable[[range, Any], Any]:
+    """Fresh metrics of ``case`` updated with the given rows of its data, in batches."""
+    from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 
-    num_queries, gallery = size
-    gen = torch.Generator().manual_seed(0)
-    scores = torch.randn(num_queries, gallery, generator=gen)
-    target = torch.randint(0, gallery, (num_queries,), generator=gen)
-    scores[torch.arange(num_queries), target] += 2.0
-
-    def make(rows: range, group: Any) -> Any:
-        metric = RetrievalRecallAtK(KS, validate_args=False, process_group=group)
-        for start in range(rows.start, rows.stop, BATCH):
-            stop = min(start + BATCH, rows.stop)
-            metric.update(scores[start:stop], target[start:stop])
-        return metric
-
-    return make
-
-
-def _embedding_maker(num: int) -> Callable[[range, Any], Any]:
-    from recall_at_k import EmbeddingRecallAtK
-
-    gen = torch.Generator().manual_seed(0)
-    centres = torch.randn(CLASSES, DIM, generator=gen)
-    labels = torch.randint(0, CLASSES, (num,), generator=gen)
-    embeddings = centres[labels] + 2.5 * torch.randn(num, DIM, generator=gen)
+    if case == "dense":
+        num_queries, gallery = size
+        gen = torch.Generator().manual_seed(0)
+        inputs = torch.randn(num_queries, gallery, generator=gen)
+        targets = torch.randint(0, gallery, (num_queries,), generator=gen)
+        inputs[torch.arange(num_queries), targets] += 2.0
+        new: Callable[..., Any] = functools.partial(RetrievalRecallAtK, KS, validate_args=False)
+    else:
+        inputs, targets = make_data(size)
+        new = functools.partial(EmbeddingRecallAtK, KS)
 
     def make(rows: range, group: Any) -> Any:
-        metric = EmbeddingRecallAtK(KS, process_group=group)
+        metric = new(process_group=group)
         for start in range(rows.start, rows.stop, BATCH):
             stop = min(start + BATCH, rows.stop)
-            metric.update(embeddings[start:stop], labels[start:stop])
+            metric.update(inputs[start:stop], targets[start:stop])
         return metric
 
     return make
@@ -179,9 +92,9 @@ def worker(rank: int, world_size: int, payload: dict[str, Any]) -> dict[str, Any
     alone = dist.new_group([0])
     repeats = payload["repeats"]
     out = {}
-    for case, maker in (("dense", _dense_maker), ("embedding", _embedding_maker)):
+    for case in ("dense", "embedding"):
         size = payload[case]
-        make = maker(size)
+        make = _maker(case, size)
         total = size[0] if isinstance(size, tuple) else size
         single = None
         if rank == 0:
@@ -196,74 +109,51 @@ def worker(rank: int, world_size: int, payload: dict[str, Any]) -> dict[str, Any
 
 # ------------------------------------------------------------------------ report
 
+HEAD: tuple[str, ...] = ("metric", "data (all processes)", "processes", "compute() time")
+HEAD += ("time / 1 process", "queries ranked per process", "same result on every process")
+HEAD += ("recall@1",)
 
-def run(mode: str = "full") -> str:
-    """Both metrics with 1 and 2 processes at ``mode``'s sizes; the markdown body."""
-    sizes = SIZES[mode]
-    payload = {"dense": sizes["dense"], "embedding": sizes["embedding"]}
-    outs = spawn(worker, 2, {**payload, "repeats": sizes["repeats"]})
+
+def _table_row(name: str, data: str, parts: list[dict[str, Any]], single: float) -> list[str]:
+    """The row of one case on ``len(parts)`` processes (``parts``: each one's timings)."""
+    seconds = statistics.median(
+        max(runs) for runs in zip(*(p["times"] for p in parts), strict=True)
+    )
+    values = parts[0]["values"]
+    ranked = [p["ranked"] for p in parts]
+    return [
+        name,
+        data,
+        str(len(parts)),
+        fmt_seconds(seconds),
+        f"{seconds / single:.2f}x",
+        "—" if None in ranked else ", ".join(f"{r:,}" for r in ranked),
+        "yes" if all(p["values"] == values for p in parts) else "NO",
+        f"{values['recall@1']:.4f}",
+    ]
+
+
+def run(dense_size: tuple[int, int], embedding_num: int, *, repeats: int) -> Section:
+    """Both metrics with 1 and 2 processes: dense ``(Q, G)``, ``embedding_num`` embeddings."""
+    payload = {"dense": dense_size, "embedding": embedding_num, "repeats": repeats}
+    outs = run_distributed(worker, 2, payload)
     cases = [
-        ("dense", "RetrievalRecallAtK, dense", "Q = {:,} x G = {:,}".format(*sizes["dense"])),
-        (
-            "embedding",
-            "EmbeddingRecallAtK, leave-one-out",
-            f"N = {sizes['embedding']:,}, D = {DIM}",
-        ),
+        ("dense", "RetrievalRecallAtK, dense", "Q = {:,} x G = {:,}".format(*dense_size)),
+        ("embedding", "EmbeddingRecallAtK, leave-one-out", f"N = {embedding_num:,}, D = {DIM}"),
     ]
     body = []
     for case, name, data in cases:
         single = statistics.median(outs[0][case][1]["times"])
-        for world_size in (1, 2):
-            parts = [outs[0][case][1]] if world_size == 1 else [o[case][2] for o in outs]
-            runs = zip(*(p["times"] for p in parts), strict=True)
-            seconds = statistics.median(max(times) for times in runs)
-            values = parts[0]["values"]
-            same = all(p["values"] == values for p in parts)
-            ranked = [p["ranked"] for p in parts]
-            body.append(
-                [
-                    name,
-                    data,
-                    world_size,
-                    fmt_seconds(seconds),
-                    f"{seconds / single:.2f}x",
-                    "—" if None in ranked else ", ".join(f"{r:,}" for r in ranked),
-                    "yes" if same else "NO",
-                    f"{values['recall@1']:.4f}",
-                ]
-            )
+        body.append(_table_row(name, data, [outs[0][case][1]], single))
+        body.append(_table_row(name, data, [out[case][2] for out in outs], single))
     same_single = all(
         outs[0][case][1]["values"] == outs[0][case][2]["values"] for case, _, _ in cases
     )
-    table = markdown_table(
-        [
-            "metric",
-            "data (all processes)",
-            "processes",
-            "compute() time",
-            "time / 1 process",
-            "queries ranked per process",
-            "same result on every process",
-            "recall@1",
-        ],
-        body,
-    )
-    return (
+    table = markdown_table(HEAD, body)
+    return Section(
         "Time of `compute()` (sync included), gloo on 127.0.0.1, one torch thread a"
-        f" process, median of {sizes['repeats']} run(s) of the slowest process. The"
+        f" process, median of {repeats} run(s) of the slowest process. The"
         " 1-process rows run on a process group of process 0 alone, holding all the data."
         f" 2-process results equal the 1-process ones: {'yes' if same_single else 'NO'}.\n\n"
         f"{table}"
     )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    print(f"## Distributed cost\n\n{machine('cpu')}.\n")
-    print(run("quick" if args.quick else "full"))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,10 @@
-"""Flat workload (issue 3): DESIGN section 4's dense workload fed as flat batches.
+"""Flat workload: the dense workload fed as flat ``(preds, target, indexes)`` batches.
 
-Q = 20,000 queries x G = 5,000 gallery items, float32 scores, one true item a query, in
-blocks of 256 queries, K = (1, 5, 10). Every query is split over two flat
-``(preds, target, indexes)`` batches: batch j holds the second half of block j - 1's
-items and the first half of block j's (1.28 M items, 512 query ids). Contestants, each
-fed the same batches, each in a fresh subprocess of its own so that peak memory compares:
+Q queries x G gallery items, float32 scores, one true item a query, in blocks of 256
+queries, K = (1, 5, 10). Every query is split over two flat batches: batch j holds the
+second half of block j - 1's items and the first half of block j's (512 query ids).
+Contestants, each fed the same batches, each in a fresh child process of its own so that
+peak memory compares:
 
 - ``amax floor``: ``preds.view(-1, G / 2).amax(dim=1)`` per batch (one read of the scores);
 - ``RetrievalRecallAtK`` (``validate_args=True``, the default, then ``False``), and once
@@ -12,65 +12,50 @@ fed the same batches, each in a fresh subprocess of its own so that peak memory 
 - ``torchmetrics RetrievalHitRate x 3``: ``top_k`` = 1, 5, 10 in one ``MetricCollection``
   (default ``compute_groups=True``: the three share one stored copy of the items).
 
-Time is update + compute, end to end, excluding the generation of the batches: the
-median of ``--repeats`` runs (default 3) in one subprocess, except for torchmetrics (one
-run); wall-clock time and the process's CPU time. Every contestant runs with
-``--threads`` torch threads (default 1): on a shared machine a multi-threaded kernel
-waits for its slowest thread, so one thread a contestant keeps the ratios steady. Peak
-memory is the resident-set high-water mark (Linux ``VmHWM``, reset through
-``/proc/self/clear_refs``; ``torch.cuda.max_memory_allocated`` on CUDA) over what was
-resident when the contestant started, measured in a subprocess of its own that runs with
-``MALLOC_MMAP_THRESHOLD_`` fixed at 128 KiB: glibc then hands every freed large buffer
-back at once, so the high-water mark is live memory rather than heap the allocator kept
-(with its default, the 1.28 M-item batches alone leave a few hundred MiB of RSS behind).
-torchmetrics is timed in that same run: its large allocations are few, so the setting
-does not change its time.
-
-torchmetrics is stopped at ``--time-limit`` seconds (none by default) and not started
-when its estimated peak memory exceeds 80% of the available memory; its row says so.
-
-Run: ``python benchmarks/flat.py [--quick] [--device cpu|cuda] [--no-torchmetrics]
-[--repeats N] [--threads N] [--time-limit S] [--no-write]``. ``--quick`` uses Q = 2,000.
+Time (wall-clock and CPU) is update + compute, end to end, without the generation of the
+batches: the median of the timed runs in one child, except for torchmetrics (one run,
+timed in its memory run: its large allocations are few). Peak memory is measured in a
+child of its own under :func:`measure.live_memory` settings (with glibc's defaults the
+1.28 M-item batches alone leave a few hundred MiB of RSS behind).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
+from dense import random_block
 from measure import (
+    RECALL_COLUMN,
+    TIME_COLUMN,
     Measurement,
+    Section,
+    Setup,
     TimeBoundError,
-    fmt_bytes,
+    bounded_peer,
+    by_name,
+    call_each,
+    contestant_table,
     fmt_ratio,
     fmt_seconds,
-    machine,
     memory_ratio,
-    over_memory_bound,
+    memory_ratio_column,
+    peak_column,
     peak_since,
-    run_child,
     start_peak,
     sync,
     time_bound,
     time_ratio,
+    time_ratio_column,
     timed_out,
-    write_section,
 )
 
 KS = (1, 5, 10)
 BATCH = 256
-GALLERY = 5_000
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -79,14 +64,11 @@ OURS = "RetrievalRecallAtK"
 OURS_UNCHECKED = "RetrievalRecallAtK, validate_args=False"
 OURS_SHUFFLED = "RetrievalRecallAtK, items shuffled in each batch"
 TORCHMETRICS = "torchmetrics RetrievalHitRate x 3"
-CONTESTANTS = (FLOOR, OURS, OURS_UNCHECKED, OURS_SHUFFLED, TORCHMETRICS)
+OURS_AND_FLOOR = (FLOOR, OURS, OURS_UNCHECKED, OURS_SHUFFLED)
 
 # Peak bytes per item of the torchmetrics peer (7.5 GiB for the 100 M items of the full
 # workload), used to decide whether it can run within the memory bound.
 TORCHMETRICS_BYTES_PER_ITEM = 80
-
-
-# ------------------------------------------------------------------------------ data
 
 
 def flat_batches(
@@ -116,20 +98,13 @@ def flat_batches(
 
     for start in range(0, num_queries, BATCH):
         rows = min(BATCH, num_queries - start)
-        scores = torch.randn(rows, gallery, generator=gen)
-        true = torch.randint(0, gallery, (rows,), generator=gen)
-        scores[torch.arange(rows), true] += 2.0  # a model that is right often enough to matter
-        mask = torch.zeros(rows, gallery, dtype=torch.bool)
-        mask[torch.arange(rows), true] = True
+        scores, _, mask = random_block(rows, gallery, gen)
         block = (scores, mask, torch.arange(start, start + rows))
         first = halves(block, slice(0, half))
         yield join(halves(previous, slice(half, gallery)), first) if previous else join(first)
         previous = block
     if previous is not None:
         yield join(halves(previous, slice(half, gallery)))
-
-
-# ----------------------------------------------------------------------- contestants
 
 
 def _contestant(
@@ -144,50 +119,45 @@ def _contestant(
             sink.append(batch[0].view(-1, half).amax(dim=1))
 
         return floor_update, lambda: torch.cat(sink).shape
-    if name in (OURS, OURS_UNCHECKED, OURS_SHUFFLED):
-        from recall_at_k import RetrievalRecallAtK
-
-        metric = RetrievalRecallAtK(KS, validate_args=name != OURS_UNCHECKED).to(device)
-
-        def ours_update(batch: Batch) -> None:
-            metric.update(batch[0], batch[1], indexes=batch[2])
-
-        return ours_update, metric.compute
     if name == TORCHMETRICS:
         from torchmetrics import MetricCollection
         from torchmetrics.retrieval import RetrievalHitRate
 
-        collection = MetricCollection({f"recall@{k}": RetrievalHitRate(top_k=k) for k in KS}).to(
-            device
-        )
+        metric: Any = MetricCollection({f"recall@{k}": RetrievalHitRate(top_k=k) for k in KS})
+    else:
+        from recall_at_k import RetrievalRecallAtK
 
-        def theirs_update(batch: Batch) -> None:
-            collection.update(batch[0], batch[1], indexes=batch[2])
+        metric = RetrievalRecallAtK(KS, validate_args=name != OURS_UNCHECKED)
+    metric = metric.to(device)
 
-        return theirs_update, collection.compute
-    raise ValueError(f"unknown contestant {name!r}")
+    def update(batch: Batch) -> None:
+        metric.update(batch[0], batch[1], indexes=batch[2])
+
+    return update, metric.compute
 
 
-def run_contestant(
-    name: str,
+def run_contestants(
+    names: list[str],
     num_queries: int,
     gallery: int,
     device: str,
-    repeats: int = 1,
+    repeats: int,
     time_limit: float | None = None,
-) -> dict[str, Any]:
-    """Run one contestant ``repeats`` times in this process.
+) -> list[dict[str, Any]]:
+    """Run each contestant ``repeats`` times in this process, one after the other.
 
-    Returns:
-        ``times`` (update + compute of each run, seconds), ``peak_bytes`` (of the first
-        run) and the Recall@K ``values``; or, when a run passes ``time_limit`` seconds,
-        ``timed_out`` and the peak memory up to then.
+    Returns, per contestant: ``times`` and ``cpu_times`` (update + compute of each run,
+    seconds), ``peak_bytes`` (of the first run) and the Recall@K ``values``; or, when a
+    run passes ``time_limit`` seconds, ``timed_out``.
     """
-    try:
-        with time_bound(time_limit):
-            return _run_contestant(name, num_queries, gallery, device, repeats)
-    except TimeBoundError:
-        return {"name": name, "timed_out": True}
+    out = []
+    for name in names:
+        try:
+            with time_bound(time_limit):
+                out.append(_run_contestant(name, num_queries, gallery, device, repeats))
+        except TimeBoundError:
+            out.append({"name": name, "timed_out": True})
+    return out
 
 
 def _run_contestant(
@@ -225,225 +195,92 @@ def _run_contestant(
         peaks.append(peak_since(device, baseline))
         del update, compute
     values = {k: float(v) for k, v in result.items()} if isinstance(result, dict) else {}
-    return {
-        "name": name,
-        "times": times,
-        "cpu_times": cpu_times,
-        "peak_bytes": peaks[0],
-        "values": values,
-    }
+    return dict(name=name, times=times, cpu_times=cpu_times, peak_bytes=peaks[0], values=values)
 
 
-def _in_subprocess(
-    names: Sequence[str],
-    num_queries: int,
-    gallery: int,
-    device: str,
-    repeats: int,
-    threads: int,
-    live_memory: bool,
-    time_limit: float | None = None,
-    inline: bool = False,
-) -> list[dict[str, Any]] | None:
-    """Run contestants one after the other in one child; ``None``: killed (safety net).
-
-    ``inline`` runs them in this process instead (tests: no interpreter start-up).
-    """
-    if inline:
-        runs = [
-            run_contestant(name, num_queries, gallery, device, repeats, time_limit)
-            for name in names
-        ]
-        return list(json.loads(json.dumps(runs)))
-    args = ["--child", ";".join(names), "--queries", str(num_queries), "--gallery", str(gallery)]
-    args += ["--device", device, "--repeats", str(repeats), "--threads", str(threads)]
-    if time_limit is not None:
-        args += ["--time-limit", str(time_limit)]
-    safety = None if time_limit is None else 2 * time_limit + 300
-    out: list[dict[str, Any]] | None = run_child(
-        __file__, args, live_memory=live_memory, timeout=safety
+def _measurement(memory_run: dict[str, Any], timed_run: dict[str, Any]) -> Measurement:
+    return Measurement(
+        memory_run["name"],
+        statistics.median(timed_run["times"]),
+        memory_run["peak_bytes"],
+        cpu_seconds=statistics.median(timed_run["cpu_times"]),
+        values=memory_run["values"],
     )
-    return out
 
 
-# ---------------------------------------------------------------------------- report
+def torchmetrics_peer(
+    num_queries: int, gallery: int, device: str, time_limit: float | None
+) -> dict[str, Any]:
+    """The torchmetrics peer's row (timed in its memory run), stopped at ``time_limit``."""
+    out = run_contestants([TORCHMETRICS], num_queries, gallery, device, 1, time_limit)[0]
+    if out.get("timed_out"):
+        assert time_limit is not None
+        return asdict(timed_out(TORCHMETRICS, time_limit))
+    return asdict(_measurement(out, out))
 
 
-@dataclass
-class FlatMeasurement(Measurement):
-    """A :class:`measure.Measurement` plus the process CPU time and the Recall@K values."""
+def run(size: tuple[int, int], *, repeats: int, setup: Setup) -> Section:
+    """Every contestant on the flat batches of ``size`` = (Q, G) queries x items.
 
-    cpu_seconds: float = 0.0
-    values: dict[str, float] = field(default_factory=dict)
-
-
-def _by_k(item: tuple[str, float]) -> int:
-    return int(item[0].rsplit("@", 1)[1])
-
-
-def rows(
-    quick: bool = False,
-    device: str = "cpu",
-    with_torchmetrics: bool = True,
-    repeats: int = 3,
-    threads: int = 1,
-    *,
-    num_queries: int | None = None,
-    gallery: int = GALLERY,
-    time_limit: float | None = None,
-    grouped: bool = False,
-    inline: bool = False,
-) -> tuple[str, list[FlatMeasurement]]:
-    """Run every contestant in subprocesses; ``(title, measurements)``.
-
-    Each contestant gets one subprocess for its peak memory and, except torchmetrics
-    (timed in that same run), one for ``repeats`` timed runs (the median is kept).
-    ``grouped`` (quick runs) runs the contestants other than torchmetrics one after the
-    other in one subprocess for memory and one for time instead; ``inline`` (tests) runs
-    everything in this process. torchmetrics is stopped
-    at ``time_limit`` seconds, and not started when its estimated peak memory exceeds 80%
-    of the available memory; its row then says so.
+    Each contestant other than torchmetrics gets a run for its peak memory and one of
+    ``repeats`` timed runs (the median is kept), isolated as :func:`measure.call_each`
+    says; torchmetrics runs as :func:`measure.bounded_peer` says.
     """
-    num_queries = num_queries or (2_000 if quick else 20_000)
-    names = [n for n in CONTESTANTS if n != TORCHMETRICS]
-    groups = [names] if grouped else [[n] for n in names]
-    memory: dict[str, dict[str, Any]] = {}
-    timed: dict[str, dict[str, Any]] = {}
-    for group in groups:
-        for live, into, runs in ((True, memory, 1), (False, timed, repeats)):
-            out = _in_subprocess(
-                group, num_queries, gallery, device, runs, threads, live, inline=inline
-            )
-            assert out is not None
-            into.update((o["name"], o) for o in out)
-    measured = [_measurement(name, memory[name], timed[name]) for name in names]
-    if with_torchmetrics:
-        measured.append(_torchmetrics(num_queries, gallery, device, threads, time_limit, inline))
+    num_queries, gallery = size
+    workload = {"num_queries": num_queries, "gallery": gallery, "device": setup.device}
+
+    def runs(repeats_each: int, live_memory: bool) -> dict[str, dict[str, Any]]:
+        kwargs = {**workload, "repeats": repeats_each}
+        outs = call_each(run_contestants, OURS_AND_FLOOR, kwargs, setup, live_memory)
+        return {out["name"]: out for out in outs}
+
+    memory_runs, timed_runs = runs(1, True), runs(repeats, False)
+    rows = [_measurement(memory_runs[name], timed_runs[name]) for name in OURS_AND_FLOOR]
+    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
+    rows.append(bounded_peer(TORCHMETRICS, need, torchmetrics_peer, workload, setup))
+    named = by_name(rows)
     title = (
         f"Q = {num_queries:,} x G = {gallery:,}, float32, one true item a query, blocks of"
         f" {BATCH} queries, each query split over two flat batches"
         f" ({2 * BATCH * gallery // 2 / 1e6:.2f} M items each), K = {KS},"
-        f" {threads} thread{'s' if threads > 1 else ''} a contestant"
+        f" {setup.threads} thread{'s' if setup.threads > 1 else ''} a contestant"
     )
-    return title, measured
+    return Section(f"{title}.\n\n{_table(rows)}\n\n{_summary(named)}", named)
 
 
-def _measurement(name: str, memory: dict[str, Any], timed: dict[str, Any]) -> FlatMeasurement:
-    values = dict(sorted(memory["values"].items(), key=_by_k))
-    return FlatMeasurement(
-        name,
-        statistics.median(timed["times"]),
-        memory["peak_bytes"],
-        ", ".join(f"{k} = {v:.4f}" for k, v in values.items()),
-        cpu_seconds=statistics.median(timed["cpu_times"]),
-        values=values,
+def _table(rows: list[Measurement]) -> str:
+    ours, floor = by_name(rows)[OURS], by_name(rows)[FLOOR]
+
+    def cpu_ratio(row: Measurement) -> str:
+        if not (row.cpu_seconds and ours.cpu_seconds):
+            return "—"
+        return fmt_ratio(row.cpu_seconds / ours.cpu_seconds)
+
+    return contestant_table(
+        rows,
+        [
+            TIME_COLUMN,
+            ("CPU time", lambda row: fmt_seconds(row.cpu_seconds)),
+            peak_column(),
+            time_ratio_column("time / this metric", ours),
+            ("CPU time / this metric", cpu_ratio),
+            memory_ratio_column("memory / this metric", ours),
+            time_ratio_column("time / floor", floor, digits=1),
+            RECALL_COLUMN,
+        ],
     )
 
 
-def _torchmetrics(
-    num_queries: int,
-    gallery: int,
-    device: str,
-    threads: int,
-    time_limit: float | None,
-    inline: bool = False,
-) -> FlatMeasurement:
-    """The torchmetrics peer (timed in its memory run), within the bounds."""
-    skipped = over_memory_bound(
-        TORCHMETRICS, TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery, device
-    )
-    if skipped is not None:
-        return FlatMeasurement(skipped.name, None, None, skipped.note)
-    out = _in_subprocess(
-        [TORCHMETRICS], num_queries, gallery, device, 1, threads, True, time_limit, inline
-    )
-    if out is None or out[0].get("timed_out"):
-        assert time_limit is not None
-        row = timed_out(TORCHMETRICS, time_limit)
-        return FlatMeasurement(row.name, row.seconds, None, row.note, at_least=True)
-    return _measurement(TORCHMETRICS, out[0], out[0])
-
-
-def table(measured: Sequence[FlatMeasurement]) -> str:
-    """Markdown table with ratios to this metric (default settings) and to the floor."""
-    by_name = {m.name: m for m in measured}
-    ref, low = by_name[OURS], by_name[FLOOR]
-    lines = [
-        "| contestant | time | CPU time | peak memory | time / this metric"
-        " | CPU time / this metric | memory / this metric | time / floor | Recall@K |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for m in measured:
-        cpu = m.cpu_seconds / ref.cpu_seconds if m.cpu_seconds and ref.cpu_seconds else None
-        lines.append(
-            f"| {m.name} | {fmt_seconds(m.seconds, m.at_least)}"
-            f" | {fmt_seconds(m.cpu_seconds or None)} | {fmt_bytes(m.peak_bytes)}"
-            f" | {fmt_ratio(time_ratio(m, ref), m.at_least)} | {fmt_ratio(cpu)}"
-            f" | {fmt_ratio(memory_ratio(m, ref), digits=1)}"
-            f" | {fmt_ratio(time_ratio(m, low), m.at_least, digits=1)} | {m.note or '—'} |"
-        )
-    return "\n".join(lines)
-
-
-def summary(measured: Sequence[FlatMeasurement]) -> str:
+def _summary(rows: dict[str, Measurement]) -> str:
     """One sentence: torchmetrics against this metric, and whether the results agree."""
-    by_name = {m.name: m for m in measured}
-    if TORCHMETRICS not in by_name:
-        return ""
-    ours, theirs = by_name[OURS], by_name[TORCHMETRICS]
-    if not (ours.seconds and theirs.seconds and ours.peak_bytes and theirs.peak_bytes):
+    ours, theirs = rows[OURS], rows[TORCHMETRICS]
+    if not (theirs.seconds and theirs.peak_bytes and theirs.cpu_seconds):
         return f"torchmetrics: {theirs.note}."
+    assert ours.cpu_seconds
     agree = all(abs(ours.values[k] - v) < 1e-6 for k, v in theirs.values.items())
     return (
-        f"torchmetrics takes {theirs.seconds / ours.seconds:.0f}x the time"
+        f"torchmetrics takes {time_ratio(theirs, ours):.0f}x the time"
         f" ({theirs.cpu_seconds / ours.cpu_seconds:.0f}x the CPU time) and"
-        f" {theirs.peak_bytes / ours.peak_bytes:.0f}x the peak memory of RetrievalRecallAtK"
-        f" (targets: >= 50x, >= 10x); the Recall@K values {'agree' if agree else 'DIFFER'}."
+        f" {memory_ratio(theirs, ours):.0f}x the peak memory of RetrievalRecallAtK;"
+        f" the Recall@K values {'agree' if agree else 'DIFFER'}."
     )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Q = 2,000 instead of 20,000")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--no-torchmetrics", action="store_true", help="skip the slow peer")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads a contestant")
-    parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
-    parser.add_argument("--time-limit", type=float, default=None, help="torchmetrics bound (s)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--queries", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--gallery", type=int, default=GALLERY, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.child:
-        out = [
-            run_contestant(
-                name, args.queries, args.gallery, args.device, args.repeats, args.time_limit
-            )
-            for name in args.child.split(";")
-        ]
-        print(json.dumps(out))
-        return
-
-    title, measured = rows(
-        args.quick,
-        args.device,
-        not args.no_torchmetrics,
-        args.repeats,
-        args.threads,
-        time_limit=args.time_limit,
-    )
-    command = " ".join(["python benchmarks/flat.py", *sys.argv[1:]])
-    body = (
-        f"## Flat workload\n\n{title}. {machine(args.device)}. Each contestant runs in"
-        f" subprocesses of its own.\n\nCommand: `{command}`\n\n{table(measured)}\n\n"
-        f"{summary(measured)}\n"
-    )
-    print(body)
-    if not args.no_write:
-        write_section(f"flat-{args.device}{'-quick' if args.quick else ''}", body)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,15 +1,10 @@
-"""Shared measuring tools for the benchmarks: timing, peak memory, children, tables, RESULTS.md.
+"""Shared measuring tools of the benchmarks: timing, peak memory, child processes, tables.
 
 Time is the median of repeated runs after a warm-up (CUDA events on a GPU). Peak memory
-is measured in the same process: on CPU the resident-set high-water mark (Linux VmHWM,
-reset through /proc/self/clear_refs before each contestant, with freed heap memory
-handed back to the system first, during a run in which glibc returns every freed large
-buffer at once: :func:`live_memory`), on CUDA ``torch.cuda.max_memory_allocated``; both
-are reported as the increase over what was resident before the contestant started.
-
-A contestant that may exceed a time bound runs in a child process (:func:`run_child`)
-that is killed at the bound; its row then says so (:class:`Measurement` ``at_least``)
-instead of disappearing from the table.
+is the increase over what was resident before a contestant started: on CPU the
+resident-set high-water mark (Linux VmHWM, reset through /proc/self/clear_refs, under
+:func:`live_memory`), on CUDA ``torch.cuda.max_memory_allocated``. A contestant stopped
+at a time bound keeps its row, which says so (:class:`Measurement` ``at_least``).
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import json
 import os
 import platform
@@ -27,26 +23,60 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
-
 # glibc: hand every freed buffer above this size back to the system at once, so that the
 # resident-set high-water mark is live memory rather than heap the allocator kept.
 LIVE_MEMORY_MMAP_THRESHOLD = 128 * 1024
 
+# The script a child process runs (its hidden ``--child`` option calls :func:`child_main`).
+CHILD_ENTRY = Path(__file__).with_name("run.py")
+
 
 @dataclass
 class Measurement:
+    """A contestant's row: median time, peak memory and what else its workload reports.
+
+    ``rounds`` (the time of every interleaved round) makes :func:`time_ratio` the median
+    of the per-round ratios instead of the ratio of the medians.
+    """
+
     name: str
     seconds: float | None  # None: did not run (see note)
     peak_bytes: int | None
     note: str = ""
     at_least: bool = False  # stopped at a time bound: ``seconds`` is a lower bound
+    cpu_seconds: float | None = None
+    values: dict[str, float] = field(default_factory=dict)  # Recall@K, by key
+    rounds: list[float] = field(default_factory=list)
+    details: dict[str, str] = field(default_factory=dict)  # workload-specific table cells
+
+
+@dataclass
+class Section:
+    """What a workload's ``run`` returns: its markdown body and its rows by name."""
+
+    body: str
+    rows: dict[str, Measurement] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the contestants run: where, with how many torch (and OpenMP) threads a child
+    process, how isolated (:func:`call_each`), and the time bound of the slow peers."""
+
+    device: str = "cpu"
+    threads: int = 1
+    isolation: str = "process"  # or "grouped", or "inline" (tests)
+    time_limit: float | None = None
+
+
+def by_name(rows: Sequence[Measurement]) -> dict[str, Measurement]:
+    return {row.name: row for row in rows}
 
 
 # ------------------------------------------------------------------------ memory
@@ -65,12 +95,9 @@ def _hwm_bytes() -> int:
 
 
 def release_memory() -> None:
-    """Collect garbage and hand freed heap memory back to the system (glibc).
-
-    The survivors are then frozen out of later collections (``gc.freeze``): a full
-    collection over everything torch imported takes a few tenths of a second, which
-    would otherwise be paid before every contestant.
-    """
+    """Collect garbage and hand freed heap memory back to the system (glibc); freeze the
+    survivors out of later collections, a few tenths of a second otherwise paid before
+    every contestant."""
     gc.collect()
     gc.freeze()
     with contextlib.suppress(OSError, AttributeError):  # not glibc
@@ -87,7 +114,7 @@ def _mallopt(param: int, value: int) -> None:
 
 @contextlib.contextmanager
 def live_memory() -> Iterator[None]:
-    """In this process, what ``MALLOC_MMAP_THRESHOLD_`` does for a child (:func:`child_env`).
+    """In this process, what ``MALLOC_MMAP_THRESHOLD_`` does for a child (:func:`call`).
 
     Inside the block glibc serves and frees every buffer above 128 KiB with mmap, so
     the resident-set high-water mark is live memory rather than heap that the allocator
@@ -124,16 +151,6 @@ def peak_since(device: str, baseline: int) -> int:
     return max(_hwm_bytes() - baseline, 0)
 
 
-def available_bytes() -> int | None:
-    """Memory the system can still hand out (Linux MemAvailable), None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            found = re.search(r"MemAvailable:\s+(\d+) kB", f.read())
-    except OSError:
-        return None
-    return int(found.group(1)) * 1024 if found else None
-
-
 # -------------------------------------------------------------------------- time
 
 
@@ -142,46 +159,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def elapsed(fn: Callable[[], object], device: str) -> float:
-    """Seconds one call of ``fn`` takes (CUDA events on a GPU)."""
+def timed(fn: Callable[[], Any], device: str) -> tuple[Any, float]:
+    """``fn()`` and the seconds it took (CUDA events on a GPU)."""
     if device == "cuda":
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
         start.record()
-        fn()
+        result = fn()
         end.record()
         torch.cuda.synchronize()
-        return float(start.elapsed_time(end)) / 1000.0
+        return result, float(start.elapsed_time(end)) / 1000.0
     begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
-
-
-def measure(
-    name: str,
-    fn: Callable[[], object],
-    *,
-    repeats: int = 5,
-    device: str = "cpu",
-    time_limit: float | None = None,
-    note: str = "",
-) -> Measurement:
-    """Peak memory of a first (warm-up) run, then the median time of ``repeats`` runs.
-
-    A contestant whose warm-up run takes longer than ``time_limit`` seconds is not run
-    again: its one run is its time.
-    """
-    with live_memory():
-        baseline = start_peak(device)
-        first = elapsed(fn, device)
-        peak = peak_since(device, baseline)
-    if time_limit is not None and first >= time_limit:
-        times = [first]
-    else:
-        times = [elapsed(fn, device) for _ in range(repeats)]
-    release_memory()
-    return Measurement(name, statistics.median(times), peak, note)
+    result = fn()
+    return result, time.perf_counter() - begin
 
 
 @dataclass
@@ -197,25 +188,22 @@ class Contestant:
 def measure_interleaved(
     contestants: Sequence[Contestant], device: str = "cpu"
 ) -> list[Measurement]:
-    """:func:`measure` for several contestants, their timed runs interleaved in rounds.
-
-    Each contestant first runs once alone (warm-up; its peak memory, under
-    :func:`live_memory`). Then round r runs,
-    one after the other, every contestant with more than r repeats, so that a change of
-    load on a shared machine touches them alike; a time is the median of its rounds.
+    """Each contestant's peak memory in a warm-up run (:func:`live_memory`), then its
+    median time over rounds that interleave the contestants, so that a change of load on
+    a shared machine touches them alike (round r: every contestant with over r repeats).
     """
     peaks = []
     with live_memory():
         for contestant in contestants:
             baseline = start_peak(device)
-            elapsed(contestant.fn, device)
+            timed(contestant.fn, device)
             peaks.append(peak_since(device, baseline))
     release_memory()
     times: list[list[float]] = [[] for _ in contestants]
     for round_index in range(max(c.repeats for c in contestants)):
         for contestant, out in zip(contestants, times, strict=True):
             if round_index < contestant.repeats:
-                out.append(elapsed(contestant.fn, device))
+                out.append(timed(contestant.fn, device)[1])
     release_memory()
     return [
         Measurement(c.name, statistics.median(t), peak, c.note)
@@ -251,12 +239,7 @@ def time_bound(seconds: float | None) -> Iterator[None]:
 
 
 def measure_bounded(
-    name: str,
-    fn: Callable[[], object],
-    *,
-    device: str = "cpu",
-    time_limit: float | None = None,
-    note: str = "",
+    name: str, fn: Callable[[], object], *, device: str = "cpu", time_limit: float | None = None
 ) -> Measurement:
     """One run of a slow contestant (time and peak memory), stopped at ``time_limit``.
 
@@ -265,7 +248,7 @@ def measure_bounded(
     baseline = start_peak(device)
     try:
         with live_memory(), time_bound(time_limit):
-            seconds = elapsed(fn, device)
+            _, seconds = timed(fn, device)
     except TimeBoundError:
         assert time_limit is not None
         row = timed_out(name, time_limit)
@@ -274,42 +257,41 @@ def measure_bounded(
         return row
     peak = peak_since(device, baseline)
     release_memory()
-    return Measurement(name, seconds, peak, note)
+    return Measurement(name, seconds, peak)
 
 
 # ---------------------------------------------------------------------- children
 
 
-def child_env(live_memory: bool) -> dict[str, str]:
-    """The environment of a child process; ``live_memory``: see the module constant."""
-    env = dict(os.environ)
-    if live_memory:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(LIVE_MEMORY_MMAP_THRESHOLD)
-    return env
-
-
-def run_child(
-    script: str | Path,
-    args: Sequence[str],
+def call(
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    setup: Setup,
     *,
     live_memory: bool = False,
     timeout: float | None = None,
 ) -> Any:
-    """Run ``python script args...`` and return the JSON of its last output line.
+    """``fn(**kwargs)``, its result through JSON, in a fresh child process of its own.
 
-    Returns ``None`` when the child ran past ``timeout`` seconds (it is killed: a safety
-    net; a child bounds its contestant itself with :func:`measure_bounded`); raises
-    ``RuntimeError`` with its stderr when it fails.
+    ``fn`` is a module-level function of a module on the child's path (the benchmarks
+    and ``PYTHONPATH``). The child runs ``setup.threads`` torch (and OpenMP) threads and,
+    with ``live_memory``, glibc's ``MALLOC_MMAP_THRESHOLD_`` at 128 KiB (see
+    :func:`live_memory`). Returns ``None`` when the child ran past ``timeout`` seconds
+    (it is killed: a safety net; a contestant bounds itself with :func:`time_bound`);
+    raises ``RuntimeError`` with its stderr when it fails. The ``"inline"`` isolation
+    calls ``fn`` in this process instead (tests: no interpreter start-up).
     """
-    command = [sys.executable, str(script), *args]
+    if setup.isolation == "inline":
+        return json.loads(json.dumps(fn(**kwargs)))
+    target = f"{fn.__module__}.{fn.__name__}"
+    command = [sys.executable, str(CHILD_ENTRY), "--threads", str(setup.threads)]
+    command += ["--child", target, json.dumps(kwargs)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(setup.threads)}
+    if live_memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(LIVE_MEMORY_MMAP_THRESHOLD)
     try:
         done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            check=False,
-            env=child_env(live_memory),
-            timeout=timeout,
+            command, capture_output=True, text=True, check=False, env=env, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         return None
@@ -318,28 +300,69 @@ def run_child(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def call_each(
+    fn: Callable[..., list[Any]],
+    names: Sequence[str],
+    kwargs: dict[str, Any],
+    setup: Setup,
+    live_memory: bool,
+) -> list[Any]:
+    """``fn(names=..., **kwargs)`` (a list, an item a name) through :func:`call`: with
+    the ``"process"`` isolation a child of its own for each name, else one for all."""
+    groups = [[name] for name in names] if setup.isolation == "process" else [list(names)]
+    outs = []
+    for group in groups:
+        outs += call(fn, {**kwargs, "names": group}, setup, live_memory=live_memory)
+    return outs
+
+
+def bounded_peer(
+    name: str, need: int, fn: Callable[..., Any], kwargs: dict[str, Any], setup: Setup
+) -> Measurement:
+    """A slow peer's row: ``fn(**kwargs, time_limit=...)``, which returns the fields of its
+    :class:`Measurement` and stops itself at ``setup.time_limit``, run by :func:`call`
+    under live-memory settings; not started when it ``need``s more than the memory bound."""
+    skipped = over_memory_bound(name, need, setup.device)
+    if skipped is not None:
+        return skipped
+    bound = setup.time_limit
+    safety = None if bound is None else 2 * bound + 300
+    out = call(fn, {**kwargs, "time_limit": bound}, setup, live_memory=True, timeout=safety)
+    if out is None:
+        assert bound is not None
+        return timed_out(name, bound)
+    return Measurement(**out)
+
+
+def child_main(target: str, kwargs: str) -> None:
+    """The child side of :func:`call`: print the JSON of ``module.function(**kwargs)``."""
+    module, name = target.rsplit(".", 1)
+    fn = getattr(importlib.import_module(module), name)
+    print(json.dumps(fn(**json.loads(kwargs))))
+
+
 def timed_out(name: str, seconds: float) -> Measurement:
     """The row of a contestant stopped at a time bound of ``seconds``."""
     note = f"did not finish within the time bound of {fmt_seconds(seconds)}: stopped there"
     return Measurement(name, seconds, None, note, at_least=True)
 
 
-def not_run(name: str, note: str) -> Measurement:
-    """The row of a contestant that was not run (memory bound, missing package, ...)."""
-    return Measurement(name, None, None, note)
-
-
 def over_memory_bound(name: str, need: int, device: str, share: float = 0.8) -> Measurement | None:
     """The row of a contestant that would need ``need`` bytes, over ``share`` of the
     available memory (CPU only); ``None`` when it fits and should run."""
-    free = available_bytes()
+    try:
+        with open("/proc/meminfo") as f:
+            found = re.search(r"MemAvailable:\s+(\d+) kB", f.read())
+    except OSError:
+        found = None
+    free = int(found.group(1)) * 1024 if found else None
     if device != "cpu" or free is None or need <= share * free:
         return None
-    return not_run(
-        name,
+    note = (
         f"not run: needs about {fmt_bytes(need)}, over the memory bound of"
-        f" {fmt_bytes(share * free)} ({share:.0%} of the available memory)",
+        f" {fmt_bytes(share * free)} ({share:.0%} of the available memory)"
     )
+    return Measurement(name, None, None, note)
 
 
 # ------------------------------------------------------------------------ format
@@ -367,9 +390,18 @@ def fmt_ratio(value: float | None, at_least: bool = False, digits: int = 2) -> s
     return f"{'>= ' if at_least else ''}{value:.{digits}f}x"
 
 
+def fmt_values(values: dict[str, float]) -> str:
+    """Recall@K values in the order of K: ``recall@1 = 0.5673, recall@5 = ...``."""
+    ordered = sorted(values.items(), key=lambda item: int(item[0].rsplit("@", 1)[1]))
+    return ", ".join(f"{key} = {value:.4f}" for key, value in ordered)
+
+
 def time_ratio(row: Measurement, base: Measurement) -> float | None:
+    """``row``'s time over ``base``'s: per round then the median when both have rounds."""
     if row.seconds is None or not base.seconds:
         return None
+    if row.rounds and len(row.rounds) == len(base.rounds):
+        return statistics.median(a / b for a, b in zip(row.rounds, base.rounds, strict=True))
     return row.seconds / base.seconds
 
 
@@ -379,56 +411,49 @@ def memory_ratio(row: Measurement, base: Measurement) -> float | None:
     return row.peak_bytes / base.peak_bytes
 
 
-def table(
-    rows: Sequence[Measurement],
-    reference: str,
-    floor: str | None = None,
-    *,
-    memory: bool = False,
-    note_header: str = "note",
+def markdown_table(
+    head: Sequence[str], body: Sequence[Sequence[object]], *, text_last: bool = False
 ) -> str:
-    """Markdown table: time and peak memory, with ratios to ``reference`` and ``floor``.
-
-    ``time / this metric`` of a peer is how many times longer the peer takes than the
-    reference (this package); ``memory`` adds the same ratio for peak memory. A row that
-    was stopped at a time bound shows its time and ratios as lower bounds.
-    """
-    by_name = {row.name: row for row in rows}
-    ref = by_name[reference]
-    low = by_name[floor] if floor is not None else None
-    head = ["contestant", "time", "peak memory", "time / this metric"]
-    align = ["---", "---:", "---:", "---:"]
-    if memory:
-        head.append("memory / this metric")
-        align.append("---:")
-    if low is not None:
-        head.append("time / floor")
-        align.append("---:")
-    head.append(note_header)
-    align.append("---")
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
-    for row in rows:
-        cells = [
-            row.name,
-            fmt_seconds(row.seconds, row.at_least),
-            fmt_bytes(row.peak_bytes),
-            fmt_ratio(time_ratio(row, ref), row.at_least),
-        ]
-        if memory:
-            cells.append(fmt_ratio(memory_ratio(row, ref), digits=1))
-        if low is not None:
-            cells.append(fmt_ratio(time_ratio(row, low), row.at_least))
-        cells.append(row.note or "")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def markdown_table(head: Sequence[str], body: Sequence[Sequence[object]]) -> str:
-    """A plain markdown table (first column left-aligned, the others right-aligned)."""
+    """A markdown table: the first column left-aligned, the others right-aligned (the last
+    left-aligned too with ``text_last``)."""
     align = ["---"] + ["---:"] * (len(head) - 1)
+    if text_last:
+        align[-1] = "---"
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in body]
     return "\n".join(lines)
+
+
+Column = tuple[str, Callable[[Measurement], str]]
+
+
+def contestant_table(rows: Sequence[Measurement], columns: Sequence[Column]) -> str:
+    """A table of contestants: their name, then ``columns``; the last column is text."""
+    head = ["contestant", *(title for title, _ in columns)]
+    body = [[row.name, *(cell(row) for _, cell in columns)] for row in rows]
+    return markdown_table(head, body, text_last=True)
+
+
+TIME_COLUMN: Column = ("time", lambda row: fmt_seconds(row.seconds, row.at_least))
+
+
+def peak_column(title: str = "peak memory") -> Column:
+    return title, lambda row: fmt_bytes(row.peak_bytes)
+
+
+def time_ratio_column(title: str, base: Measurement, digits: int = 2) -> Column:
+    return title, lambda row: fmt_ratio(time_ratio(row, base), row.at_least, digits)
+
+
+def memory_ratio_column(title: str, base: Measurement) -> Column:
+    return title, lambda row: fmt_ratio(memory_ratio(row, base), digits=1)
+
+
+# Recall@K values, then the row's note (why it did not run, ...).
+RECALL_COLUMN: Column = (
+    "Recall@K",
+    lambda row: "; ".join(filter(None, [fmt_values(row.values), row.note])) or "—",
+)
 
 
 # ----------------------------------------------------------------------- reports
@@ -452,7 +477,7 @@ def machine(device: str) -> str:
     return text
 
 
-def write_section(name: str, body: str, path: Path = RESULTS) -> None:
+def write_section(name: str, body: str, path: Path) -> None:
     """Replace (or append) the section between ``<!-- name:start -->`` and ``:end -->``."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     text = path.read_text() if path.exists() else "# Benchmark results\n"

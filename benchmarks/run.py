@@ -1,16 +1,18 @@
-"""Every benchmark (dense, flat, embedding, scaling, distributed cost) in one run.
+"""The benchmarks' one command line: every workload side by side, at one mode's sizes.
 
-Prints markdown tables (time: median of repeated runs after a warm-up; peak memory; the
-ratio of every peer to this package and of every contestant to the floor) and rewrites
-``benchmarks/RESULTS.md`` with them, the machine, the exact command and the acceptance
-targets of the benchmark issue, met or not. Ratios are measured side by side in this
-one run (DESIGN section 4); absolute times mean little on a shared machine.
+This file alone defines the modes (full, ``--quick``, ``--tiny``), every workload's
+sizes and the acceptance targets; each workload module exports a ``run(...)`` that takes
+its sizes and returns its section (markdown and rows). The run prints the tables and
+writes them with the machine, the exact command and the targets, met or not. Ratios are
+measured side by side in one run; absolute times mean little on a shared machine.
 
-Run: ``python benchmarks/run.py [--quick] [--device cpu|cuda]``. ``--quick`` uses small
-sizes (under two minutes on two cores); without it the sizes of DESIGN section 4 (ten to
-twenty minutes, most of it the torchmetrics peers). ``--results PATH`` writes elsewhere;
-``--only dense,flat`` runs (and rewrites) only those sections; ``--threads N`` sets the
-torch threads of every process (default 1: steady ratios on a shared machine).
+Run: ``python benchmarks/run.py [--quick | --tiny] [--device cpu|cuda]``. The full run
+(reference sizes, about ten minutes on two cores) rewrites the committed
+``benchmarks/RESULTS.md`` and ``scaling.png``; ``--quick`` (minutes) and ``--tiny``
+(seconds, the tests) write under the git-ignored ``benchmarks/out/<mode>/``. ``--results
+PATH`` writes elsewhere (the figure beside it); ``--only dense,flat`` runs (and
+rewrites) only those sections; ``--threads N``: torch threads of every process (default
+1: steady ratios on a shared machine).
 """
 
 from __future__ import annotations
@@ -20,10 +22,9 @@ import datetime
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -35,8 +36,10 @@ import embedding
 import flat
 import scaling
 from measure import (
-    RESULTS,
     Measurement,
+    Section,
+    Setup,
+    child_main,
     machine,
     markdown_table,
     memory_ratio,
@@ -44,191 +47,165 @@ from measure import (
     write_section,
 )
 
-SECTIONS = ("dense", "flat", "embedding", "scaling", "distributed")
+BENCHMARKS = Path(__file__).parent
+COMMITTED_RESULTS = BENCHMARKS / "RESULTS.md"  # the full run's, with scaling.png beside it
+UNCOMMITTED = BENCHMARKS / "out"  # git-ignored: the other modes write under out/<mode>/
 
-# Per mode: dense (Q, G), flat (Q, G), embedding N, timed repeats (dense: this package and the
-# floor; dense: the argsort and topk peers; flat and embedding), and the time bound of the
-# torchmetrics peers (seconds).
-MODES: dict[str, dict[str, object]] = {
-    "full": {
-        "dense": dense.FULL_SIZE,
-        "flat": (20_000, flat.GALLERY),
-        "embedding": 20_000,
-        "repeats": (7, 2, 3),
-        "time_limit": 900.0,
-    },
-    "quick": {
-        "dense": (1_024, 2_000),
-        "flat": (1_024, 2_000),
-        "embedding": 3_000,
-        "repeats": (3, 1, 1),
-        "time_limit": 60.0,
-    },
-    "tiny": {
-        "dense": (160, 200),
-        "flat": (160, 200),
-        "embedding": 300,
-        "repeats": (1, 1, 1),
-        "time_limit": 60.0,
-    },
+
+@dataclass(frozen=True)
+class Mode:
+    """The sizes and settings of every workload in one mode."""
+
+    dense: tuple[int, int]  # (Q, G)
+    flat: tuple[int, int]  # (Q, G)
+    embedding: int  # N
+    repeats: int  # timed runs of this package and the floors (dense)
+    slow_repeats: int  # timed runs of the argsort and topk peers (dense)
+    rounds: int  # timed runs (flat), interleaved rounds (embedding)
+    time_limit: float  # seconds: the bound of the torchmetrics peers
+    isolation: str  # flat and embedding contestants: "process" each, "grouped", "inline"
+    scaling_grid: tuple[tuple[int, int], ...]  # (Q, G) of the time against Q x G
+    scaling_k_size: tuple[int, int]  # (Q, G) of the time against the number of K
+    scaling_k_counts: tuple[int, ...]  # K = 1..n for every n
+    scaling_state_queries: tuple[int, ...]  # Q of the state size
+    scaling_repeats: int
+    distributed_dense: tuple[int, int]  # (Q, G) over all processes
+    distributed_embedding: int  # N over all processes
+    distributed_repeats: int
+
+
+# fmt: off
+MODES = {
+    "full": Mode(
+        dense=(20_000, 5_000), flat=(20_000, 5_000), embedding=20_000,
+        repeats=7, slow_repeats=2, rounds=3, time_limit=900.0, isolation="process",
+        scaling_grid=((2_500, 2_000), (5_000, 4_000), (10_000, 8_000), (20_000, 10_000)),
+        scaling_k_size=(10_000, 5_000), scaling_k_counts=(1, 3, 10, 30, 100),
+        scaling_state_queries=(10, 1_000, 100_000), scaling_repeats=5,
+        distributed_dense=(4_096, 5_000), distributed_embedding=10_000, distributed_repeats=3,
+    ),
+    "quick": Mode(
+        dense=(1_024, 2_000), flat=(1_024, 2_000), embedding=3_000,
+        repeats=3, slow_repeats=1, rounds=1, time_limit=60.0, isolation="grouped",
+        scaling_grid=((500, 1_000), (1_000, 2_000), (2_000, 4_000)),
+        scaling_k_size=(1_000, 2_000), scaling_k_counts=(1, 3, 10, 30, 100),
+        scaling_state_queries=(10, 1_000, 100_000), scaling_repeats=3,
+        distributed_dense=(1_024, 1_000), distributed_embedding=2_000, distributed_repeats=2,
+    ),
+    "tiny": Mode(
+        dense=(160, 200), flat=(160, 200), embedding=300,
+        repeats=1, slow_repeats=1, rounds=1, time_limit=60.0, isolation="inline",
+        scaling_grid=((128, 100), (256, 200), (512, 400)),
+        scaling_k_size=(256, 200), scaling_k_counts=(1, 3, 10),
+        scaling_state_queries=(10, 100, 1_000), scaling_repeats=1,
+        distributed_dense=(256, 100), distributed_embedding=300, distributed_repeats=1,
+    ),
 }
+# fmt: on
+
+Rows = dict[str, Measurement]
+Measured = tuple[float | None, bool]  # a target's value, and whether it is a lower bound
 
 
-@dataclass
+def _time_over(row: str, base: str) -> Callable[[Rows, Mode], Measured]:
+    return lambda rows, mode: (time_ratio(rows[row], rows[base]), rows[row].at_least)
+
+
+def _memory_over(row: str, base: str) -> Callable[[Rows, Mode], Measured]:
+    return lambda rows, mode: (memory_ratio(rows[row], rows[base]), False)
+
+
+def _matrix_over_peak(rows: Rows, mode: Mode) -> Measured:
+    return embedding.matrix_over_peak(rows[embedding.OURS], mode.embedding), False
+
+
+@dataclass(frozen=True)
 class Target:
-    """An acceptance target: ``value`` compared with ``bound`` (``at_least`` or at most)."""
+    """An acceptance target: the measured value against ``bound`` (at least or at most)."""
 
     workload: str
     what: str
-    value: float | None
     bound: float
     at_least: bool
-    lower_bound: bool = False  # ``value`` is itself a lower bound (a peer hit its bound)
+    measure: Callable[[Rows, Mode], Measured]
 
-    def met(self) -> str:
-        if self.value is None:
-            return "not measured"
-        ok = self.value >= self.bound if self.at_least else self.value <= self.bound
-        if ok:
-            return "met"
-        if self.at_least and self.lower_bound:
-            return "unknown (lower bound)"
-        return (
-            f"missed by {self.value / self.bound:.2f}x"
-            if not self.at_least
-            else (f"missed: {self.bound / self.value:.2f}x short")
-        )
-
-    def row(self) -> list[str]:
-        value = "—" if self.value is None else f"{self.value:.2f}x"
-        if self.lower_bound and self.value is not None:
-            value = f">= {value}"
+    def row(self, rows: Rows, mode: Mode) -> list[str]:
+        value, lower_bound = self.measure(rows, mode)
+        shown = "—" if value is None else f"{'>= ' if lower_bound else ''}{value:.2f}x"
         bound = f"{'>=' if self.at_least else '<='} {self.bound:g}x"
-        return [self.workload, self.what, bound, value, self.met()]
+        return [self.workload, self.what, bound, shown, self._result(value, lower_bound)]
+
+    def _result(self, value: float | None, lower_bound: bool) -> str:
+        if value is None:
+            return "not measured"
+        if value >= self.bound if self.at_least else value <= self.bound:
+            return "met"
+        if not self.at_least:
+            return f"missed by {value / self.bound:.2f}x"
+        if lower_bound:
+            return "unknown (lower bound)"
+        return f"missed: {self.bound / value:.2f}x short"
 
 
-M = TypeVar("M", bound=Measurement)
+TORCHMETRICS = "torchmetrics RetrievalHitRate x 3"
+# fmt: off
+TARGETS = (
+    Target("dense", f"{TORCHMETRICS} time / ours (index target, defaults)", 300, True,
+           _time_over(dense.TORCHMETRICS, dense.OURS_INDEX_CHECKED)),
+    Target("dense", f"{TORCHMETRICS} time / ours (mask target, defaults)", 300, True,
+           _time_over(dense.TORCHMETRICS, dense.OURS_MASK_CHECKED)),
+    Target("dense", "ours / amax floor (index target, validate_args=False)", 3, False,
+           _time_over(dense.OURS_INDEX, dense.FLOOR)),
+    Target("dense", "ours / amax floor (mask target, validate_args=False)", 6, False,
+           _time_over(dense.OURS_MASK, dense.FLOOR)),
+    Target("flat", f"{TORCHMETRICS} time / ours", 50, True,
+           _time_over(flat.TORCHMETRICS, flat.OURS)),
+    Target("flat", "torchmetrics peak memory / ours", 10, True,
+           _memory_over(flat.TORCHMETRICS, flat.OURS)),
+    Target("embedding", "ours / matmul floor", 1.5, False,
+           _time_over(embedding.OURS, embedding.FLOOR)),
+    Target("embedding", "AccuracyCalculator time / ours", 1, True,
+           _time_over(embedding.PML, embedding.OURS)),
+    Target("embedding", "full N x N matrix / ours' peak memory during compute", 10, True,
+           _matrix_over_peak),
+)
+# fmt: on
+
+HEADINGS = {
+    "dense": "Dense workload",
+    "flat": "Flat workload",
+    "embedding": "Embedding workload",
+    "scaling": "Scaling",
+    "distributed": "Distributed cost",
+}
 
 
-def _by_name(rows: Sequence[M]) -> dict[str, M]:
-    return {row.name: row for row in rows}
+def workloads(mode: Mode, setup: Setup, figure: Path) -> dict[str, Callable[[], Section]]:
+    """Every workload's run at ``mode``'s sizes, by section name."""
+    # fmt: off
+    return {
+        "dense": lambda: dense.run(
+            mode.dense, repeats=mode.repeats, slow_repeats=mode.slow_repeats, setup=setup),
+        "flat": lambda: flat.run(mode.flat, repeats=mode.rounds, setup=setup),
+        "embedding": lambda: embedding.run(mode.embedding, repeats=mode.rounds, setup=setup),
+        "scaling": lambda: scaling.run(
+            list(mode.scaling_grid), k_size=mode.scaling_k_size,
+            k_counts=list(mode.scaling_k_counts),
+            state_queries=list(mode.scaling_state_queries), repeats=mode.scaling_repeats,
+            figure_path=figure, device=setup.device),
+        "distributed": lambda: distributed.run(
+            mode.distributed_dense, mode.distributed_embedding, repeats=mode.distributed_repeats),
+    }
+    # fmt: on
 
 
-def _speedup(rows: dict[str, M], peer: str, ours: str) -> tuple[float | None, bool]:
-    if peer not in rows or ours not in rows:
-        return None, False
-    return time_ratio(rows[peer], rows[ours]), rows[peer].at_least
-
-
-def dense_section(
-    mode: str, device: str, time_limit: float, threads: int
-) -> tuple[str, list[Target]]:
-    sizes = MODES[mode]
-    size = sizes["dense"]
-    repeats = sizes["repeats"]
-    assert isinstance(size, tuple) and isinstance(repeats, tuple)
-    title, rows = dense.run(
-        device=device,
-        size=size,
-        repeats=repeats[0],
-        slow_repeats=repeats[1],
-        time_limit=time_limit,
-        threads=threads,
-    )
-    by_name = _by_name(rows)
-    targets = []
-    for ours, form in ((dense.OURS_INDEX_CHECKED, "index"), (dense.OURS_MASK_CHECKED, "mask")):
-        value, lower = _speedup(by_name, dense.TORCHMETRICS, ours)
-        what = f"torchmetrics RetrievalHitRate x 3 time / ours ({form} target, defaults)"
-        targets.append(Target("dense", what, value, 300, True, lower))
-    for ours, form, bound in ((dense.OURS_INDEX, "index", 3), (dense.OURS_MASK, "mask", 6)):
-        value = time_ratio(by_name[ours], by_name[dense.FLOOR])
-        what = f"ours / amax floor ({form} target, validate_args=False)"
-        targets.append(Target("dense", what, value, bound, False))
-    body = (
-        f"## Dense workload\n\n{title}. update + compute, end to end, from the same"
-        f" batches.\n\n{dense.render(rows)}"
-    )
-    return body, targets
-
-
-def flat_section(
-    mode: str, device: str, time_limit: float, threads: int
-) -> tuple[str, list[Target]]:
-    sizes = MODES[mode]
-    repeats = sizes["repeats"]
-    size = sizes["flat"]
-    assert isinstance(repeats, tuple) and isinstance(size, tuple)
-    title, rows = flat.rows(
-        device=device,
-        repeats=repeats[2],
-        threads=threads,
-        num_queries=size[0],
-        gallery=size[1],
-        time_limit=time_limit,
-        grouped=mode == "quick",
-        inline=mode == "tiny",
-    )
-    by_name = _by_name(rows)
-    value, lower = _speedup(by_name, flat.TORCHMETRICS, flat.OURS)
-    memory = None
-    if flat.TORCHMETRICS in by_name:
-        memory = memory_ratio(by_name[flat.TORCHMETRICS], by_name[flat.OURS])
-    targets = [
-        Target("flat", "torchmetrics RetrievalHitRate x 3 time / ours", value, 50, True, lower),
-        Target("flat", "torchmetrics peak memory / ours", memory, 10, True),
-    ]
-    body = f"## Flat workload\n\n{title}.\n\n{flat.table(rows)}\n\n{flat.summary(rows)}"
-    return body, targets
-
-
-def embedding_section(mode: str, device: str, threads: int) -> tuple[str, list[Target]]:
-    sizes = MODES[mode]
-    repeats = sizes["repeats"]
-    num = sizes["embedding"]
-    assert isinstance(repeats, tuple) and isinstance(num, int)
-    title, rows = embedding.rows(
-        repeats=repeats[2],
-        threads=threads,
-        num=num,
-        device=device,
-        grouped=mode == "quick",
-        inline=mode == "tiny",
-    )
-    by_name = _by_name(rows)
-    ours, floor, peer = by_name[embedding.OURS], by_name[embedding.FLOOR], by_name[embedding.PML]
-    matrix = num * num * 4
-    targets = [
-        Target("embedding", "ours / matmul floor", embedding.ratio(ours, floor), 1.5, False),
-        Target(
-            "embedding",
-            "AccuracyCalculator time / ours",
-            embedding.ratio(peer, ours),
-            1,
-            True,
-        ),
-        Target(
-            "embedding",
-            "full N x N matrix / ours' peak memory during compute",
-            matrix / ours.peak_bytes if ours.peak_bytes else None,
-            10,
-            True,
-        ),
-    ]
-    body = (
-        f"## Embedding workload\n\n{title}.\n\n{embedding.table(rows, num)}\n\n"
-        f"{embedding.summary(rows, num)}"
-    )
-    return body, targets
-
-
-def header(mode: str, device: str, command: str, seconds: float) -> str:
+def header(mode_name: str, device: str, command: str, seconds: float) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     sizes = (
-        "the sizes of DESIGN section 4"
-        if mode == "full"
-        else f"{mode} sizes (the acceptance targets are set at DESIGN section 4's sizes;"
-        " run without `--quick` for those)"
+        "the reference sizes"
+        if mode_name == "full"
+        else f"{mode_name} sizes (the acceptance targets are set at the reference sizes;"
+        f" run without `--{mode_name}` for those)"
     )
     return (
         f"Machine: {machine(device)}.\n\n"
@@ -244,70 +221,75 @@ def header(mode: str, device: str, command: str, seconds: float) -> str:
     )
 
 
-def targets_section(targets: list[Target]) -> str:
-    table = markdown_table(
-        ["workload", "target", "bound", "measured", "result"], [t.row() for t in targets]
+def targets_section(rows: dict[str, Rows], mode: Mode) -> str | None:
+    """The acceptance targets of the sections that ran (``rows`` by section), or None."""
+    measured = [
+        target.row(rows[target.workload], mode) for target in TARGETS if target.workload in rows
+    ]
+    if not measured:
+        return None
+    head = ["workload", "target", "bound", "measured", "result"]
+    return f"## Acceptance targets\n\n{markdown_table(head, measured)}"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
+    size.add_argument("--tiny", action="store_true", help="tiny sizes (seconds; the tests)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--results", type=Path, help="markdown file to write")
+    parser.add_argument("--only", default=",".join(HEADINGS), help="comma-separated sections")
+    parser.add_argument("--time-limit", type=float, help="time bound of the torchmetrics peers")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch (and OpenMP) threads of every process"
     )
-    return f"## Acceptance targets\n\n{table}"
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # measure.call's children
+    args = parser.parse_args(argv)
+    args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(args.only) - set(HEADINGS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {tuple(HEADINGS)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (< 2 min, 2 cores)")
-    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--results", type=Path, default=RESULTS, help="markdown file to write")
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
-    parser.add_argument("--time-limit", type=float, help="time bound of the torchmetrics peers")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch (and faiss) threads of every process"
-    )
-    args = parser.parse_args(argv)
+    args = parse(argv)
     torch.set_num_threads(args.threads)
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
-    only = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(only) - set(SECTIONS))
-    if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {SECTIONS}")
-    time_limit = args.time_limit or float(MODES[mode]["time_limit"])  # type: ignore[arg-type]
-    results: Path = args.results
+    if args.child:
+        child_main(*args.child)
+        return
+    mode_name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    mode = MODES[mode_name]
+    default = COMMITTED_RESULTS if mode_name == "full" else UNCOMMITTED / mode_name / "RESULTS.md"
+    results: Path = args.results or default
     results.parent.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
     begin = time.perf_counter()
-
-    runners: dict[str, Callable[[], tuple[str, list[Target]]]] = {
-        "dense": lambda: dense_section(mode, args.device, time_limit, args.threads),
-        "flat": lambda: flat_section(mode, args.device, time_limit, args.threads),
-        "embedding": lambda: embedding_section(mode, args.device, args.threads),
-        "scaling": lambda: (
-            "## Scaling\n\n"
-            + scaling.run(mode, args.device, results.with_name(scaling.FIGURE.name)),
-            [],
-        ),
-        "distributed": lambda: (
-            "## Distributed cost\n\n" + distributed.run(mode),
-            [],
-        ),
-    }
+    time_limit = args.time_limit or mode.time_limit
+    setup = Setup(args.device, args.threads, mode.isolation, time_limit)
+    runs = workloads(mode, setup, results.with_name("scaling.png"))
     bodies: dict[str, str] = {}
-    targets: list[Target] = []
-    for name in SECTIONS:
-        if name not in only:
+    rows: dict[str, Rows] = {}
+    for name, heading in HEADINGS.items():
+        if name not in args.only:
             continue
         started = time.perf_counter()
-        body, found = runners[name]()
-        body += f"\n\n({name}: {time.perf_counter() - started:.0f} s)"
-        print(body + "\n", flush=True)
-        bodies[name] = body
-        targets += found
-    if targets:
-        bodies["targets"] = targets_section(targets)
-        print(bodies["targets"] + "\n")
-    bodies["header"] = header(mode, args.device, command, time.perf_counter() - begin)
+        section = runs[name]()
+        bodies[name] = (
+            f"## {heading}\n\n{section.body}\n\n({name}: {time.perf_counter() - started:.0f} s)"
+        )
+        print(bodies[name] + "\n", flush=True)
+        rows[name] = section.rows
+    targets = targets_section(rows, mode)
+    if targets is not None:
+        bodies["targets"] = targets
+        print(targets + "\n")
+    bodies["header"] = header(mode_name, args.device, command, time.perf_counter() - begin)
 
-    if set(only) == set(SECTIONS):
+    if set(args.only) == set(HEADINGS):
         results.write_text("# Benchmark results\n")  # a full run rewrites the whole file
-    for name in ("header", "targets", *SECTIONS):
+    for name in ("header", "targets", *HEADINGS):
         if name in bodies:
             write_section(name, bodies[name], results)
     print(f"wrote {results}")

@@ -8,55 +8,20 @@
 - the size of the state in bytes against Q: constant for the dense form; for comparison
   the flat form (O(queries x max K)) and ``EmbeddingRecallAtK`` (O(items x D)).
 
-Tables plus one figure (``benchmarks/scaling.png``).
-
-Run: ``python benchmarks/scaling.py [--quick] [--device cpu|cuda] [--figure PATH]``.
+Tables plus one figure (``scaling.png`` beside the results).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from dense import floor, make_data, ours
+from measure import Contestant, Section, fmt_bytes, fmt_seconds, markdown_table, measure_interleaved
 from torchmetrics import Metric
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from dense import floor, make_data, ours
-from measure import Contestant, fmt_bytes, fmt_seconds, machine, markdown_table, measure_interleaved
-
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
-
-FIGURE = Path(__file__).with_name("scaling.png")
-
-# (Q, G) sizes, the (Q, G) of the K sweep, the number of K values, the Q of the state
-# sweep, and the timed repeats, per mode.
-SIZES: dict[str, dict[str, Any]] = {
-    "full": {
-        "grid": [(2_500, 2_000), (5_000, 4_000), (10_000, 8_000), (20_000, 10_000)],
-        "k_size": (10_000, 5_000),
-        "k_counts": [1, 3, 10, 30, 100],
-        "state_queries": [10, 1_000, 100_000],
-        "repeats": 5,
-    },
-    "quick": {
-        "grid": [(500, 1_000), (1_000, 2_000), (2_000, 4_000)],
-        "k_size": (1_000, 2_000),
-        "k_counts": [1, 3, 10, 30, 100],
-        "state_queries": [10, 1_000, 100_000],
-        "repeats": 3,
-    },
-    "tiny": {
-        "grid": [(128, 100), (256, 200), (512, 400)],
-        "k_size": (256, 200),
-        "k_counts": [1, 3, 10],
-        "state_queries": [10, 100, 1_000],
-        "repeats": 1,
-    },
-}
 
 STATE_GALLERY = 8  # items a query in the state sweep (the dense state does not depend on it)
 EMBEDDING_DIM = 128
@@ -77,7 +42,7 @@ def time_against_size(
     rows = []
     for num_queries, gallery in grid:
         scores, index, mask = make_data(num_queries, gallery, device)
-        floor_m, index_m, mask_m = measure_interleaved(
+        measured = measure_interleaved(
             [
                 Contestant("floor", floor(scores), repeats),
                 Contestant("index", ours(scores, index, False), repeats),
@@ -85,15 +50,8 @@ def time_against_size(
             ],
             device,
         )
-        rows.append(
-            {
-                "queries": num_queries,
-                "gallery": gallery,
-                "floor": floor_m.seconds,
-                "index": index_m.seconds,
-                "mask": mask_m.seconds,
-            }
-        )
+        times = {row.name: row.seconds for row in measured}
+        rows.append({"queries": num_queries, "gallery": gallery, **times})
         del scores, index, mask
     return rows
 
@@ -102,18 +60,12 @@ def time_against_k(
     size: tuple[int, int], counts: list[int], repeats: int, device: str
 ) -> list[dict[str, Any]]:
     scores, index, _ = make_data(*size, device)
-
-    def with_ks(ks: tuple[int, ...]) -> Any:
-        def run() -> object:
-            metric = RetrievalRecallAtK(ks, validate_args=False).to(device)
-            for s, t in zip(scores, index, strict=True):
-                metric.update(s, t)
-            return metric.compute()
-
-        return run
-
     measured = measure_interleaved(
-        [Contestant(str(n), with_ks(tuple(range(1, n + 1))), repeats) for n in counts], device
+        [
+            Contestant(str(n), ours(scores, index, False, tuple(range(1, n + 1))), repeats)
+            for n in counts
+        ],
+        device,
     )
     return [{"ks": n, "seconds": m.seconds} for n, m in zip(counts, measured, strict=True)]
 
@@ -138,55 +90,30 @@ def state_against_queries(queries: list[int], device: str) -> list[dict[str, Any
             )
             embeddings = torch.randn(rows_here, EMBEDDING_DIM, generator=gen).to(device)
             embedding.update(embeddings, target)
-        rows.append(
-            {
-                "queries": num,
-                "dense": state_bytes(dense),
-                "flat": state_bytes(flat),
-                "embedding": state_bytes(embedding),
-            }
-        )
+        states = {"dense": dense, "flat": flat, "embedding": embedding}
+        rows.append({"queries": num, **{key: state_bytes(m) for key, m in states.items()}})
     return rows
 
 
-def _ns_per_score(seconds: float, row: dict[str, Any]) -> str:
-    return f"{seconds / (row['queries'] * row['gallery']) * 1e9:.2f}"
+SIZE_HEAD: tuple[str, ...] = ("Q", "G", "Q x G", "amax floor", "index target", "mask target")
+SIZE_HEAD += ("ns / score: floor", "index", "mask", "index / floor", "mask / floor")
+TIMED = ("floor", "index", "mask")
+
+
+def _size_row(row: dict[str, Any]) -> list[str]:
+    scores = row["queries"] * row["gallery"]
+    return [
+        *(f"{count:,}" for count in (row["queries"], row["gallery"], scores)),
+        *(fmt_seconds(row[key]) for key in TIMED),
+        *(f"{row[key] / scores * 1e9:.2f}" for key in TIMED),
+        *(f"{row[key] / row['floor']:.2f}x" for key in ("index", "mask")),
+    ]
 
 
 def tables(
     size_rows: list[dict[str, Any]], k_rows: list[dict[str, Any]], state_rows: list[dict[str, Any]]
 ) -> str:
-    size_table = markdown_table(
-        [
-            "Q",
-            "G",
-            "Q x G",
-            "amax floor",
-            "index target",
-            "mask target",
-            "ns / score: floor",
-            "index",
-            "mask",
-            "index / floor",
-            "mask / floor",
-        ],
-        [
-            [
-                f"{r['queries']:,}",
-                f"{r['gallery']:,}",
-                f"{r['queries'] * r['gallery']:,}",
-                fmt_seconds(r["floor"]),
-                fmt_seconds(r["index"]),
-                fmt_seconds(r["mask"]),
-                _ns_per_score(r["floor"], r),
-                _ns_per_score(r["index"], r),
-                _ns_per_score(r["mask"], r),
-                f"{r['index'] / r['floor']:.2f}x",
-                f"{r['mask'] / r['floor']:.2f}x",
-            ]
-            for r in size_rows
-        ],
-    )
+    size_table = markdown_table(SIZE_HEAD, [_size_row(row) for row in size_rows])
     base = k_rows[0]["seconds"]
     k_table = markdown_table(
         ["number of K (K = 1..n)", "time", "time / one K"],
@@ -257,28 +184,20 @@ def figure(
     plt.close(fig)
 
 
-def run(mode: str = "full", device: str = "cpu", figure_path: Path | None = FIGURE) -> str:
-    """Every sweep at ``mode``'s sizes; the markdown body (the figure saved when given)."""
-    sizes = SIZES[mode]
-    size_rows = time_against_size(sizes["grid"], sizes["repeats"], device)
-    k_rows = time_against_k(sizes["k_size"], sizes["k_counts"], sizes["repeats"], device)
-    state_rows = state_against_queries(sizes["state_queries"], device)
-    body = tables(size_rows, k_rows, state_rows)
-    if figure_path is not None:
-        figure(size_rows, k_rows, state_rows, figure_path)
-        body += f"\n\n![scaling]({figure_path.name})"
-    return body
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--figure", type=Path, default=FIGURE)
-    args = parser.parse_args()
-    print(f"## Scaling\n\n{machine(args.device)}.\n")
-    print(run("quick" if args.quick else "full", args.device, args.figure))
-
-
-if __name__ == "__main__":
-    main()
+def run(
+    grid: list[tuple[int, int]],
+    *,
+    k_size: tuple[int, int],
+    k_counts: list[int],
+    state_queries: list[int],
+    repeats: int,
+    figure_path: Path,
+    device: str = "cpu",
+) -> Section:
+    """Time against every (Q, G) of ``grid``, against K = 1..n for every n of ``k_counts``
+    (at ``k_size``), state size at every Q of ``state_queries``; saves the figure."""
+    size_rows = time_against_size(grid, repeats, device)
+    k_rows = time_against_k(k_size, k_counts, repeats, device)
+    state_rows = state_against_queries(state_queries, device)
+    figure(size_rows, k_rows, state_rows, figure_path)
+    return Section(f"{tables(size_rows, k_rows, state_rows)}\n\n![scaling]({figure_path.name})")

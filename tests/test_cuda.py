@@ -69,7 +69,8 @@ def _dense_feed(target_form: str, with_ignore: bool, dtype: torch.dtype) -> Feed
 
     def feed(metric: Any, device: str) -> None:
         for batch in batches:
-            metric.update(*(t.to(device) for t in batch))
+            moved = [t.to(device) for t in batch]
+            metric.update(*moved[:2], ignore=moved[2] if len(moved) > 2 else None)
 
     return feed
 

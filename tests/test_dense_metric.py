@@ -118,8 +118,8 @@ def test_update_is_sync_free_on_the_meta_device() -> None:
         metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))
         metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"))
         ignore = torch.empty(256, 500, dtype=torch.bool, device="meta")
-        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"), ignore)
-        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"), ignore)
+        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"), ignore=ignore)
+        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"), ignore=ignore)
         assert metric.rank_histogram.device.type == "meta"
     # ... and the validating update does read values, so it fails there.
     checked = RetrievalRecallAtK().to("meta")

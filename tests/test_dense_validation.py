@@ -42,7 +42,7 @@ def test_bad_options() -> None:
         RetrievalRecallAtK(ties="random")
     with pytest.raises(ValueError, match=r"`empty_target_action` must be one of 'neg'"):
         RetrievalRecallAtK(empty_target_action="drop")
-    with pytest.raises(ValueError, match=r"`key` must be a str template containing '\{k\}'"):
+    with pytest.raises(ValueError, match=r"`key` must give a distinct key for every K"):
         RetrievalRecallAtK(key="recall")
     with pytest.raises(ValueError, match=r"`ignore_index` must be an int or None, got 1.5"):
         RetrievalRecallAtK(ignore_index=1.5)  # type: ignore[arg-type]
@@ -144,7 +144,7 @@ def test_bad_options() -> None:
 )
 def test_bad_dense_inputs(scores: object, target: object, ignore: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        RetrievalRecallAtK().update(scores, target, ignore)  # type: ignore[arg-type]
+        RetrievalRecallAtK().update(scores, target, ignore=ignore)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=match):
         retrieval_recall_at_k(scores, target, ignore=ignore)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=match):
@@ -184,23 +184,23 @@ def test_no_counted_query_warns_and_returns_nan() -> None:
 
 def test_bad_ranks() -> None:
     with pytest.raises(
-        ValueError, match=r"`ranks` must be a 1-D tensor of ranks, got shape \[2, 2\]"
+        ValueError, match=r"`ranks` must be a 1-D integer tensor of ranks, got shape \[2, 2\]"
     ):
         recall_at_k_from_ranks(torch.ones(2, 2), k=1)
-    with pytest.raises(ValueError, match=r"`ranks` must be a 1-D tensor .* dtype torch.bool"):
+    with pytest.raises(ValueError, match=r"`ranks` must be a 1-D integer tensor .* torch.bool"):
         recall_at_k_from_ranks(torch.ones(2, dtype=torch.bool), k=1)
     with pytest.raises(ValueError, match=r"`k` must not be empty"):
         recall_at_k_from_ranks([1, 2], k=())
-    with pytest.raises(ValueError, match=r"`key` must be a str template"):
-        recall_at_k_from_ranks([1, 2], k=1, key="r")
+    with pytest.raises(ValueError, match=r"`key` must be a str template such as"):
+        recall_at_k_from_ranks([1, 2], k=1, key=5)  # type: ignore[arg-type]
 
 
 def test_one_dimensional_preds_without_indexes_points_to_the_flat_form() -> None:
     with pytest.raises(
         ValueError,
-        match=r"`preds` of shape \[4\] is the flat form: pass the query ids as a keyword, `update\(preds, target, indexes=indexes\)`",
+        match=r"`preds` of shape \[4\] is the flat form: pass the query ids too, `update\(preds, target, indexes\)`",
     ):
-        RetrievalRecallAtK()(torch.rand(4), torch.tensor([0, 1, 0, 0]), torch.tensor([0, 0, 1, 1]))
+        RetrievalRecallAtK()(torch.rand(4), torch.tensor([0, 1, 0, 0]))
     with pytest.raises(ValueError, match=r"`scores` must be a floating point .* got shape \[3\]"):
         retrieval_recall_at_k(torch.rand(3), T)
 

@@ -16,15 +16,22 @@ from helpers import run_distributed
 from torch import Tensor
 from torchmetrics import MetricCollection
 
-import recall_at_k.embedding as embedding_module
-from recall_at_k import EmbeddingRecallAtK
+from recall_at_k import EmbeddingRecallAtK, _embedding
+from recall_at_k._embedding import Route
 
 TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
 # One value below a single row of scores (one query a tile), a few rows, everything.
 CHUNKS = (8, 1000, 256 * 2**20)
-# 0.0: every tile through the dense kernel masks; 1.0: every tile through label blocks.
-ROUTES = (0.0, 1.0)
+# Every way of counting a tile: the automatic choice, dense masks, whole tiles through
+# label blocks (as on a GPU), and CPU panels of the default size and of one column.
+ROUTES = (
+    Route(),
+    Route("dense"),
+    Route("tiles"),
+    Route("panels"),
+    Route("panels", panel_bytes=1),
+)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -197,8 +204,12 @@ SCENARIOS: dict[str, Callable[[], tuple[list[Batch], dict[str, Any]]]] = {
 }
 
 
-def run_metric(batches: list[Batch], ks: Any = KS, **kwargs: Any) -> dict[str, float]:
+def run_metric(
+    batches: list[Batch], ks: Any = KS, route: Route | None = None, **kwargs: Any
+) -> dict[str, float]:
     metric = EmbeddingRecallAtK(ks, **kwargs)
+    if route is not None:
+        metric._route = route
     for batch in batches:
         metric.update(batch.embeddings, batch.labels, **batch.kwargs())
     result = metric.compute()
@@ -215,24 +226,17 @@ def _reference_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("ties", TIES)
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_matches_brute_force_reference(
-    scenario: str, ties: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_matches_brute_force_reference(scenario: str, ties: str) -> None:
     batches, kwargs = SCENARIOS[scenario]()
     expected = reference_embedding_recall(batches, KS, ties=ties, **_reference_kwargs(kwargs))
     assert not all(v in (0.0, 1.0) for v in expected.values())  # a scenario that tells
     # Routes: dense masks or label blocks; on CPU the blocks by panels of columns (of
     # the default size, and of one column each) or, as on a GPU, in whole tiles.
-    panel_options = ((True, embedding_module._CPU_PANEL_BYTES), (True, 1), (False, 1))
-    for fraction in ROUTES:
-        monkeypatch.setattr(embedding_module, "_SPARSE_MAX_BLOCK_FRACTION", fraction)
-        for panels, panel_bytes in panel_options:
-            monkeypatch.setattr(embedding_module, "_CPU_PANELS", panels)
-            monkeypatch.setattr(embedding_module, "_CPU_PANEL_BYTES", panel_bytes)
-            for chunk in CHUNKS:
-                got = run_metric(batches, ties=ties, chunk_bytes=chunk, **kwargs)
-                where = (fraction, panels, panel_bytes, chunk)
-                assert got == pytest.approx(expected, abs=1e-6, nan_ok=True), where
+    for route in ROUTES:
+        for chunk in CHUNKS:
+            got = run_metric(batches, ties=ties, chunk_bytes=chunk, route=route, **kwargs)
+            where = (route, chunk)
+            assert got == pytest.approx(expected, abs=1e-6, nan_ok=True), where
 
 
 @pytest.mark.parametrize("action", ("neg", "pos", "skip"))
@@ -525,7 +529,8 @@ def test_two_gloo_processes_equal_one_process() -> None:
                 assert got == local
             else:
                 assert got == pytest.approx(local, abs=1e-12, nan_ok=True), (case["name"], rank)
-    assert "has no queries" in results[1]["rank1-empty-syncFalse"][0]
+    # A process without data, computing on its own: NaN, as RetrievalRecallAtK.
+    assert all(math.isnan(v) for v in results[1]["rank1-empty-syncFalse"][0].values())
     for rank in range(2):
         assert "direction 'q2g' (query -> gallery) has no gallery" in results[rank]["no-gallery"]
     assert results[0]["one-fails"] == (
@@ -577,8 +582,8 @@ def test_reset_merge_pickle_and_collection() -> None:
     assert {k: float(v) for k, v in restored.compute().items()} == expected
     clone = copy.deepcopy(second)
     clone.reset()
-    with pytest.raises(ValueError, match="has no queries"):
-        clone.compute()
+    with pytest.warns(UserWarning, match="No query was counted"):
+        assert all(math.isnan(float(v)) for v in clone.compute().values())
     collection = MetricCollection(
         {
             "dot": EmbeddingRecallAtK(KS, **kwargs),
@@ -629,13 +634,13 @@ def test_plot_draws_one_curve_per_direction() -> None:
 
 def test_wide_label_blocks_take_the_dense_route(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    original = embedding_module._kernel.dense_tie_counts
+    original = _embedding.dense_tie_counts
 
     def spy(*args: Any) -> Any:
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(embedding_module._kernel, "dense_tie_counts", spy)
+    monkeypatch.setattr(_embedding, "dense_tie_counts", spy)
     emb = torch.randn(30, 4, generator=_gen(17))
     batches = [Batch(emb, torch.arange(30) % 2)]  # two classes: blocks of half the gallery
     expected = reference_embedding_recall(batches, KS)
@@ -674,7 +679,7 @@ def test_update_errors() -> None:
     _raises(shape_msg + r" \[3\]", lambda: m.update(torch.randn(3), labels))
     _raises(shape_msg + r" \[3, 2\] and dtype torch.int64", lambda: m.update(emb.long(), labels))
     _raises(r"`embeddings` must be a torch.Tensor, got list", lambda: m.update([[1.0]], labels))
-    one_per = r"must be an integer \(int64\) tensor of shape \[B\] = \[3\]"
+    one_per = r"must be an integer \(int64\) tensor of shape \[3\], one entry per row"
     _raises(r"`labels` " + one_per + r".*shape \[2\]", lambda: m.update(emb, labels[:2]))
     _raises(r"`labels` " + one_per + r".*torch.float32", lambda: m.update(emb, labels.float()))
     _raises(r"`groups` " + one_per, lambda: m.update(emb, labels, groups=labels[:1]))
@@ -730,7 +735,7 @@ def test_constructor_errors() -> None:
     _raises(
         r"`empty_target_action` must be one of", lambda: EmbeddingRecallAtK(empty_target_action="x")
     )
-    _raises(r"`key` must be a str template", lambda: EmbeddingRecallAtK(key="recall"))
+    _raises(r"`key` must give a distinct key for every K", lambda: EmbeddingRecallAtK(key="recall"))
 
 
 def test_compute_errors() -> None:

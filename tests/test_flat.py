@@ -624,7 +624,6 @@ def _ok() -> Batch:
             {"target": torch.tensor([0, 2, 0])},
             r"`target` values must be 0 or 1, got 1 other .* e\.g\. 2",
         ),
-        ({"indexes": torch.tensor([0, -3, 1])}, r"`indexes` must be non-negative .* e\.g\. -3"),
         ({"target": torch.tensor([0, 1, 0], device="meta")}, r"`target` is on device meta"),
     ],
 )
@@ -638,9 +637,7 @@ def test_input_errors(change: dict[str, Any], match: str) -> None:
 def test_dense_ignore_mask_with_indexes_is_an_error() -> None:
     preds, target, indexes = _ok()
     with pytest.raises(ValueError, match=r"`ignore` is the dense form's \[Q, G\] mask"):
-        RetrievalRecallAtK().update(
-            preds, target, torch.zeros(3, dtype=torch.bool), indexes=indexes
-        )
+        RetrievalRecallAtK().update(preds, target, indexes, ignore=torch.zeros(3, dtype=torch.bool))
 
 
 def test_target_values_hint_at_ignore_index() -> None:

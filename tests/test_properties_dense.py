@@ -71,7 +71,9 @@ def test_metric_is_invariant_to_batching_order_and_precision(case: DenseCase) ->
         metric = RetrievalRecallAtK(case.ks, ties=case.ties, empty_target_action=case.action)
         batches = case.batches()
         for lo, hi in reversed(batches) if reverse else batches:
-            metric.update(scores[lo:hi], target[lo:hi], None if ignore is None else ignore[lo:hi])
+            metric.update(
+                scores[lo:hi], target[lo:hi], ignore=None if ignore is None else ignore[lo:hi]
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             results.append(_values(metric.compute(), case.ks))

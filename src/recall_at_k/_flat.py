@@ -2,7 +2,7 @@
 
 In the flat form a query's items may arrive over several ``update`` calls and several
 processes. Recall@K for every K up to max K, under every tie policy, is decided exactly
-by a small per-query summary (DESIGN section 1 notation), a *partial*:
+by a small per-query summary (the notation of :mod:`recall_at_k._kernel`), a *partial*:
 
 - ``best``: the best valid positive score s* seen so far (``-inf`` when none);
 - ``tied``: the number of valid positives scored exactly ``best`` (0: no positive yet);
@@ -36,7 +36,7 @@ as Lightning's half precision, can never round a score.
 Example:
     Query 7 arrives in two parts; with max K = 2 neither part keeps all of the negatives
     tied with the positive at 0.5, yet the merged counts are exact (g_> = 1 negative
-    above, e = 4 tied, p = 1 tied positive; ``equal`` holds g_> + e):
+    above, e = 4 tied, p = 1 tied positive; ``at_or_above`` holds g_> + e):
 
     >>> import torch
     >>> from recall_at_k import _flat
@@ -49,33 +49,34 @@ Example:
     >>> merged.top, merged.boundary
     (tensor([[0.9000, 0.5000]], dtype=torch.float64), tensor([4]))
     >>> counts = _flat.tie_counts(merged, 2)
-    >>> counts.greater, counts.equal, counts.tied_positives
+    >>> counts.greater, counts.at_or_above, counts.tied_positives
     (tensor([1]), tensor([5]), tensor([1]))
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from recall_at_k import _kernel
-from recall_at_k._validation import _describe, _same_device_validation, _scores_values_validation
+from recall_at_k._checks import check_no_nan, check_same_device, check_tensors, describe
 
 __all__ = [
     "Partials",
     "compact",
     "flat_partials",
     "flat_rank_histogram",
-    "gather_tolerating_empty",
     "merge",
     "summarise",
     "tie_counts",
 ]
 
 _ID, _TIED, _KEPT, _BOUNDARY, _BEST = 0, 1, 2, 3, 4
+ROW_PREFIX = _BEST + 1
+"""Columns of a packed state row before the ``max_k`` top scores."""
 # A padded [segments, longest] matrix is used for the per-segment top-K while it holds
 # at most this many cells per item; beyond that (one huge query among many small ones)
 # a sort on (id, -score) costs less memory.
@@ -105,16 +106,14 @@ class Partials(NamedTuple):
 # ---------------------------------------------------------------------------- checks
 
 
-def _flat_structure_validation(
+def check_structure(
     preds: Tensor, target: Tensor, indexes: Tensor, ignore: Tensor | None = None
 ) -> None:
     """Shapes, dtypes and devices of a flat ``(preds, target, indexes)`` triple.
 
     Reads no tensor values (no host-device synchronisation).
     """
-    for name, value in (("preds", preds), ("target", target), ("indexes", indexes)):
-        if not isinstance(value, Tensor):
-            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
+    check_tensors(preds=preds, target=target, indexes=indexes)
     if ignore is not None:
         raise ValueError(
             "`ignore` is the dense form's [Q, G] mask and cannot be combined with `indexes`;"
@@ -123,15 +122,15 @@ def _flat_structure_validation(
         )
     if not preds.is_floating_point():
         raise ValueError(
-            f"`preds` must be a floating point tensor of item scores, got {_describe(preds)}"
+            f"`preds` must be a floating point tensor of item scores, got {describe(preds)}"
         )
     if target.is_floating_point() or target.is_complex():
         raise ValueError(
-            f"`target` must be a bool or 0/1 integer tensor of relevance, got {_describe(target)}"
+            f"`target` must be a bool or 0/1 integer tensor of relevance, got {describe(target)}"
         )
     if indexes.is_floating_point() or indexes.is_complex() or indexes.dtype == torch.bool:
         raise ValueError(
-            f"`indexes` must be an integer (int64) tensor of query ids, got {_describe(indexes)}"
+            f"`indexes` must be an integer (int64) tensor of query ids, got {describe(indexes)}"
         )
     if preds.dim() == 0 or not (preds.shape == target.shape == indexes.shape):
         raise ValueError(
@@ -139,14 +138,12 @@ def _flat_structure_validation(
             " per item; tensors of one same shape are flattened), got shapes"
             f" {list(preds.shape)}, {list(target.shape)} and {list(indexes.shape)}"
         )
-    _same_device_validation(preds=preds, target=target, indexes=indexes)
+    check_same_device(preds=preds, target=target, indexes=indexes)
 
 
-def _flat_values_validation(
-    preds: Tensor, target: Tensor, indexes: Tensor, ignore_index: int | None = None
-) -> None:
+def check_values(preds: Tensor, target: Tensor, ignore_index: int | None) -> None:
     """Value checks of a flat batch after dropping ``ignore_index`` items (host reads)."""
-    _scores_values_validation(preds, name="preds")
+    check_no_nan(preds, name="preds")
     if target.numel() and target.dtype != torch.bool:
         bad = (target != 0) & (target != 1)
         if bool(bad.any()):
@@ -158,13 +155,6 @@ def _flat_values_validation(
             raise ValueError(
                 f"`target` values must be 0 or 1, got {int(bad.sum())} other value(s),"
                 f" e.g. {int(target[bad][0])}{hint}"
-            )
-    if indexes.numel():
-        low = int(indexes.min())
-        if low < 0:
-            raise ValueError(
-                "`indexes` must be non-negative query ids, got"
-                f" {int((indexes < 0).sum())} negative value(s), e.g. {low}"
             )
 
 
@@ -184,14 +174,14 @@ def flat_partials(
         int64 ``[queries in the batch, 5 + max_k]`` (see :func:`pack`), or ``None`` when
         no item is left after dropping ``ignore_index`` items.
     """
-    _flat_structure_validation(preds, target, indexes, ignore)
+    check_structure(preds, target, indexes, ignore)
     preds, target, indexes = preds.detach().reshape(-1), target.reshape(-1), indexes.reshape(-1)
     if ignore_index is not None:
         keep = target != ignore_index
         if not bool(keep.all()):
             preds, target, indexes = preds[keep], target[keep], indexes[keep]
     if validate_args:
-        _flat_values_validation(preds, target, indexes, ignore_index)
+        check_values(preds, target, ignore_index)
     if preds.numel() == 0:
         return None
     positive = target if target.dtype == torch.bool else target != 0
@@ -222,11 +212,11 @@ def _gather_column(matrix: Tensor, column: Tensor) -> Tensor:
 def _count_equal(matrix: Tensor, value: Tensor) -> Tensor:
     """Row-wise ``(matrix == value).sum(1)`` as int64.
 
-    The comparison is written into a float buffer: summing 0/1 floats is several times
-    faster on CPU than converting a ``bool`` tensor, and exact below 2**24 a row.
+    The comparison is written into a float buffer (see :func:`recall_at_k._kernel.count_dtype`).
     """
-    dtype = torch.float32 if matrix.shape[1] < 2**24 else torch.float64
-    out = torch.empty(matrix.shape, dtype=dtype, device=matrix.device)
+    out = torch.empty(
+        matrix.shape, dtype=_kernel.count_dtype(matrix.shape[1]), device=matrix.device
+    )
     torch.eq(matrix, value, out=out)
     return out.sum(dim=1).to(torch.int64)
 
@@ -360,11 +350,17 @@ def summarise(preds: Tensor, positive: Tensor, indexes: Tensor, max_k: int) -> P
     return Partials(ids, best.to(torch.float64), tied, top.to(torch.float64), kept, boundary)
 
 
-def merge(parts: Partials, max_k: int) -> Partials:
-    """Merge rows that share a query id into one row per id (ids ascending), exactly."""
+def merge(parts: Partials, max_k: int, complete_queries: bool = False) -> Partials:
+    """Merge rows that share a query id into one row per id (ids ascending), exactly.
+
+    With ``complete_queries`` every row already summarises a whole query, so rows that
+    share an id are repeats of one query (DistributedSampler padding): the first is kept.
+    """
     rows = parts.ids.numel()
     if rows == 0:
         return parts
+    if complete_queries:
+        return Partials(*(field[_kernel.first_of_each_id(parts.ids)] for field in parts))
     if not _is_sorted(parts.ids):
         order = torch.argsort(parts.ids, stable=True)
         parts = Partials(*(field[order] for field in parts))
@@ -439,10 +435,10 @@ def _as_rows(state: Tensor | Sequence[Tensor], max_k: int) -> Tensor | None:
     if not blocks:
         return None
     rows = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-    return rows.reshape(-1, _BEST + 1 + max_k)
+    return rows.reshape(-1, ROW_PREFIX + max_k)
 
 
-def compact(state: list[Tensor], max_k: int) -> list[Tensor]:
+def compact(state: list[Tensor], max_k: int, complete_queries: bool = False) -> list[Tensor]:
     """Merge the state blocks into one once they hold too many rows.
 
     Merging happens when the blocks hold more than twice the rows of the first block
@@ -455,11 +451,11 @@ def compact(state: list[Tensor], max_k: int) -> list[Tensor]:
     if total <= 2 * state[0].shape[0] + _COMPACT_SLACK:
         return state
     rows = _as_rows(state, max_k)
-    return [] if rows is None else [pack(merge(unpack(rows), max_k))]
+    return [] if rows is None else [pack(merge(unpack(rows), max_k, complete_queries))]
 
 
 def flat_rank_histogram(
-    state: Tensor | Sequence[Tensor], ties: str, max_k: int
+    state: Tensor | Sequence[Tensor], ties: str, max_k: int, complete_queries: bool = False
 ) -> tuple[Tensor, Tensor] | None:
     """The flat state's contribution to the rank histogram, as ``rank_histogram`` gives.
 
@@ -469,52 +465,5 @@ def flat_rank_histogram(
     rows = _as_rows(state, max_k)
     if rows is None:
         return None
-    parts = merge(unpack(rows), max_k)
+    parts = merge(unpack(rows), max_k, complete_queries)
     return _kernel.rank_histogram(tie_counts(parts, max_k), ties, max_k)
-
-
-# --------------------------------------------------------------------- distributed sync
-
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-_MAX_DIMS = 8
-
-
-def gather_tolerating_empty(result: Tensor, group: Any | None = None) -> list[Tensor]:
-    """torchmetrics' ``gather_all_tensors``, safe when a process holds no flat data.
-
-    torchmetrics stands in a 1-D tensor of the metric's float dtype for an empty list
-    state; gathering that beside the other processes' int64 ``[rows, 5 + max K]`` blocks
-    would abort the collective. Every process first shares the layout of its tensor;
-    an empty one then takes the layout of the first non-empty one.
-    """
-    import torch.distributed as dist
-    from torchmetrics.utilities.distributed import gather_all_tensors
-
-    world_size = dist.get_world_size(group)
-    code = _DTYPES.index(result.dtype) if result.dtype in _DTYPES else -1
-    shape = list(result.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(result.dim(), _MAX_DIMS))
-    meta = torch.tensor(
-        [result.numel(), result.dim(), code, *shape], dtype=torch.int64, device=result.device
-    )
-    metas = [torch.zeros_like(meta) for _ in range(world_size)]
-    dist.all_gather(metas, meta, group=group)
-    if result.numel() == 0:
-        for other in torch.stack(metas).tolist():
-            numel, ndim, other_code = other[:3]
-            if numel and other_code >= 0 and 1 <= ndim <= _MAX_DIMS:
-                trailing = other[3 + 1 : 3 + ndim]
-                result = result.new_empty((0, *trailing), dtype=_DTYPES[other_code])
-                break
-    gathered: list[Tensor] = gather_all_tensors(result, group)
-    return gathered

@@ -19,9 +19,12 @@ def _pyplot() -> Any:
 
 
 Curves = Mapping[str, tuple[Sequence[int], Sequence[float]]]
+Bands = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
 
-def plot_curves(results: Curves | Sequence[Curves], ax: Any | None, title: str) -> tuple[Any, Any]:
+def plot_curves(
+    results: Curves | Sequence[Curves], ax: Any | None, title: str, bands: Bands | None = None
+) -> tuple[Any, Any]:
     """Draw Recall@K against K.
 
     Args:
@@ -30,6 +33,7 @@ def plot_curves(results: Curves | Sequence[Curves], ax: Any | None, title: str) 
             every step is drawn, labelled with its step.
         ax: an existing matplotlib axis, or ``None`` for a new figure.
         title: axis title.
+        bands: ``{label: (lows, highs)}`` drawn as shaded bands (confidence intervals).
 
     Returns:
         ``(fig, ax)``.
@@ -43,7 +47,10 @@ def plot_curves(results: Curves | Sequence[Curves], ax: Any | None, title: str) 
     for step, curves in enumerate(steps):
         for label, (ks, values) in curves.items():
             name = label if len(steps) == 1 else f"{label} (step {step})".strip()
-            ax.plot(list(ks), list(values), marker="o", label=name or None)
+            (line,) = ax.plot(list(ks), list(values), marker="o", label=name or None)
+            if bands is not None and label in bands:
+                lows, highs = bands[label]
+                ax.fill_between(list(ks), lows, highs, color=line.get_color(), alpha=0.2)
     all_ks = sorted({k for curves in steps for ks, _ in curves.values() for k in ks})
     ax.set_xticks(all_ks)
     ax.set_xlabel("K")
@@ -56,24 +63,33 @@ def plot_curves(results: Curves | Sequence[Curves], ax: Any | None, title: str) 
     return fig, ax
 
 
-def values_of(result: Tensor | Mapping[str, Tensor | float], keys: Sequence[str]) -> list[float]:
+def _lookup(result: Mapping[str, Any], key: str) -> Any:
+    """``result[key]``, or the one entry whose key ends in ``"/" + key`` (a logged name
+    with a prefix, such as ``"val/recall@1"`` for ``"recall@1"``)."""
+    if key in result:
+        return result[key]
+    found = [name for name in result if name.endswith("/" + key)]
+    if len(found) != 1:
+        raise ValueError(
+            f"`val` must hold the key {key!r} (optionally with a prefix ending in '/'),"
+            f" found {sorted(result)}"
+        )
+    return result[found[0]]
+
+
+def values_of(result: Tensor | Mapping[str, Any], keys: Sequence[str]) -> list[float]:
     """Recall values of one result, in the order of ``keys`` (a scalar is one value).
 
-    A key may also be found with a prefix (``"val/recall@1"`` for ``"recall@1"``), so
-    the values Lightning logged (``trainer.callback_metrics``) plot directly.
+    Values that Lightning logged (``trainer.callback_metrics``) plot directly.
     """
     if isinstance(result, Tensor):
         return [float(result)]
-    values = []
-    for key in keys:
-        if key in result:
-            values.append(float(result[key]))
-            continue
-        found = [name for name in result if name.endswith("/" + key)]
-        if len(found) != 1:
-            raise ValueError(
-                f"`val` must hold the key {key!r} (optionally with a prefix ending in '/'),"
-                f" found {sorted(result)}"
-            )
-        values.append(float(result[found[0]]))
-    return values
+    return [float(_lookup(result, key)) for key in keys]
+
+
+def bounds_of(
+    interval: Tensor | Mapping[str, Any], keys: Sequence[str]
+) -> tuple[list[float], list[float]]:
+    """(lows, highs) of a ``confidence_interval()`` result, in the order of ``keys``."""
+    pairs = [interval] if isinstance(interval, Tensor) else [_lookup(interval, k) for k in keys]
+    return [float(p[0]) for p in pairs], [float(p[1]) for p in pairs]

@@ -1,34 +1,34 @@
-"""From a rank histogram to what users receive: a scalar or a ``{"recall@K": value}`` dict."""
+"""From a rank histogram to what users receive: values, intervals, warnings, output shape."""
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from recall_at_k._kernel import recall_from_histogram
+from recall_at_k._types import RecallOutput
 
-RecallOutput = Tensor | dict[str, Tensor]
 
+def format_output(values: Tensor, keys: Sequence[str], single: bool) -> RecallOutput:
+    """A scalar tensor when ``k`` was an int, else a dict keyed by ``keys`` (one per K).
 
-def format_recall(values: Tensor, ks: tuple[int, ...], single: bool, key: str) -> RecallOutput:
-    """A scalar tensor when ``k`` was an int, else a dict keyed by ``key.format(k=K)``."""
+    ``values`` is ``[len(keys)]``, or ``[len(keys), 2]`` for intervals.
+    """
     values = values.to(torch.get_default_dtype())
     if single:
         return values[0]
-    return {key.format(k=k): values[i] for i, k in enumerate(ks)}
+    return {key: values[i] for i, key in enumerate(keys)}
 
 
-def recall_result(
-    hist: Tensor,
-    queries: Tensor,
-    ks: tuple[int, ...],
-    single: bool,
-    key: str,
-    empty_target_action: str,
-) -> RecallOutput:
-    """Recall@K from the state, raising or warning as DESIGN section 1 says."""
+def recall_values(
+    hist: Tensor, queries: Tensor, ks: tuple[int, ...], empty_target_action: str
+) -> tuple[Tensor, int]:
+    """float64 ``[len(ks)]`` Recall@K and the number of counted queries, raising for
+    ``empty_target_action="error"`` and warning when nothing is counted."""
     values, counted, without_pos = recall_from_histogram(hist, queries, ks, empty_target_action)
     if empty_target_action == "error" and without_pos:
         raise ValueError(
@@ -41,6 +41,27 @@ def recall_result(
             "No query was counted for Recall@K (no update, or every query lacked a valid"
             f" positive with empty_target_action={empty_target_action!r}); returning NaN",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    return format_recall(values, ks, single, key)
+    return values, counted
+
+
+def wilson_interval(values: Tensor, counted: int, level: float) -> Tensor:
+    """The Wilson score interval of proportions ``values`` out of ``counted`` trials.
+
+    With z the two-sided normal quantile of ``level``, n = ``counted`` and p a value:
+    centre (p + z^2 / 2n) / (1 + z^2 / n), half-width
+    z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2). NaN rows where n = 0.
+
+    Returns:
+        float64 ``[len(values), 2]``: (low, high) per value.
+    """
+    p = values.to(torch.float64)
+    if counted == 0:
+        return torch.full((p.shape[0], 2), math.nan, dtype=torch.float64, device=p.device)
+    z = float(torch.special.ndtri(torch.tensor(0.5 + level / 2, dtype=torch.float64)))
+    n = float(counted)
+    denominator = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z / denominator * torch.sqrt((p * (1 - p) / n + z * z / (4 * n * n)).clamp(min=0))
+    return torch.stack([(centre - half).clamp(min=0), (centre + half).clamp(max=1)], dim=-1)

@@ -1,8 +1,10 @@
-"""Functional Recall@K: validate, then call the kernel.
+"""Functional Recall@K: check the options and inputs, then call the kernels.
+
+Each function returns what the corresponding metric's ``compute()`` returns: a scalar
+tensor for an int ``k``, else a dict ``{"recall@K": value}`` in the order given.
 
 Example:
-    The worked examples of the design: ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] give
-    R@1 = 0.5 and R@5 = 0.8.
+    Ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] give R@1 = 0.5 and R@5 = 0.8:
 
     >>> import torch
     >>> from recall_at_k.functional import recall_at_k_from_ranks
@@ -14,22 +16,35 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 import torch
 from torch import Tensor
 
-from recall_at_k import _kernel
-from recall_at_k._result import RecallOutput, format_recall, recall_result
-from recall_at_k._validation import (
-    _checked_dense_tie_counts,
-    _dense_structure_validation,
-    _empty_target_action_validation,
-    _k_validation,
-    _key_validation,
-    _ties_validation,
+from recall_at_k import _dense, _embedding, _kernel
+from recall_at_k._checks import check_choice, check_k, check_key, check_positive_int
+from recall_at_k._result import format_output, recall_values
+from recall_at_k._types import (
+    DETERMINISTIC_TIES,
+    EMPTY_TARGET_ACTIONS,
+    EXCLUDES,
+    TIES,
+    DeterministicTies,
+    EmptyTargetAction,
+    Exclude,
+    RecallOutput,
+    Similarity,
+    Ties,
 )
 
-__all__ = ["recall_at_k_from_ranks", "retrieval_first_hit_rank", "retrieval_recall_at_k"]
+__all__ = [
+    "embedding_recall_at_k",
+    "recall_at_k_from_ranks",
+    "retrieval_first_hit_rank",
+    "retrieval_recall_at_k",
+]
+
+K = SupportsIndex | Sequence[SupportsIndex]
 
 
 def retrieval_first_hit_rank(
@@ -37,7 +52,7 @@ def retrieval_first_hit_rank(
     target: Tensor,
     *,
     ignore: Tensor | None = None,
-    ties: str = "pessimistic",
+    ties: DeterministicTies = "pessimistic",
     validate_args: bool = True,
 ) -> Tensor:
     """1-based rank of each query's best valid positive among its valid items.
@@ -46,8 +61,8 @@ def retrieval_first_hit_rank(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or int64 ``[Q]`` column of the
-            single true item (``-1``: none in this gallery).
+        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+            the single true item (``-1``: none in this gallery).
         ignore: optional bool ``[Q, G]``: items removed from that query's gallery.
         ties: ``"pessimistic"`` (rank = g_> + e + 1, ties count against the query) or
             ``"optimistic"`` (rank = g_> + 1).
@@ -66,22 +81,20 @@ def retrieval_first_hit_rank(
         >>> retrieval_first_hit_rank(scores, target, ties="optimistic")
         tensor([2, 2])
     """
-    _ties_validation(ties, allowed=("pessimistic", "optimistic"))
-    _dense_structure_validation(scores, target, ignore)
-    counts = _checked_dense_tie_counts(
-        scores, target, ignore, _kernel.needs_for(ties), validate_args
-    )
+    check_choice("ties", ties, DETERMINISTIC_TIES)
+    needed = _kernel.needed_counts(ties)
+    counts = _dense.tie_counts(scores, target, ignore, needed, validate_args)
     return _kernel.first_hit_rank(counts, ties)
 
 
 def retrieval_recall_at_k(
     scores: Tensor,
     target: Tensor,
-    k: int | Sequence[int] = (1, 5, 10),
+    k: K = (1, 5, 10),
     *,
     ignore: Tensor | None = None,
-    ties: str = "pessimistic",
-    empty_target_action: str = "neg",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
     key: str = "recall@{k}",
     validate_args: bool = True,
 ) -> RecallOutput:
@@ -89,11 +102,11 @@ def retrieval_recall_at_k(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per complete query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or int64 ``[Q]`` column of the
-            single true item (``-1``: none in this gallery).
+        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+            the single true item (``-1``: none in this gallery).
         k: an int (returns a scalar tensor) or a sequence of ints (returns a dict).
         ignore: optional bool ``[Q, G]``: items neither positive nor negative.
-        ties: ``"pessimistic"``, ``"optimistic"`` or ``"expected"`` (DESIGN section 1).
+        ties: ``"pessimistic"``, ``"optimistic"`` or ``"expected"``.
         empty_target_action: what a query without a valid positive counts as:
             ``"neg"`` (a miss), ``"pos"`` (a hit), ``"skip"`` or ``"error"``.
         key: template of the dict keys.
@@ -109,20 +122,19 @@ def retrieval_recall_at_k(
         >>> retrieval_recall_at_k(scores, target, k=1, ties="expected")
         tensor(0.5000)
     """
-    ks = _k_validation(k)
-    _ties_validation(ties)
-    _empty_target_action_validation(empty_target_action)
-    _key_validation(key)
-    _dense_structure_validation(scores, target, ignore)
-    counts = _checked_dense_tie_counts(
-        scores, target, ignore, _kernel.needs_for(ties), validate_args
-    )
+    ks, single = check_k(k)
+    check_choice("ties", ties, TIES)
+    check_choice("empty_target_action", empty_target_action, EMPTY_TARGET_ACTIONS)
+    keys = check_key(key, ks)
+    needed = _kernel.needed_counts(ties)
+    counts = _dense.tie_counts(scores, target, ignore, needed, validate_args)
     hist, queries = _kernel.rank_histogram(counts, ties, max(ks))
-    return recall_result(hist, queries, ks, isinstance(k, int), key, empty_target_action)
+    values, _ = recall_values(hist, queries, ks, empty_target_action)
+    return format_output(values, keys, single)
 
 
 def recall_at_k_from_ranks(
-    ranks: Tensor | Sequence[int], k: int | Sequence[int], *, key: str = "recall@{k}"
+    ranks: Tensor | Sequence[int], k: K, *, key: str = "recall@{k}"
 ) -> RecallOutput:
     """Recall@K from 1-based first-hit ranks: the share of ranks in ``[1, K]``.
 
@@ -136,12 +148,12 @@ def recall_at_k_from_ranks(
         >>> recall_at_k_from_ranks([1, 1, 1, 1, 1, 1, 2, 3, 5, 9], k=(1, 5))
         {'recall@1': tensor(0.6000), 'recall@5': tensor(0.9000)}
     """
-    ks = _k_validation(k)
-    _key_validation(key)
+    ks, single = check_k(k)
+    keys = check_key(key, ks)
     ranks = torch.as_tensor(ranks)
-    if ranks.dim() != 1 or ranks.dtype == torch.bool:
+    if ranks.dim() != 1 or ranks.dtype == torch.bool or ranks.is_floating_point():
         raise ValueError(
-            f"`ranks` must be a 1-D tensor of ranks, got shape {list(ranks.shape)}"
+            f"`ranks` must be a 1-D integer tensor of ranks, got shape {list(ranks.shape)}"
             f" and dtype {ranks.dtype}"
         )
     thresholds = torch.tensor(ks, device=ranks.device).unsqueeze(-1)
@@ -150,4 +162,148 @@ def recall_at_k_from_ranks(
         values = torch.full((len(ks),), float("nan"), device=ranks.device)
     else:
         values = hits.to(torch.float64) / ranks.numel()
-    return format_recall(values, ks, isinstance(k, int), key)
+    return format_output(values, keys, single)
+
+
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None = None,
+    gallery_labels: Tensor | None = None,
+    k: K = (1, 5, 10),
+    *,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> RecallOutput:
+    """Recall@K of query embeddings ranked against a gallery, in one call.
+
+    The ranking of ``EmbeddingRecallAtK.compute()`` (the same kernel) for offline
+    evaluation scripts: a query is relevant to gallery items with its label, never
+    retrieves itself, and the ``Q x G`` score matrix is never built (tiles of at most
+    ``chunk_bytes``). ``gallery=None`` is leave-one-out over ``queries`` (metric
+    learning: every item is a query against all the others); otherwise ``queries`` are
+    ranked against ``gallery`` (re-ID query/gallery splits, image -> text retrieval).
+
+    Args:
+        queries: float ``[Q, D]``.
+        query_labels: integer ``[Q]`` (class, identity, image id).
+        gallery: float ``[G, D]``, or None for leave-one-out.
+        gallery_labels: integer ``[G]``, with ``gallery``.
+        k: an int (returns a scalar tensor) or a sequence of ints (returns a dict).
+        query_groups: integer ``[Q]`` (camera, source photo, ...), for ``exclude``.
+        gallery_groups: integer ``[G]``, for ``exclude`` with a gallery.
+        query_ids: integer ``[Q]`` sample ids: a gallery item with a query's id is that
+            query and is ignored; a query id repeated counts once.
+        gallery_ids: integer ``[G]`` sample ids (a gallery id repeated counts once).
+            Ids of the two sides share one space: give ids to one side only, or ids that
+            do not overlap, unless a query and a gallery item really are one sample.
+        similarity: ``"cosine"``, ``"dot"``, ``"euclidean"`` (negative squared L2) or a
+            callable ``(queries [T, D], gallery [G, D]) -> scores [T, G]``.
+        exclude: ``"none"``, ``"same_group"`` or ``"same_label_and_group"`` (the
+            Market-1501 "junk" rule); needs the groups.
+        ties: ``"pessimistic"``, ``"optimistic"`` or ``"expected"``.
+        empty_target_action: ``"neg"``, ``"pos"``, ``"skip"`` or ``"error"``.
+        chunk_bytes: upper bound of the bytes of one tile of scores.
+        key: template of the dict keys.
+        validate_args: check that embeddings are finite (reads values on the host).
+
+    Example:
+        Leave-one-out over four items of two classes, then two queries against a
+        gallery:
+
+        >>> import torch
+        >>> from recall_at_k.functional import embedding_recall_at_k
+        >>> items = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8]])
+        >>> embedding_recall_at_k(items, torch.tensor([0, 0, 1, 1]), k=(1, 2))
+        {'recall@1': tensor(0.5000), 'recall@2': tensor(1.)}
+        >>> embedding_recall_at_k(items[:2], torch.tensor([0, 1]), items[2:],
+        ...                       torch.tensor([1, 0]), k=1)
+        tensor(0.5000)
+    """
+    ks, single = check_k(k)
+    check_choice("ties", ties, TIES)
+    check_choice("empty_target_action", empty_target_action, EMPTY_TARGET_ACTIONS)
+    keys = check_key(key, ks)
+    _embedding.check_similarity(similarity)
+    check_choice("exclude", exclude, EXCLUDES)
+    chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    query_names = ("queries", "query_labels", "query_groups", "query_ids")
+    _embedding.check_batch(queries, query_labels, query_groups, query_ids, query_names)
+    if gallery is None:
+        for name, value in (
+            ("gallery_labels", gallery_labels),
+            ("gallery_groups", gallery_groups),
+            ("gallery_ids", gallery_ids),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` was given without `gallery`: pass `gallery` too, or leave"
+                    f" `{name}` out for leave-one-out over `queries`"
+                )
+        sides = [(queries, query_labels, query_groups, query_ids)]
+    else:
+        if gallery_labels is None:
+            raise ValueError("`gallery_labels` are required with `gallery`")
+        gallery_names = ("gallery", "gallery_labels", "gallery_groups", "gallery_ids")
+        _embedding.check_batch(gallery, gallery_labels, gallery_groups, gallery_ids, gallery_names)
+        if gallery.shape[1] != queries.shape[1] or gallery.device != queries.device:
+            raise ValueError(
+                f"`gallery` must have the width and device of `queries` ({queries.shape[1]},"
+                f" {queries.device}), got {gallery.shape[1]}, {gallery.device}"
+            )
+        sides = [
+            (queries, query_labels, query_groups, query_ids),
+            (gallery, gallery_labels, gallery_groups, gallery_ids),
+        ]
+    if exclude != "none" and any(side[2] is None for side in sides):
+        raise ValueError(
+            f"`query_groups` and `gallery_groups` are required with exclude={exclude!r}"
+        )
+    if validate_args:
+        for name, side in zip(("queries", "gallery"), sides, strict=False):
+            _embedding.check_finite(side[0], name)
+    embeddings = torch.cat([side[0] for side in sides])
+    device = embeddings.device
+
+    def column(index: int) -> tuple[Tensor, Tensor]:
+        """A metadata column of every item, and whether each item has it."""
+        values, present = [], []
+        for side in sides:
+            value = side[index]
+            if value is None:
+                value = torch.zeros_like(side[1], dtype=torch.int64)
+            values.append(value.to(torch.int64))
+            present.append(torch.full_like(side[1], side[index] is not None, dtype=torch.bool))
+        return torch.cat(values), torch.cat(present)
+
+    labels, _ = column(1)
+    groups, _ = column(2)
+    ids, has_id = column(3)
+    identity = _embedding.identities(ids, has_id)
+    is_query = torch.arange(embeddings.shape[0], device=device) < queries.shape[0]
+    query_side = _embedding.select(is_query, identity)
+    gallery_side = _embedding.select(is_query if gallery is None else ~is_query, identity)
+    options = _embedding.RankOptions(
+        similarity,
+        exclude,
+        ties,
+        max(ks),
+        chunk_bytes,
+        validate_args and _embedding.may_produce_nan(embeddings, similarity),
+    )
+    prepared = _embedding.prepare(embeddings, similarity)
+    counts = _embedding.rank(prepared, labels, groups, query_side, gallery_side, options)
+    nan_queries = int(counts.nan_queries)
+    if nan_queries:
+        raise _embedding.nan_scores_error(nan_queries)
+    values, _ = recall_values(counts.hist, counts.queries, ks, empty_target_action)
+    return format_output(values, keys, single)

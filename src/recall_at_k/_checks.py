@@ -1,0 +1,159 @@
+"""Check primitives shared by every entry point, in one error style; they compute nothing.
+
+Each check raises ``ValueError`` whose message starts with the argument's name in
+backticks and says what was expected, what came and, where there is one, the remedy.
+Checks read only Python values, shapes, dtypes and devices, so they never synchronise
+with the device, except :func:`check_no_nan`, a value check that entry points run only
+with ``validate_args=True`` (as the value checks beside each input form).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, SupportsIndex, cast
+
+import torch
+from torch import Tensor
+
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+SIGNED_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+def describe(tensor: Tensor) -> str:
+    """``shape [..] and dtype ..``, for error messages."""
+    return f"shape {list(tensor.shape)} and dtype {tensor.dtype}"
+
+
+def _as_int(value: object) -> int | None:
+    """An integral value (int, numpy integer, 0-d integer tensor) as int; else None."""
+    if isinstance(value, (bool, float)):
+        return None
+    if not hasattr(value, "__index__"):
+        return None
+    try:
+        return operator.index(cast(SupportsIndex, value))
+    except TypeError:
+        return None
+
+
+def check_k(k: object) -> tuple[tuple[int, ...], bool]:
+    """``k`` as a tuple of distinct positive ints in the order given, and whether it was
+    one integral value (the result is then a scalar tensor rather than a dict)."""
+    single = _as_int(k)
+    if single is not None:
+        values: tuple[int, ...] = (single,)
+    elif isinstance(k, Sequence) and not isinstance(k, str):
+        converted = [_as_int(value) for value in k]
+        for value, as_int in zip(k, converted, strict=True):
+            if as_int is None:
+                raise ValueError(f"`k` must contain only ints, got {value!r} in {k!r}")
+        values = tuple(v for v in converted if v is not None)
+        if not values:
+            raise ValueError("`k` must not be empty: pass an int or a sequence such as (1, 5, 10)")
+    else:
+        raise ValueError(f"`k` must be a positive int or a sequence of them, got {k!r}")
+    for value in values:
+        if value < 1:
+            raise ValueError(f"`k` values must be >= 1, got {value} in {k!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"`k` must not contain duplicates, got {k!r}")
+    return values, single is not None
+
+
+def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    """``value`` is one of the strings ``allowed``."""
+    if not isinstance(value, str) or value not in allowed:
+        options = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"`{name}` must be one of {options}, got {value!r}")
+
+
+def check_key(key: object, ks: Sequence[int]) -> list[str]:
+    """The result keys of template ``key``: a ``str.format`` template of the field ``k``
+    (any format spec) that gives a distinct key for each K."""
+    if not isinstance(key, str):
+        raise ValueError(f"`key` must be a str template such as 'recall@{{k}}', got {key!r}")
+    try:
+        names = [key.format(k=k) for k in ks]
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(
+            f"`key` must be a str.format template whose only field is {{k}} (such as"
+            f" 'recall@{{k}}' or 'R{{k:03d}}'), got {key!r}: {type(err).__name__}: {err}"
+        ) from err
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"`key` must give a distinct key for every K, but {key!r} gives {names} for"
+            f" k={tuple(ks)}; put the field {{k}} in it (a doubled brace '{{{{k}}}}' is a"
+            " literal brace)"
+        )
+    return names
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """A positive int (numpy integers too)."""
+    as_int = _as_int(value)
+    if as_int is None or as_int < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    return as_int
+
+
+def check_optional_int(name: str, value: object) -> int | None:
+    """None or an int (numpy integers too)."""
+    if value is None:
+        return None
+    as_int = _as_int(value)
+    if as_int is None:
+        raise ValueError(f"`{name}` must be an int or None, got {value!r}")
+    return as_int
+
+
+def check_tensors(**tensors: Any) -> None:
+    """Every named value that is not None is a ``torch.Tensor``."""
+    for name, value in tensors.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_same_device(**tensors: Tensor | None) -> None:
+    """Every named tensor that is not None is on the device of the first one."""
+    named = [(name, t) for name, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, tensor in named[1:]:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"`{name}` is on device {tensor.device} but `{first_name}` is on"
+                f" {first.device}; all inputs must be on the same device"
+            )
+
+
+def check_id_vector(name: str, value: Tensor | None, length: int, what: str) -> None:
+    """An integer tensor of shape ``[length]`` (``what`` says what each entry is)."""
+    if value is None:
+        return
+    if value.dim() != 1 or value.shape[0] != length or value.dtype not in INTEGER_DTYPES:
+        raise ValueError(
+            f"`{name}` must be an integer (int64) tensor of shape [{length}], {what},"
+            f" got {describe(value)}"
+        )
+
+
+def check_no_nan(scores: Tensor, name: str = "scores", nan_rows: Tensor | None = None) -> None:
+    """No NaN in ``scores``; ``nan_rows``, when a kernel revealed them, saves the read.
+
+    Without ``nan_rows`` one ``amax`` finds whether there is any (it propagates NaN, and
+    a bool-output ``isnan`` over the batch is several times slower on CPU).
+    """
+    if nan_rows is not None:
+        found = bool(nan_rows.any())
+    else:
+        found = bool(scores.numel()) and bool(torch.isnan(scores.detach().amax()))
+    if found:
+        count = int(torch.isnan(scores).sum())
+        raise ValueError(f"`{name}` must not contain NaN, found {count} NaN value(s)")
+
+
+def check_level(level: object) -> float:
+    """``level`` of a confidence interval: a float in (0, 1)."""
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise ValueError(f"`level` must be a float in (0, 1) such as 0.95, got {level!r}")
+    return float(level)

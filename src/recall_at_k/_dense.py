@@ -1,0 +1,346 @@
+"""The dense form: checks of ``[Q, G]`` scores and their per-query tie counts.
+
+:func:`tie_counts` composes what every dense entry point does: structure checks ->
+value checks (``validate_args``) -> the counting kernel -> the NaN rows that the kernel's
+own reductions reveal (or one NaN check of the scores where they do not).
+
+Counting paths, all exact and equal:
+
+- ``[Q]`` index target (one true item a row): s* by gather, then one comparison pass;
+- ``[Q, G]`` mask target on CPU without ``ignore``: byte arithmetic, blocks of rows that
+  stay in the core's cache (:func:`_mask_counts_in_blocks`);
+- otherwise two selects (``torch.where``) of the positives' and negatives' scores.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from recall_at_k._checks import (
+    SIGNED_INTEGER_DTYPES,
+    check_no_nan,
+    check_same_device,
+    check_tensors,
+    describe,
+)
+from recall_at_k._kernel import (
+    NeededCounts,
+    TieCounts,
+    Workspace,
+    count_dtype,
+    no_positive_counts,
+    scratch,
+)
+
+CPU_BLOCK_BYTES = 512 * 2**10
+"""The CPU mask path works on blocks of rows of about this many bytes of scores, so that
+each block and its one scratch block stay in the core's L2 cache between the passes."""
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> None:
+    """Types, shapes, dtypes and devices of ``(scores, target, ignore)`` (no value read)."""
+    check_tensors(scores=scores, target=target, ignore=ignore)
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(
+            f"`scores` must be a floating point tensor of shape [Q, G], got {describe(scores)}"
+        )
+    num_queries, gallery = scores.shape
+    if target.dim() == 1:
+        if target.shape[0] != num_queries or target.dtype not in SIGNED_INTEGER_DTYPES:
+            raise ValueError(
+                "`target` of one dimension must be a signed integer (int64) tensor of shape"
+                f" [Q] = [{num_queries}] holding each query's true column (-1 for none),"
+                f" got {describe(target)}"
+            )
+    elif target.dim() == 2:
+        if tuple(target.shape) != (num_queries, gallery) or target.is_floating_point():
+            raise ValueError(
+                "`target` of two dimensions must be a bool or 0/1 integer tensor of the"
+                f" same shape as `scores` [{num_queries}, {gallery}], got {describe(target)}"
+            )
+    else:
+        raise ValueError(
+            "`target` must be a [Q, G] bool/0-1 mask or a [Q] int64 column index,"
+            f" got {describe(target)}"
+        )
+    if ignore is not None and (
+        ignore.dtype != torch.bool or tuple(ignore.shape) != (num_queries, gallery)
+    ):
+        raise ValueError(
+            "`ignore` must be a bool tensor of the same shape as `scores`"
+            f" [{num_queries}, {gallery}], got {describe(ignore)}"
+        )
+    check_same_device(scores=scores, target=target, ignore=ignore)
+
+
+def check_query_ids(query_ids: Tensor, scores: Tensor) -> None:
+    """``query_ids``: an integer ``[Q]`` tensor on the scores' device."""
+    check_tensors(query_ids=query_ids)
+    num_queries = scores.shape[0]
+    if (
+        query_ids.dim() != 1
+        or query_ids.shape[0] != num_queries
+        or query_ids.dtype not in SIGNED_INTEGER_DTYPES
+    ):
+        raise ValueError(
+            f"`query_ids` must be an integer (int64) tensor of shape [Q] = [{num_queries}],"
+            f" one id per row of `scores`, got {describe(query_ids)}"
+        )
+    check_same_device(preds=scores, query_ids=query_ids)
+
+
+def check_values(scores: Tensor, target: Tensor) -> None:
+    """Target values (index range, 0/1 mask); reads values on the host."""
+    if not target.numel():
+        return
+    if target.dim() == 1:
+        gallery = scores.shape[1]
+        low, high = int(target.min()), int(target.max())
+        if low < -1 or high >= gallery:
+            raise ValueError(
+                f"`target` column indices must lie in [-1, {gallery}) (the gallery has"
+                f" {gallery} items; -1 = no true item), got values in [{low}, {high}]"
+            )
+    elif target.dtype != torch.bool:
+        bad = (target != 0) & (target != 1)
+        if bool(bad.any()):
+            raise ValueError(
+                f"`target` mask values must be 0 or 1, got {int(bad.sum())} other"
+                f" value(s), e.g. {int(target[bad][0])}"
+            )
+
+
+# ---------------------------------------------------------------------------- counting
+
+
+def tie_counts(
+    scores: Tensor,
+    target: Tensor,
+    ignore: Tensor | None,
+    needed: NeededCounts,
+    validate_args: bool,
+    workspace: Workspace | None = None,
+    block_bytes: int = CPU_BLOCK_BYTES,
+) -> TieCounts:
+    """Checks, then :func:`dense_tie_counts`, then the NaN check (``validate_args``)."""
+    check_structure(scores, target, ignore)
+    if validate_args:
+        check_values(scores, target)
+    counts = dense_tie_counts(scores, target, ignore, needed, workspace, block_bytes)
+    if validate_args:
+        check_no_nan(scores, nan_rows=counts.nan_rows)
+    return counts
+
+
+def dense_tie_counts(
+    scores: Tensor,
+    target: Tensor,
+    ignore: Tensor | None,
+    needed: NeededCounts,
+    workspace: Workspace | None = None,
+    block_bytes: int = CPU_BLOCK_BYTES,
+) -> TieCounts:
+    """Per-query g_>, g_> + e and p of a dense ``[Q, G]`` score matrix.
+
+    Args:
+        scores: float ``[Q, G]`` (a NaN makes its row's counts meaningless).
+        target: bool/0-1 integer ``[Q, G]`` relevance mask, or integer ``[Q]`` column of
+            the single true item (``-1``: none in this gallery).
+        ignore: optional bool ``[Q, G]``; ignored items are neither positive nor negative.
+        needed: which counts to compute.
+        workspace: scratch buffers to reuse (fresh ones without).
+        block_bytes: bytes of scores per block of rows on the CPU mask path.
+
+    Returns:
+        :class:`TieCounts` of int64 ``[Q]`` tensors.
+    """
+    scores = scores.detach()
+    num_queries, gallery = scores.shape
+    if gallery == 0 or num_queries == 0:
+        return no_positive_counts(num_queries, scores.device)
+    if target.dim() == 1:
+        return _index_counts(scores, target.long(), ignore, needed, workspace)
+    if ignore is None and scores.device.type in ("cpu", "meta"):
+        return _mask_counts_in_blocks(scores, target, needed, workspace, block_bytes)
+    return _mask_counts_by_selects(scores, target, ignore, needed, workspace)
+
+
+def _constant(value: float, like: Tensor) -> Tensor:
+    return torch.full((), value, dtype=like.dtype, device=like.device)
+
+
+def _count(op: str, values: Tensor, threshold: Tensor, workspace: Workspace | None) -> Tensor:
+    """Row-wise count of ``values >= threshold`` (``"ge"``) or ``values > threshold``."""
+    shape = tuple(values.shape)
+    out = scratch(workspace, "count", shape, count_dtype(shape[-1]), values.device)
+    if op == "ge":
+        torch.ge(values, threshold, out=out)
+    else:
+        torch.gt(values, threshold, out=out)
+    return out.sum(dim=-1).to(torch.int64)
+
+
+def _index_counts(
+    scores: Tensor,
+    target: Tensor,
+    ignore: Tensor | None,
+    needed: NeededCounts,
+    workspace: Workspace | None,
+) -> TieCounts:
+    """Counts for an int64 ``[Q]`` column-index target (one positive a row)."""
+    column = target.clamp(min=0).unsqueeze(-1)
+    best = scores.gather(-1, column)
+    has_pos = target >= 0
+    values = scores
+    if ignore is not None:
+        has_pos = has_pos & ~ignore.gather(-1, column).squeeze(-1)
+        # NaN compares false with everything: ignored items count nowhere.
+        values = torch.where(
+            ignore,
+            _constant(float("nan"), scores),
+            scores,
+            out=scratch(workspace, "negatives", tuple(scores.shape), scores.dtype, scores.device),
+        )
+    greater = _count("gt", values, best, workspace) if needed.greater else None
+    at_or_above = None
+    if needed.at_or_above:
+        # The positive itself is >= s*; subtract it (an ignored positive: no positive).
+        at_or_above = _count("ge", values, best, workspace) - 1
+    tied = torch.ones_like(target) if needed.tied_positives else None
+    return TieCounts(greater, at_or_above, tied, has_pos)
+
+
+def _mask_counts_by_selects(
+    scores: Tensor,
+    target: Tensor,
+    ignore: Tensor | None,
+    needed: NeededCounts,
+    workspace: Workspace | None,
+) -> TieCounts:
+    """Counts for a ``[Q, G]`` mask through two selects over the batch.
+
+    ``positives_only`` keeps the valid positives' scores (-inf elsewhere) for s*;
+    ``negatives_only`` keeps the valid negatives' scores and puts NaN elsewhere, which
+    compares false with everything, so no count needs a correction.
+    """
+    shape = tuple(scores.shape)
+    relevant = target if target.dtype == torch.bool else target != 0
+    valid_pos = relevant if ignore is None else relevant & ~ignore
+    not_negative = relevant if ignore is None else relevant | ignore
+    positives_only = torch.where(
+        valid_pos,
+        scores,
+        _constant(float("-inf"), scores),
+        out=scratch(workspace, "positives", shape, scores.dtype, scores.device),
+    )
+    best = positives_only.amax(dim=-1, keepdim=True)
+    negatives_only = torch.where(
+        not_negative,
+        _constant(float("nan"), scores),
+        scores,
+        out=scratch(workspace, "negatives", shape, scores.dtype, scores.device),
+    )
+    greater = _count("gt", negatives_only, best, workspace) if needed.greater else None
+    at_or_above = _count("ge", negatives_only, best, workspace) if needed.at_or_above else None
+    tied = None
+    if needed.tied_positives:
+        # Positives at or above s* are exactly the ones tied at s*. When s* = -inf every
+        # entry of positives_only is >= s*, but then every valid positive is tied.
+        tied = _count("ge", positives_only, best, workspace)
+        tied = torch.where(best.squeeze(-1) == float("-inf"), valid_pos.sum(dim=-1), tied)
+    return TieCounts(greater, at_or_above, tied, _any_per_row(valid_pos))
+
+
+def _any_per_row(mask: Tensor) -> Tensor:
+    """``mask.any(dim=-1)``, through a byte view where possible (faster on CPU)."""
+    if mask.is_contiguous():
+        return mask.view(torch.uint8).amax(dim=-1) > 0
+    return mask.any(dim=-1)
+
+
+def _mask_counts_in_blocks(
+    scores: Tensor,
+    target: Tensor,
+    needed: NeededCounts,
+    workspace: Workspace | None,
+    block_bytes: int,
+) -> TieCounts:
+    """Counts for a ``[Q, G]`` mask target without ignore, on CPU, with NaN rows.
+
+    ``torch.where`` with a ``bool`` condition is not vectorised on CPU (several times the
+    cost of a float comparison), so the mask enters the float domain through byte
+    arithmetic and one int8-to-float conversion instead: ``signs`` is +1 for a negative
+    and -1 for a positive, ``signs * -inf`` is -inf / +inf, and clamping the scores to
+    that from above keeps the positives' scores (-inf elsewhere) exactly, infinities
+    included. Then:
+
+    - s* = the row maximum of that; g_> = #(scores > s*) (no positive is above s*);
+      p = #(kept >= s*), the positives tied at s*; g_> + e = #(scores >= s*) - p;
+    - when s* = -inf (every valid positive scored -inf, or none) the kept row is all
+      -inf, so p and g_> + e come from the number of positives, the sum of ``signs``;
+    - the clamp keeps a NaN score and the row maximum propagates it: s* is NaN exactly
+      when the row holds a NaN, which gives ``nan_rows`` for free.
+
+    Rows go in blocks of about ``block_bytes`` that stay in the core's cache between
+    these passes, with one scratch block that each pass overwrites in turn.
+    """
+    num_queries, gallery = scores.shape
+    device = scores.device
+    sum_dtype = count_dtype(gallery)
+    relevant = target if target.dtype == torch.bool else target != 0
+    # 1 + 254 * mask wraps to 255 (int8 -1) for a positive and is 1 for a negative.
+    signs_u8 = scratch(workspace, "signs", tuple(relevant.shape), torch.uint8, device)
+    one = torch.ones((), dtype=torch.uint8, device=device)
+    torch.add(one, relevant.view(torch.uint8), alpha=254, out=signs_u8)
+    rows = min(max(1, block_bytes // (gallery * scores.element_size())), num_queries)
+    kept_block = scratch(workspace, "positives", (rows, gallery), scores.dtype, device)
+    best = torch.empty((num_queries, 1), dtype=scores.dtype, device=device)
+    sign_sum, greater_f, at_or_above_f, kept_f = (
+        torch.empty(num_queries, dtype=sum_dtype, device=device) for _ in range(4)
+    )
+    blocks = zip(
+        torch.split(scores, rows),
+        torch.split(signs_u8.view(torch.int8), rows),
+        torch.split(best, rows),
+        torch.split(sign_sum, rows),
+        torch.split(at_or_above_f, rows),
+        torch.split(kept_f, rows),
+        torch.split(greater_f, rows),
+        strict=True,
+    )
+    for block, signs, row_best, row_signs, row_ge, row_kept, row_gt in blocks:
+        kept = kept_block[: block.shape[0]]
+        kept.copy_(signs)
+        torch.sum(kept, dim=-1, dtype=sum_dtype, out=row_signs)
+        kept.mul_(float("-inf"))
+        torch.clamp(block, max=kept, out=kept)  # min(score, +-inf)
+        torch.amax(kept, dim=-1, keepdim=True, out=row_best)
+        # The comparisons reuse the one scratch block: the kept scores go first.
+        if needed.at_or_above or needed.tied_positives:
+            kept.ge_(row_best)
+            torch.sum(kept, dim=-1, dtype=sum_dtype, out=row_kept)
+        if needed.at_or_above:
+            torch.ge(block, row_best, out=kept)
+            torch.sum(kept, dim=-1, dtype=sum_dtype, out=row_ge)
+        if needed.greater:
+            torch.gt(block, row_best, out=kept)
+            torch.sum(kept, dim=-1, dtype=sum_dtype, out=row_gt)
+    num_pos = ((gallery - sign_sum) * 0.5).to(torch.int64)
+    all_minus_inf = best.squeeze(-1) == float("-inf")
+    tied = torch.where(all_minus_inf, num_pos, kept_f.to(torch.int64))
+    at_or_above = None
+    if needed.at_or_above:
+        at_or_above = torch.where(
+            all_minus_inf, gallery - num_pos, at_or_above_f.to(torch.int64) - tied
+        )
+    return TieCounts(
+        greater_f.to(torch.int64) if needed.greater else None,
+        at_or_above,
+        tied if needed.tied_positives else None,
+        num_pos > 0,
+        torch.isnan(best.squeeze(-1)),
+    )
