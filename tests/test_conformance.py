@@ -582,8 +582,14 @@ def test_merge_state_without_groups_into_same_group_is_an_error() -> None:
     )
     plain = EmbeddingRecallAtK(k=1)
     plain.update(torch.randn(6, 3, generator=gen), torch.randint(0, 2, (6,)))
+    # the error may come at merge_state or at the compute that follows, never a value
     with pytest.raises(ValueError, match="`groups`"):
         grouped.merge_state(plain)
+        grouped.compute()
+    empty = EmbeddingRecallAtK(k=1, exclude="same_group")
+    with pytest.raises(ValueError, match="`groups`"):
+        empty.merge_state(plain)
+        empty.compute()
 
 
 @pytest.mark.parametrize("k", [1, (1, 5)])
