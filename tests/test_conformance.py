@@ -661,6 +661,7 @@ class _Holder(torch.nn.Module):
         return self.layer(x)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("cls", [RetrievalRecallAtK, EmbeddingRecallAtK])
 def test_jit_script_of_a_module_holding_the_metric(cls: type[Metric]) -> None:
     torch.jit.script(_Holder(RetrievalHitRate()))  # torchmetrics' own: it scripts
