@@ -4,8 +4,8 @@
   ``benchmarks.md``, where the results' own figure link expects it).
 - In a page, the line ``<!-- benchmarks:NAME -->`` is replaced by the block of
   ``benchmarks/RESULTS.md`` between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``
-  (its own ``##`` heading dropped); of the ``header`` block only the ``Machine:`` line is
-  kept. A missing file or block fails the build.
+  (its own ``##`` heading and run-time line dropped); of the ``header`` block only the
+  ``Machine:`` line is kept. A missing file or block fails the build.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 FIGURE = ROOT / "benchmarks" / "scaling.png"
+RUN_TIME = re.compile(r"^\(\w+: [\d.]+ s\)$")  # "(scaling: 12 s)": how long that part ran
 PLACEHOLDER = re.compile(r"^<!-- benchmarks:(\w+) -->$", re.MULTILINE)
 
 
@@ -38,7 +39,11 @@ def results_block(name: str) -> str:
     match = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", text, re.DOTALL)
     if match is None:
         raise PluginError(f"{RESULTS.name} has no block <!-- {name}:start/end -->")
-    lines = [line for line in match.group(1).splitlines() if not line.startswith("## ")]
+    lines = [
+        line
+        for line in match.group(1).splitlines()
+        if not line.startswith("## ") and not RUN_TIME.match(line)
+    ]
     if name == "header":
         lines = [line for line in lines if line.startswith("Machine:")]
     return "\n".join(lines).strip()
