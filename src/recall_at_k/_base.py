@@ -23,7 +23,7 @@ from recall_at_k._kernel import Workspace
 from recall_at_k._result import format_output, recall_values, wilson_interval
 from recall_at_k._sync import ListLayout, empty_filled_list_states, fill_empty_list_states
 from recall_at_k._types import EMPTY_TARGET_ACTIONS, TIES, OutputT
-from recall_at_k._views import RecallView
+from recall_at_k._views import RecallMetric, RecallView
 
 Histogram = tuple[Tensor, Tensor] | None
 """``(hist [max K], queries [2])`` of one output prefix, or None where nothing could be
@@ -36,7 +36,7 @@ def _forget_computed(metric: Metric) -> None:
         object.__setattr__(metric, "_computed", None)
 
 
-class RecallAtKMetric(Metric, Generic[OutputT]):
+class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     """Recall@K for several K at once (base class; use a subclass)."""
 
     __jit_unused_properties__: ClassVar[list[str]] = [
@@ -44,11 +44,6 @@ class RecallAtKMetric(Metric, Generic[OutputT]):
         "output_keys",
         "_view_list",
     ]
-    is_differentiable: bool = False
-    higher_is_better: bool = True
-    full_state_update: bool = False
-    plot_lower_bound: float = 0.0
-    plot_upper_bound: float = 1.0
 
     def __init__(
         self,

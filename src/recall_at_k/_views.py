@@ -18,7 +18,17 @@ from torch import Tensor
 from torchmetrics import Metric
 
 
-class RecallView(Metric):
+class RecallMetric(Metric):
+    """The class attributes every Recall@K ``Metric`` of this package shares."""
+
+    is_differentiable: bool = False
+    higher_is_better: bool = True
+    full_state_update: bool = False
+    plot_lower_bound: float = 0.0
+    plot_upper_bound: float = 1.0
+
+
+class RecallView(RecallMetric):
     """One output of a Recall@K metric, as a ``Metric`` of its own (see ``per_k()``).
 
     It has no state; ``update`` does nothing (the parent is updated and tells its views);
@@ -30,11 +40,6 @@ class RecallView(Metric):
         *Metric.__jit_unused_properties__,
         "parent",
     ]
-    is_differentiable: bool = False
-    higher_is_better: bool = True
-    full_state_update: bool = False
-    plot_lower_bound: float = 0.0
-    plot_upper_bound: float = 1.0
 
     def __init__(self, parent: Metric, key: str) -> None:
         # No cache of its own: the parent's compute() is cached until its next update.
