@@ -669,3 +669,22 @@ def test_jit_script_of_a_module_holding_the_metric(cls: type[Metric]) -> None:
     scripted = torch.jit.script(holder)
     x = torch.randn(2, 4)
     assert torch.equal(scripted(x), holder(x))
+
+
+@pytest.mark.filterwarnings("ignore:No query was counted")
+def test_merge_state_after_compute_counts_the_merged_state() -> None:
+    """A result computed before ``merge_state`` is not returned again after it."""
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.rand(6, 9, generator=gen)
+    target = torch.randint(-1, 9, (6,), generator=gen)
+    first, second = RetrievalRecallAtK(k=(1, 3)), RetrievalRecallAtK(k=(1, 3))
+    first.update(scores[:3], target[:3])
+    second.update(scores[3:], target[3:])
+    first.compute()
+    views = first.per_k()
+    first.merge_state(second)
+    whole = RetrievalRecallAtK(k=(1, 3))
+    whole.update(scores, target)
+    expected = whole.compute()
+    assert first.compute() == expected
+    assert {key: view.compute() for key, view in views.items()} == expected

@@ -141,6 +141,14 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         _forget_computed(self)
 
+    def merge_state(self, incoming_state: Any) -> None:
+        """torchmetrics' ``merge_state``, then forget a result computed before it (the
+        next ``compute()`` counts the merged state)."""
+        super().merge_state(incoming_state)
+        _forget_computed(self)
+        for view in self._view_list:
+            _forget_computed(view)
+
     def unsync(self, should_unsync: bool = True) -> None:
         """torchmetrics' ``unsync``, then forget the synchronised result."""
         super().unsync(should_unsync)
