@@ -1,4 +1,4 @@
-"""Brute-force EmbeddingRecallAtK: every rule of DESIGN section 2 applied literally.
+"""Brute-force EmbeddingRecallAtK: every rule of its definition applied literally.
 
 The items of all updates are laid end to end; each role's members are listed in order,
 skipping an item whose id was already listed in that role; the full score matrix is

@@ -8,13 +8,11 @@ import random
 
 import pytest
 import torch
+from helpers import ACTIONS, DETERMINISTIC_TIES, TIES, assert_recall_close
 from reference import reference_first_hit_rank, reference_recall
 
 from recall_at_k import RetrievalRecallAtK, _dense, _kernel
 from recall_at_k.functional import retrieval_first_hit_rank, retrieval_recall_at_k
-
-TIES = ("pessimistic", "optimistic", "expected")
-ACTIONS = ("neg", "pos", "skip", "error")
 
 
 def _random_case(rng: random.Random) -> dict[str, object]:
@@ -49,15 +47,6 @@ def _random_case(rng: random.Random) -> dict[str, object]:
     }
 
 
-def _assert_close(actual: dict[str, torch.Tensor], expected: list[float], ks: tuple[int, ...]):
-    for k, want in zip(ks, expected, strict=True):
-        got = float(actual[f"recall@{k}"])
-        if math.isnan(want):
-            assert math.isnan(got), (k, got)
-        else:
-            assert got == pytest.approx(want, abs=1e-6), (k, got, want)
-
-
 @pytest.mark.parametrize("block_bytes", [None, 1], ids=["default-blocks", "one-row-blocks"])
 @pytest.mark.parametrize("seed", range(6))
 def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
@@ -89,7 +78,7 @@ def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
                 scores, target, ks, ignore=ignore, ties=ties, empty_target_action=action
             )
         assert isinstance(got, dict)
-        _assert_close(got, expected, ks)
+        assert_recall_close(got, expected, ks)
 
         # The metric, fed the same rows in a random split into batches, agrees too.
         metric = RetrievalRecallAtK(ks, ties=ties, empty_target_action=action)
@@ -104,7 +93,7 @@ def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
         with pytest.warns(UserWarning) if math.isnan(expected[0]) else _no_warning():
             from_metric = metric.compute()
         assert isinstance(from_metric, dict)
-        _assert_close(from_metric, expected, ks)
+        assert_recall_close(from_metric, expected, ks)
 
         if ties != "expected":
             ranks = retrieval_first_hit_rank(scores, target, ignore=ignore, ties=ties)
@@ -145,14 +134,14 @@ def _several_row_blocks_case() -> tuple[torch.Tensor, torch.Tensor]:
     return scores, mask
 
 
-@pytest.mark.parametrize("ties", ["pessimistic", "optimistic"])
+@pytest.mark.parametrize("ties", DETERMINISTIC_TIES)
 def test_mask_path_agrees_on_a_batch_of_several_row_blocks(ties: str) -> None:
     scores, mask = _several_row_blocks_case()
     ks = (1, 5, 10, 100)
     expected = reference_recall(scores.tolist(), mask.tolist(), None, ks, ties, "neg")
     got = retrieval_recall_at_k(scores, mask, ks, ties=ties, empty_target_action="neg")
     assert isinstance(got, dict)
-    _assert_close(got, expected, ks)
+    assert_recall_close(got, expected, ks)
     ranks = retrieval_first_hit_rank(scores, mask, ties=ties)
     want = [
         reference_first_hit_rank(row, m, None, ties)
@@ -177,8 +166,8 @@ def test_mask_path_counts_equal_the_select_path_for_every_count() -> None:
         assert torch.equal(a[has], b[has]), name
 
 
-def test_design_worked_examples_through_the_metric() -> None:
-    """DESIGN section 1: ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] -> R@1 0.5, R@5 0.8."""
+def test_worked_examples_through_the_metric() -> None:
+    """The worked example of the definition: ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] -> R@1 0.5, R@5 0.8."""
     ranks = [1, 1, 2, 1, 8, 3, 1, 12, 1, 4]
     gallery = 20
     # Query q's true item is column 0 and exactly rank - 1 negatives score above it.

@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from helpers import run_distributed
+from helpers import TIES, run_distributed
 
 from recall_at_k import RetrievalRecallAtK
-
-TIES = ("pessimistic", "optimistic", "expected")
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

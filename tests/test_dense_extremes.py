@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
 import torch
+from helpers import TIES, assert_recall_close
 from reference import reference_recall
 
 from recall_at_k import RetrievalRecallAtK
 from recall_at_k.functional import retrieval_first_hit_rank, retrieval_recall_at_k
-
-TIES = ("pessimistic", "optimistic", "expected")
 
 
 def _check(scores: torch.Tensor, mask: torch.Tensor, ks: tuple[int, ...], **kw: object) -> None:
@@ -31,9 +29,8 @@ def _check(scores: torch.Tensor, mask: torch.Tensor, ks: tuple[int, ...], **kw: 
             warnings.simplefilter("ignore")
             got = retrieval_recall_at_k(scores, mask, ks, ignore=ignore, ties=ties)  # type: ignore[arg-type]
         assert isinstance(got, dict)
-        for k, w in zip(ks, want, strict=True):
-            value = float(got[f"recall@{k}"])
-            assert (math.isnan(w) and math.isnan(value)) or value == pytest.approx(w), (ties, k)
+        # pytest.approx's default tolerance: relative 1e-6, absolute 1e-12
+        assert_recall_close(got, want, ks, abs=1e-12, rel=1e-6, where=ties)
         if bool((mask.sum(1) <= 1).all()):
             column = torch.where(mask.any(1), mask.int().argmax(1), -1)
             with warnings.catch_warnings():

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from helpers import TIES
 from torchmetrics import MetricCollection
 
 from recall_at_k import RetrievalRecallAtK
@@ -112,7 +113,7 @@ def test_empty_batch_changes_nothing_and_empty_gallery_has_no_positive() -> None
 
 def test_update_is_sync_free_on_the_meta_device() -> None:
     """With validate_args=False nothing reads a tensor value on the host (meta would fail)."""
-    for ties in ("pessimistic", "optimistic", "expected"):
+    for ties in TIES:
         metric = RetrievalRecallAtK(ties=ties, validate_args=False).to("meta")
         scores = torch.empty(256, 500, device="meta")
         metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))

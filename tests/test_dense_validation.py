@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import DETERMINISTIC_TIES, TIES
 
 from recall_at_k import RetrievalRecallAtK
 from recall_at_k.functional import (
@@ -235,9 +236,9 @@ def test_nan_is_found_by_the_mask_path_itself(position: tuple[int, int], target_
         metric.update(scores, target)
     assert torch.equal(metric.rank_histogram, before[0])
     assert torch.equal(metric.query_counts, before[1])
-    for ties in ("pessimistic", "optimistic"):
+    for ties in DETERMINISTIC_TIES:
         with pytest.raises(ValueError, match=match):
             retrieval_first_hit_rank(scores, target, ties=ties)
-    for ties in ("pessimistic", "optimistic", "expected"):
+    for ties in TIES:
         with pytest.raises(ValueError, match=match):
             retrieval_recall_at_k(scores, target, ties=ties)

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 import torch
 from embedding_reference import Batch, reference_embedding_recall
-from helpers import run_distributed
+from helpers import TIES, run_distributed
 from torch import Tensor
 from torchmetrics import MetricCollection
 
 from recall_at_k import EmbeddingRecallAtK, _embedding
 from recall_at_k._embedding import Route
 
-TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
 # One value below a single row of scores (one query a tile), a few rows, everything.
 CHUNKS = (8, 1000, 256 * 2**20)

@@ -20,15 +20,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_distributed
+from helpers import ACTIONS, TIES, assert_recall_close, recall_values, run_distributed
 from reference import reference_recall
 from torchmetrics import MetricCollection
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
 from recall_at_k import RetrievalRecallAtK, _flat
 
-TIES = ("pessimistic", "optimistic", "expected")
-ACTIONS = ("neg", "pos", "skip", "error")
 IGNORE = -1
 INF = math.inf
 
@@ -38,17 +36,12 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # ------------------------------------------------------------------------ helpers
 
 
-def _values(result: torch.Tensor | dict[str, torch.Tensor]) -> list[float]:
-    items = result.values() if isinstance(result, dict) else [result]
-    return [float(v) for v in items]
-
-
 def _compute(metric: RetrievalRecallAtK) -> list[float] | str:
     """The metric's values, or ``"error"`` when compute raises the empty-target error."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return _values(metric.compute())
+            return recall_values(metric.compute())
     except ValueError as err:
         assert "had no valid positive" in str(err)
         return "error"
@@ -76,15 +69,6 @@ def _reference(
         )
     except ValueError:
         return "error"
-
-
-def _assert_close(got: list[float] | str, want: list[float] | str, context: object) -> None:
-    if isinstance(want, str) or isinstance(got, str):
-        assert got == want, context
-        return
-    assert len(got) == len(want), context
-    for g, w in zip(got, want, strict=True):
-        assert (math.isnan(g) and math.isnan(w)) or abs(g - w) < 1e-6, (got, want, context)
 
 
 def _tensors(
@@ -158,50 +142,57 @@ def test_agrees_with_reference(ties: str, action: str, num_batches: int) -> None
         # The reference reads the scores back from the tensor (float16 rounds them).
         rounded = [(q, float(torch.tensor(s, dtype=dtype)), t) for q, s, t in items]
         want = _reference(rounded, ks, ties, action)
-        _assert_close(_compute(metric), want, (case, ks, dtype, items))
+        assert_recall_close(_compute(metric), want, where=(case, ks, dtype, items))
 
 
 @pytest.mark.parametrize("path", ["padded", "sorted"])
 @pytest.mark.parametrize("ties", TIES)
-def test_both_segment_top_paths_agree_with_reference(
-    ties: str, path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_both_segment_top_paths_agree_with_reference(ties: str, path: _flat.SegmentPath) -> None:
     """Force the padded-matrix top-K, or the (id, -score) sort, for every batch and merge."""
-    monkeypatch.setattr(_flat, "_PADDED_FILL", 10**9 if path == "padded" else 0)
-    monkeypatch.setattr(_flat, "_COMPACT_SLACK", 0)  # merge early and often
     rng = random.Random(f"{ties}/{path}")
     for case in range(20):
         items = _random_items(rng)
         ks = rng.choice(KS_CHOICES)
         metric = RetrievalRecallAtK(k=ks, ties=ties, ignore_index=IGNORE)
+        metric._flat_path = path
+        metric._flat_slack = 0  # merge early and often
         for part in _split(items, rng.choice([1, 2, 5, 9]), rng):
             preds, target, indexes = _tensors(part)
             metric.update(preds, target, indexes=indexes)
-        _assert_close(_compute(metric), _reference(items, ks, ties, "neg"), (case, ks, items))
+        assert_recall_close(
+            _compute(metric), _reference(items, ks, ties, "neg"), where=(case, ks, items)
+        )
 
 
-def test_one_huge_query_among_small_ones_uses_the_sort(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    sorted_top = _flat._sorted_segment_top
-
-    def spy(*args: Any) -> Any:
-        calls.append(1)
-        return sorted_top(*args)
-
-    monkeypatch.setattr(_flat, "_sorted_segment_top", spy)
+def test_one_huge_query_among_small_ones_uses_the_sort() -> None:
     rng = random.Random(3)
     items: list[Item] = [
         (0, float(rng.randint(0, 30)), int(rng.random() < 0.01)) for _ in range(3000)
     ]
     items += [(q, float(rng.randint(0, 3)), int(rng.random() < 0.3)) for q in range(1, 200)]
     rng.shuffle(items)
+    chosen: list[str] = []
     for ties in TIES:
         metric = RetrievalRecallAtK(k=(1, 5, 50), ties=ties)
         for part in _split(items, 3, rng):
             preds, target, indexes = _tensors(part)
             metric.update(preds, target, indexes=indexes)
-        _assert_close(_compute(metric), _reference(items, (1, 5, 50), ties, "neg"), ties)
-    assert calls  # the padded matrix would have been 67 times the items
+            _, counts = torch.unique(indexes, return_counts=True)
+            if counts.numel():
+                chosen.append(_flat.choose_path(counts, len(part)))
+        assert_recall_close(
+            _compute(metric), _reference(items, (1, 5, 50), ties, "neg"), where=ties
+        )
+    assert "sorted" in chosen  # the padded matrix would have been 67 times the items
+    # ... and the sort gives the very partials the padded matrix gives.
+    preds, target, indexes = _tensors(items)
+    by_path = [
+        _flat.summarise(preds, target.bool(), indexes, 50, path=path)
+        for path in ("auto", "padded", "sorted")
+    ]
+    for other in by_path[1:]:
+        for a, b in zip(by_path[0], other, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_expected_stays_exact_when_the_tied_block_outgrows_max_k() -> None:
@@ -217,7 +208,7 @@ def test_expected_stays_exact_when_the_tied_block_outgrows_max_k() -> None:
             preds, target, indexes = _tensors(part)
             metric.update(preds, target, indexes=indexes)
         want = _reference([it for part in parts for it in part], (1, 2, 3), ties, "neg")
-        _assert_close(_compute(metric), want, ties)
+        assert_recall_close(_compute(metric), want, where=ties)
     # g_> = 1, e = 10, p = 1: P(hit@2) = 1 - C(10, 1) / C(11, 1) = 1 / 11.
     assert want == pytest.approx([0.0, 1 / 11, 2 / 11])
 
@@ -244,7 +235,9 @@ def test_infinite_scores_are_ordinary_values(ties: str) -> None:
             if part:
                 preds, target, indexes = _tensors(part)
                 metric.update(preds, target, indexes=indexes)
-        _assert_close(_compute(metric), _reference(items, (1, 2, 3), ties, "neg"), num_batches)
+        assert_recall_close(
+            _compute(metric), _reference(items, (1, 2, 3), ties, "neg"), where=num_batches
+        )
 
 
 def test_dtypes_of_scores_targets_and_ids() -> None:
@@ -261,7 +254,9 @@ def test_dtypes_of_scores_targets_and_ids() -> None:
                 metric = RetrievalRecallAtK(k=(1, 3), ties="expected")
                 preds, target, indexes = _tensors(items, dtype, target_dtype, index_dtype)
                 metric.update(preds, target, indexes=indexes)
-                _assert_close(_compute(metric), want, (dtype, target_dtype, index_dtype))
+                assert_recall_close(
+                    _compute(metric), want, where=(dtype, target_dtype, index_dtype)
+                )
 
 
 def test_same_shape_multidimensional_inputs_are_flattened_like_torchmetrics() -> None:
@@ -279,7 +274,7 @@ def test_ignored_items_and_queries_with_only_ignored_items() -> None:
     indexes = torch.tensor([0, 0, 0, 1, 1])  # query 1 has only ignored items: not counted
     metric = RetrievalRecallAtK(k=(1, 2), ignore_index=-100)
     metric.update(preds, target, indexes=indexes)
-    assert _values(metric.compute()) == [0.0, 1.0]
+    assert recall_values(metric.compute()) == [0.0, 1.0]
     empty = RetrievalRecallAtK(k=1, ignore_index=-100)
     empty.update(preds[3:], target[3:], indexes=indexes[3:])
     with pytest.warns(UserWarning, match="No query was counted"):
@@ -326,7 +321,9 @@ def test_dense_and_flat_in_one_instance_count_into_one_result(ties: str) -> None
         metric.update(preds, target, indexes=indexes)
         if step == 1:  # a compute in between changes nothing
             _compute(metric)
-    _assert_close(_compute(metric), _reference(items, (1, 2, 5), ties, "neg", dense_rows), ties)
+    assert_recall_close(
+        _compute(metric), _reference(items, (1, 2, 5), ties, "neg", dense_rows), where=ties
+    )
     assert int(metric.query_counts.sum()) == 24  # the dense state holds the dense rows only
 
 
@@ -436,8 +433,8 @@ def test_reset_merge_state_pickle_state_dict_and_dtype_casts() -> None:
     a.update(*_tensors(items[:half], torch.float64)[:2], indexes=_tensors(items[:half])[2])
     b.update(*_tensors(items[half:], torch.float64)[:2], indexes=_tensors(items[half:])[2])
     a.merge_state(b)
-    _assert_close(_compute(a), want, "merge_state")
-    _assert_close(_compute(pickle.loads(pickle.dumps(a))), want, "pickle")
+    assert_recall_close(_compute(a), want, where="merge_state")
+    assert_recall_close(_compute(pickle.loads(pickle.dumps(a))), want, where="pickle")
 
     a.persistent(True)
     buffer = io.BytesIO()
@@ -445,7 +442,7 @@ def test_reset_merge_state_pickle_state_dict_and_dtype_casts() -> None:
     buffer.seek(0)
     fresh = RetrievalRecallAtK(k=(1, 2), ties="expected")
     fresh.load_state_dict(torch.load(buffer))
-    _assert_close(_compute(fresh), want, "state_dict")
+    assert_recall_close(_compute(fresh), want, where="state_dict")
 
     # A module-wide cast (Lightning's half precision) must not round the kept scores:
     # they are stored as int64 bit patterns. (Cast before any compute: torchmetrics
@@ -455,7 +452,7 @@ def test_reset_merge_state_pickle_state_dict_and_dtype_casts() -> None:
     cast.update(preds, target, indexes=indexes)
     cast.to(torch.float16)
     assert all(block.dtype == torch.int64 for block in getattr(cast, cast._flat_name))
-    _assert_close(_compute(cast), want, "after .to(float16)")
+    assert_recall_close(_compute(cast), want, where="after .to(float16)")
 
     a.reset()
     assert getattr(a, a._flat_name) == []
@@ -523,7 +520,9 @@ def test_compaction_keeps_the_state_bounded_when_queries_arrive_in_many_pieces()
         items += list(zip(indexes.tolist(), preds.tolist(), target.tolist(), strict=True))
         largest = max(largest, _state_elements(metric))
     assert largest <= 6 * num_queries * max_k  # without compaction: 100 rows a query
-    _assert_close(_compute(metric), _reference(items, (1, 5, max_k), "expected", "neg"), "")
+    assert_recall_close(
+        _compute(metric), _reference(items, (1, 5, max_k), "expected", "neg"), where=""
+    )
 
 
 # ------------------------------------------------------------------------ distributed
@@ -585,14 +584,16 @@ def test_two_processes_equal_one_process() -> None:
         want = _reference(items, (1, 2, 4), ties, "neg")
         for scenario in ("split", "one_rank_empty"):
             for rank, result in enumerate(results):
-                _assert_close(result[f"{scenario}/{ties}"], want, (scenario, ties, rank))
+                assert_recall_close(
+                    result[f"{scenario}/{ties}"], want, where=(scenario, ties, rank)
+                )
                 assert result[f"{scenario}/{ties}/restored"], (scenario, ties, rank)
     single = RetrievalRecallAtK(k=(1, 2, 4), ignore_index=IGNORE)
     preds, target, indexes = _tensors(items)
     single.update(preds, target, indexes=indexes)
     single.update(dense_scores, dense_target)
     for result in results:
-        _assert_close(result["mixed"], _compute(single), "mixed")
+        assert_recall_close(result["mixed"], _compute(single), where="mixed")
 
 
 # ---------------------------------------------------------------------------- errors

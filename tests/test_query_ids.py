@@ -6,12 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import run_distributed
+from helpers import TIES, run_distributed
 
 from recall_at_k import RetrievalRecallAtK
 from recall_at_k.functional import retrieval_recall_at_k
-
-TIES = ("pessimistic", "optimistic", "expected")
 
 
 def _data(num: int = 31, gallery: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
