@@ -21,6 +21,7 @@ import os
 import socket
 import tempfile
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,12 +52,16 @@ __all__ = [
     "SIMILARITIES",
     "TIES",
     "DenseCase",
+    "Item",
     "assert_recall_close",
+    "compute_or_error",
     "dense_cases",
     "embedding_cases",
     "flat_cases",
+    "flat_tensors",
     "recall_values",
     "run_distributed",
+    "tied_rows",
 ]
 
 # ------------------------------------------------------------------- option tuples
@@ -117,6 +122,45 @@ def assert_recall_close(
             assert math.isnan(target) and math.isnan(value), context
         else:
             assert math.isclose(value, target, rel_tol=rel, abs_tol=abs), context
+
+
+# ---------------------------------------------------------------- flat-form items
+
+Item = tuple[int, float, int]
+"""A flat-form item: (query id, score, target); a target equal to ``ignore_index`` drops it."""
+
+
+def flat_tensors(
+    items: Sequence[Item],
+    dtype: torch.dtype = torch.float32,
+    target_dtype: torch.dtype = torch.int64,
+    index_dtype: torch.dtype = torch.int64,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(preds, target, indexes)`` of a list of items."""
+    preds = torch.tensor([it[1] for it in items], dtype=dtype)
+    target = torch.tensor([it[2] for it in items], dtype=torch.int64).to(target_dtype)
+    indexes = torch.tensor([it[0] for it in items], dtype=index_dtype)
+    return preds, target, indexes
+
+
+def compute_or_error(metric: Any) -> list[float] | str:
+    """The metric's values, or ``"error"`` when compute raises the empty-target error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return recall_values(metric.compute())
+    except ValueError as err:
+        assert "had no valid positive" in str(err)
+        return "error"
+
+
+def tied_rows(num: int = 31, gallery: int = 6, seed: int = 11) -> tuple[Tensor, Tensor]:
+    """Dense ``[num, gallery]`` scores from three values (heavy ties), one positive column
+    a row (``-1``: none)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 3, (num, gallery), generator=gen).float()
+    target = torch.randint(-1, gallery, (num,), generator=gen)
+    return scores, target
 
 
 # ------------------------------------------------------------ hypothesis strategies

@@ -11,15 +11,26 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from embedding_reference import Batch, reference_embedding_recall
-from helpers import TIES, run_distributed
+from embedding_reference import (
+    KS,
+    SCENARIOS,
+    Batch,
+    cross_modal,
+    gen,
+    leave_one_out_continuous,
+    leave_one_out_tied_cosine,
+    query_gallery_junk,
+    query_gallery_same_group,
+    reference_embedding_recall,
+    run_metric,
+)
+from helpers import TIES
 from torch import Tensor
 from torchmetrics import MetricCollection
 
 from recall_at_k import EmbeddingRecallAtK, _embedding
 from recall_at_k._embedding import Route
 
-KS = (1, 2, 5, 10)
 # One value below a single row of scores (one query a tile), a few rows, everything.
 CHUNKS = (8, 1000, 256 * 2**20)
 # Every way of counting a tile: the automatic choice, dense masks, whole tiles through
@@ -31,189 +42,6 @@ ROUTES = (
     Route("panels"),
     Route("panels", panel_bytes=1),
 )
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _signs(n: int, d: int, g: torch.Generator) -> Tensor:
-    """+-1 vectors of width 16: every cosine is a multiple of 1/16, exact in float32."""
-    return torch.randint(0, 2, (n, d), generator=g).float() * 2 - 1
-
-
-def _small_ints(n: int, d: int, g: torch.Generator) -> Tensor:
-    """Small integers: dot products and squared distances are exact and often tie.
-
-    No row is all zeros (its dot products would all tie, and the brute-force "expected"
-    enumeration of a tie block that large would take hours).
-    """
-    values = torch.randint(-1, 3, (n, d), generator=g).float()
-    values[(values == 0).all(dim=1), 0] = 1.0
-    return values
-
-
-def _split(emb: Tensor, labels: Tensor, sizes: list[int], **extra: Any) -> list[Batch]:
-    batches, start = [], 0
-    for size in sizes:
-        part = {
-            k: (v[start : start + size] if isinstance(v, Tensor) else v) for k, v in extra.items()
-        }
-        batches.append(Batch(emb[start : start + size], labels[start : start + size], **part))
-        start += size
-    return batches
-
-
-# ---------------------------------------------------------------- scenarios
-
-
-def leave_one_out_continuous() -> tuple[list[Batch], dict[str, Any]]:
-    g = _gen(1)
-    emb = torch.randn(48, 8, generator=g)
-    labels = torch.randint(0, 5, (48,), generator=g)
-    labels[47] = 9  # a class of one: that query has no positive
-    return _split(emb, labels, [20, 1, 27]), {"similarity": "cosine"}
-
-
-def leave_one_out_tied_cosine() -> tuple[list[Batch], dict[str, Any]]:
-    g = _gen(2)
-    emb = _signs(36, 16, g)
-    emb[30:] = emb[:6]  # exact duplicates (different samples: no ids)
-    labels = torch.randint(0, 4, (36,), generator=g)
-    return _split(emb, labels, [17, 19]), {"similarity": "cosine"}
-
-
-def leave_one_out_tied_dot() -> tuple[list[Batch], dict[str, Any]]:
-    g = _gen(3)
-    emb = _small_ints(40, 4, g)
-    labels = torch.randint(0, 5, (40,), generator=g)
-    return _split(emb, labels, [25, 15]), {"similarity": "dot"}
-
-
-def leave_one_out_tied_euclidean() -> tuple[list[Batch], dict[str, Any]]:
-    g = _gen(4)
-    emb = _small_ints(40, 3, g)
-    labels = torch.randint(0, 3, (40,), generator=g)
-    return _split(emb, labels, [40]), {"similarity": "euclidean"}
-
-
-def leave_one_out_padded_ids() -> tuple[list[Batch], dict[str, Any]]:
-    """DistributedSampler-style padding: the first items again, with their ids."""
-    g = _gen(5)
-    emb = _small_ints(30, 4, g)
-    labels = torch.randint(0, 4, (30,), generator=g)
-    ids = torch.arange(100, 130)
-    pad = [0, 3, 7, 11]
-    emb = torch.cat([emb, emb[pad]])
-    labels = torch.cat([labels, labels[pad]])
-    ids = torch.cat([ids, ids[pad]])
-    return _split(emb, labels, [16, 18], ids=ids), {"similarity": "dot"}
-
-
-def _query_gallery(exclude: str, seed: int) -> tuple[list[Batch], dict[str, Any]]:
-    g = _gen(seed)
-    q_emb, g_emb = _small_ints(22, 4, g), _small_ints(44, 4, g)
-    q_lab = torch.randint(0, 7, (22,), generator=g)  # labels 6 never in the gallery
-    g_lab = torch.randint(0, 6, (44,), generator=g)
-    q_grp, g_grp = torch.randint(0, 3, (22,), generator=g), torch.randint(0, 3, (44,), generator=g)
-    batches = [
-        Batch(q_emb[:9], q_lab[:9], "query", q_grp[:9]),
-        Batch(g_emb[:30], g_lab[:30], "gallery", g_grp[:30]),
-        Batch(q_emb[9:], q_lab[9:], "query", q_grp[9:]),
-        Batch(g_emb[30:], g_lab[30:], "gallery", g_grp[30:]),
-    ]
-    return batches, {"similarity": "dot", "exclude": exclude}
-
-
-def query_gallery_same_group() -> tuple[list[Batch], dict[str, Any]]:
-    return _query_gallery("same_group", 6)
-
-
-def query_gallery_junk() -> tuple[list[Batch], dict[str, Any]]:
-    return _query_gallery("same_label_and_group", 7)
-
-
-def leave_one_out_same_group() -> tuple[list[Batch], dict[str, Any]]:
-    g = _gen(8)
-    emb = _signs(40, 16, g)
-    labels = torch.randint(0, 5, (40,), generator=g)
-    groups = torch.randint(0, 4, (40,), generator=g)
-    return _split(emb, labels, [13, 27], groups=groups), {"exclude": "same_group"}
-
-
-def cross_modal() -> tuple[list[Batch], dict[str, Any]]:
-    """Eight images, five captions each; the dataset yields the image once per caption."""
-    g = _gen(9)
-    images = _small_ints(8, 4, g)
-    image_ids = torch.arange(8).repeat_interleave(5)
-    captions = images[image_ids] + torch.randint(-1, 2, (40, 4), generator=g).float()
-    repeated = images[image_ids]
-    batches = [
-        Batch(repeated[:15], image_ids[:15], "query", ids=image_ids[:15]),
-        Batch(captions[:15], image_ids[:15], "gallery"),
-        Batch(repeated[15:], image_ids[15:], "query", ids=image_ids[15:]),
-        Batch(captions[15:], image_ids[15:], "gallery"),
-    ]
-    kwargs = {"similarity": "dot", "bidirectional": True, "directions": ("i2t", "t2i")}
-    return batches, kwargs
-
-
-def mixed_roles_with_ids() -> tuple[list[Batch], dict[str, Any]]:
-    """Roles mixed; a query and a gallery item sharing an id are one sample."""
-    g = _gen(10)
-    emb = _small_ints(30, 4, g)
-    labels = torch.randint(0, 4, (30,), generator=g)
-    ids = torch.arange(30)
-    ids[20:25] = ids[:5]  # gallery items 20..24 are the queries 0..4 again
-    batches = [
-        Batch(emb[:10], labels[:10], "query", ids=ids[:10]),
-        Batch(emb[10:20], labels[10:20], "both", ids=ids[10:20]),
-        Batch(emb[20:], labels[20:], "gallery", ids=ids[20:]),
-        Batch(emb[25:28], labels[25:28], "both"),  # without ids: samples of their own
-    ]
-    return batches, {"similarity": "euclidean", "bidirectional": True}
-
-
-def _tanh_similarity(q: Tensor, g: Tensor) -> Tensor:
-    return torch.tanh(q @ g.T / 4).round(decimals=1)
-
-
-def callable_similarity() -> tuple[list[Batch], dict[str, Any]]:
-    g = _gen(11)
-    emb = _small_ints(30, 4, g)
-    labels = torch.randint(0, 4, (30,), generator=g)
-    return _split(emb, labels, [30]), {"similarity": _tanh_similarity}
-
-
-SCENARIOS: dict[str, Callable[[], tuple[list[Batch], dict[str, Any]]]] = {
-    f.__name__: f
-    for f in (
-        leave_one_out_continuous,
-        leave_one_out_tied_cosine,
-        leave_one_out_tied_dot,
-        leave_one_out_tied_euclidean,
-        leave_one_out_padded_ids,
-        leave_one_out_same_group,
-        query_gallery_same_group,
-        query_gallery_junk,
-        cross_modal,
-        mixed_roles_with_ids,
-        callable_similarity,
-    )
-}
-
-
-def run_metric(
-    batches: list[Batch], ks: Any = KS, route: Route | None = None, **kwargs: Any
-) -> dict[str, float]:
-    metric = EmbeddingRecallAtK(ks, **kwargs)
-    if route is not None:
-        metric._route = route
-    for batch in batches:
-        metric.update(batch.embeddings, batch.labels, **batch.kwargs())
-    result = metric.compute()
-    assert isinstance(result, dict)
-    return {key: float(value) for key, value in result.items()}
 
 
 def _reference_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -289,7 +117,7 @@ def test_self_is_excluded_by_position_not_by_dropping_the_first_neighbour() -> N
 
 
 def test_repeated_ids_within_a_role_count_once() -> None:
-    g = _gen(12)
+    g = gen(12)
     emb = torch.randn(20, 6, generator=g)
     labels = torch.randint(0, 3, (20,), generator=g)
     ids = torch.arange(20)
@@ -305,7 +133,7 @@ def test_result_does_not_depend_on_item_order() -> None:
     batches, kwargs = leave_one_out_tied_cosine()
     emb = torch.cat([b.embeddings for b in batches])
     labels = torch.cat([b.labels for b in batches])
-    perm = torch.randperm(emb.shape[0], generator=_gen(13))
+    perm = torch.randperm(emb.shape[0], generator=gen(13))
     for ties in TIES:
         a = run_metric([Batch(emb, labels)], ties=ties, **kwargs)
         b = run_metric([Batch(emb[perm], labels[perm])], ties=ties, **kwargs)
@@ -354,7 +182,7 @@ def _market_cmc(
 
 
 def test_reid_equals_market1501_cmc() -> None:
-    g = _gen(14)
+    g = gen(14)
     identities, cameras, dim = 15, 4, 16
     centres = torch.randn(identities, dim, generator=g)
 
@@ -395,147 +223,6 @@ def test_reid_equals_market1501_cmc() -> None:
     result = metric.compute()
     assert isinstance(result, dict)
     np.testing.assert_allclose([float(v) for v in result.values()], cmc, atol=1e-12)
-
-
-# ---------------------------------------------------------------- distributed
-
-
-def _shards(batches: list[Batch], cuts: list[list[int]]) -> list[list[Batch]]:
-    return [[batches[i] for i in cut] for cut in cuts]
-
-
-def _distributed_cases() -> list[dict[str, Any]]:
-    cases: list[dict[str, Any]] = []
-    # Leave-one-out with ids; rank 1 also holds padded repeats of rank 0's items.
-    batches, kwargs = leave_one_out_padded_ids()
-    g = _gen(15)
-    emb, labels, ids = (
-        _small_ints(37, 4, g),
-        torch.randint(0, 5, (37,), generator=g),
-        torch.arange(37),
-    )
-    pad = [0, 1, 2]
-    rank0 = [
-        Batch(emb[:12], labels[:12], ids=ids[:12]),
-        Batch(emb[12:22], labels[12:22], ids=ids[12:22]),
-    ]
-    rank1 = [
-        Batch(emb[22:], labels[22:], ids=ids[22:]),
-        Batch(emb[pad], labels[pad], ids=ids[pad]),
-    ]
-    for ties in ("pessimistic", "expected"):
-        cases.append(
-            {
-                "name": f"padded-{ties}",
-                "shards": [rank0, rank1],
-                "single": [Batch(emb, labels, ids=ids)],
-                "kwargs": {"similarity": "dot", "ties": ties, "chunk_bytes": 64},
-                "queries": {"q2g": 37},
-            }
-        )
-    # Query/gallery re-ID rules, everything on rank 0: rank 1 received nothing.
-    batches, kwargs = query_gallery_junk()
-    cases.append(
-        {
-            "name": "rank1-empty",
-            "shards": [batches, []],
-            "single": batches,
-            "kwargs": {**kwargs, "ties": "optimistic", "chunk_bytes": 100},
-            "queries": {"q2g": 22},
-        }
-    )
-    # Bidirectional cross-modal, uneven, and leave-one-out by position without ids.
-    batches, kwargs = cross_modal()
-    cases.append(
-        {
-            "name": "cross-modal",
-            "shards": _shards(batches, [[0, 1, 2], [3]]),
-            "single": batches,
-            "kwargs": {**kwargs, "ties": "expected"},
-            "queries": {"i2t": 8, "t2i": 40},
-        }
-    )
-    batches, kwargs = leave_one_out_tied_cosine()
-    cases.append(
-        {
-            "name": "positions",
-            "shards": [[batches[1]], [batches[0]]],
-            "single": [batches[1], batches[0]],
-            "kwargs": {**kwargs, "ties": "pessimistic", "chunk_bytes": 8},
-            "queries": {"q2g": 36},
-        }
-    )
-    return cases
-
-
-def _outcome(metric: EmbeddingRecallAtK, batches: list[Batch]) -> Any:
-    """The result as floats, or the ValueError's text."""
-    for batch in batches:
-        metric.update(batch.embeddings, batch.labels, **batch.kwargs())
-    try:
-        result = metric.compute()
-    except (ValueError, RuntimeError) as err:
-        return f"{type(err).__name__}: {err}"
-    assert isinstance(result, dict)
-    return {key: float(v) for key, v in result.items()}
-
-
-def _distributed_worker(rank: int, world_size: int, cases: list[dict[str, Any]]) -> Any:
-    out: dict[str, Any] = {}
-    for case in cases:
-        for sync in (True, False):
-            metric = EmbeddingRecallAtK(KS, sync_on_compute=sync, **case["kwargs"])
-            value = _outcome(metric, case["shards"][rank])
-            out[f"{case['name']}-sync{sync}"] = (
-                value,
-                dict(metric.last_compute_num_queries_ranked),
-            )
-    # A direction without gallery must raise on every process (no hang in all_reduce).
-    only_queries = [Batch(torch.randn(3, 2), torch.tensor([0, 1, 0]), "query")]
-    out["no-gallery"] = _outcome(EmbeddingRecallAtK(KS), only_queries if rank == 0 else [])
-    # A failure while ranking one process's share must not leave the other one waiting.
-    items = [Batch(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]))]
-    out["one-fails"] = _outcome(EmbeddingRecallAtK(KS, similarity=_fails_on_rank_one), items)
-    return out
-
-
-def _fails_on_rank_one(queries: Tensor, gallery: Tensor) -> Tensor:
-    if torch.distributed.get_rank() == 1:
-        raise ValueError("similarity failed on rank 1")
-    return queries @ gallery.T
-
-
-def test_two_gloo_processes_equal_one_process() -> None:
-    cases = _distributed_cases()
-    results = run_distributed(_distributed_worker, world_size=2, payload=cases)
-    for case in cases:
-        expected = run_metric(case["single"], **case["kwargs"])
-        exact = case["kwargs"].get("ties") != "expected"
-        for rank in range(2):
-            got, ranked = results[rank][f"{case['name']}-syncTrue"]
-            if exact:
-                assert got == expected, (case["name"], rank)
-            else:
-                assert got == pytest.approx(expected, abs=1e-12), (case["name"], rank)
-            # Each process ranked its half of the queries, not all of them.
-            for direction, total in case["queries"].items():
-                share = total * (rank + 1) // 2 - total * rank // 2
-                assert ranked[direction] == share, (case["name"], rank, direction)
-            # sync_on_compute=False: every process on its own data alone.
-            got, ranked = results[rank][f"{case['name']}-syncFalse"]
-            local = _outcome(EmbeddingRecallAtK(KS, **case["kwargs"]), case["shards"][rank])
-            if isinstance(local, str):
-                assert got == local
-            else:
-                assert got == pytest.approx(local, abs=1e-12, nan_ok=True), (case["name"], rank)
-    # A process without data, computing on its own: NaN, as RetrievalRecallAtK.
-    assert all(math.isnan(v) for v in results[1]["rank1-empty-syncFalse"][0].values())
-    for rank in range(2):
-        assert "direction 'q2g' (query -> gallery) has no gallery" in results[rank]["no-gallery"]
-    assert results[0]["one-fails"] == (
-        "RuntimeError: EmbeddingRecallAtK.compute() failed on another process; see its error"
-    )
-    assert results[1]["one-fails"] == "ValueError: similarity failed on rank 1"
 
 
 # ---------------------------------------------------------------- torchmetrics behaviour
@@ -599,7 +286,7 @@ def test_reset_merge_pickle_and_collection() -> None:
 
 
 def test_dtypes_and_counts_of_ranked_queries() -> None:
-    emb = torch.randn(12, 5, generator=_gen(16))
+    emb = torch.randn(12, 5, generator=gen(16))
     labels = torch.arange(12) % 3
     metric = EmbeddingRecallAtK(KS)
     metric.update(emb.to(torch.bfloat16), labels)
@@ -640,7 +327,7 @@ def test_wide_label_blocks_take_the_dense_route(monkeypatch: pytest.MonkeyPatch)
         return original(*args)
 
     monkeypatch.setattr(_embedding, "dense_tie_counts", spy)
-    emb = torch.randn(30, 4, generator=_gen(17))
+    emb = torch.randn(30, 4, generator=gen(17))
     batches = [Batch(emb, torch.arange(30) % 2)]  # two classes: blocks of half the gallery
     expected = reference_embedding_recall(batches, KS)
     assert run_metric(batches) == pytest.approx(expected, abs=1e-6)

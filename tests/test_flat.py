@@ -14,14 +14,21 @@ import itertools
 import math
 import pickle
 import random
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
-from helpers import ACTIONS, TIES, assert_recall_close, recall_values, run_distributed
-from reference import reference_recall
+from helpers import (
+    ACTIONS,
+    TIES,
+    Item,
+    assert_recall_close,
+    compute_or_error,
+    flat_tensors,
+    recall_values,
+)
+from reference import reference_flat_recall
 from torchmetrics import MetricCollection
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
@@ -30,21 +37,9 @@ from recall_at_k import RetrievalRecallAtK, _flat
 IGNORE = -1
 INF = math.inf
 
-Item = tuple[int, float, int]  # (query id, score, target); target IGNORE = dropped
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 # ------------------------------------------------------------------------ helpers
-
-
-def _compute(metric: RetrievalRecallAtK) -> list[float] | str:
-    """The metric's values, or ``"error"`` when compute raises the empty-target error."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return recall_values(metric.compute())
-    except ValueError as err:
-        assert "had no valid positive" in str(err)
-        return "error"
 
 
 def _reference(
@@ -54,33 +49,7 @@ def _reference(
     action: str,
     dense: Sequence[tuple[list[float], list[bool]]] = (),
 ) -> list[float] | str:
-    """Reference over the flat queries (ignored items dropped) plus complete dense rows."""
-    rows: dict[int, tuple[list[float], list[bool]]] = {}
-    for qid, score, target in items:
-        if target == IGNORE:
-            continue
-        scores, relevant = rows.setdefault(qid, ([], []))
-        scores.append(score)
-        relevant.append(bool(target))
-    queries = list(rows.values()) + list(dense)
-    try:
-        return reference_recall(
-            [q[0] for q in queries], [q[1] for q in queries], None, ks, ties, action
-        )
-    except ValueError:
-        return "error"
-
-
-def _tensors(
-    items: Sequence[Item],
-    dtype: torch.dtype = torch.float32,
-    target_dtype: torch.dtype = torch.int64,
-    index_dtype: torch.dtype = torch.int64,
-) -> Batch:
-    preds = torch.tensor([it[1] for it in items], dtype=dtype)
-    target = torch.tensor([it[2] for it in items], dtype=torch.int64).to(target_dtype)
-    indexes = torch.tensor([it[0] for it in items], dtype=index_dtype)
-    return preds, target, indexes
+    return reference_flat_recall(items, ks, ties, action, dense, ignore_index=IGNORE)
 
 
 def _split(items: list[Item], num_batches: int, rng: random.Random) -> list[list[Item]]:
@@ -137,12 +106,12 @@ def test_agrees_with_reference(ties: str, action: str, num_batches: int) -> None
         )
         for part in _split(items, num_batches, rng):
             index_dtype = rng.choice([torch.int64, torch.int32])
-            preds, target, indexes = _tensors(part, dtype, target_dtype, index_dtype)
+            preds, target, indexes = flat_tensors(part, dtype, target_dtype, index_dtype)
             metric.update(preds, target, indexes=indexes)
         # The reference reads the scores back from the tensor (float16 rounds them).
         rounded = [(q, float(torch.tensor(s, dtype=dtype)), t) for q, s, t in items]
         want = _reference(rounded, ks, ties, action)
-        assert_recall_close(_compute(metric), want, where=(case, ks, dtype, items))
+        assert_recall_close(compute_or_error(metric), want, where=(case, ks, dtype, items))
 
 
 @pytest.mark.parametrize("path", ["padded", "sorted"])
@@ -157,10 +126,10 @@ def test_both_segment_top_paths_agree_with_reference(ties: str, path: _flat.Segm
         metric._flat_path = path
         metric._flat_slack = 0  # merge early and often
         for part in _split(items, rng.choice([1, 2, 5, 9]), rng):
-            preds, target, indexes = _tensors(part)
+            preds, target, indexes = flat_tensors(part)
             metric.update(preds, target, indexes=indexes)
         assert_recall_close(
-            _compute(metric), _reference(items, ks, ties, "neg"), where=(case, ks, items)
+            compute_or_error(metric), _reference(items, ks, ties, "neg"), where=(case, ks, items)
         )
 
 
@@ -175,17 +144,17 @@ def test_one_huge_query_among_small_ones_uses_the_sort() -> None:
     for ties in TIES:
         metric = RetrievalRecallAtK(k=(1, 5, 50), ties=ties)
         for part in _split(items, 3, rng):
-            preds, target, indexes = _tensors(part)
+            preds, target, indexes = flat_tensors(part)
             metric.update(preds, target, indexes=indexes)
             _, counts = torch.unique(indexes, return_counts=True)
             if counts.numel():
                 chosen.append(_flat.choose_path(counts, len(part)))
         assert_recall_close(
-            _compute(metric), _reference(items, (1, 5, 50), ties, "neg"), where=ties
+            compute_or_error(metric), _reference(items, (1, 5, 50), ties, "neg"), where=ties
         )
     assert "sorted" in chosen  # the padded matrix would have been 67 times the items
     # ... and the sort gives the very partials the padded matrix gives.
-    preds, target, indexes = _tensors(items)
+    preds, target, indexes = flat_tensors(items)
     by_path = [
         _flat.summarise(preds, target.bool(), indexes, 50, path=path)
         for path in ("auto", "padded", "sorted")
@@ -205,10 +174,10 @@ def test_expected_stays_exact_when_the_tied_block_outgrows_max_k() -> None:
     for ties in TIES:
         metric = RetrievalRecallAtK(k=(1, 2, 3), ties=ties)
         for part in parts:
-            preds, target, indexes = _tensors(part)
+            preds, target, indexes = flat_tensors(part)
             metric.update(preds, target, indexes=indexes)
         want = _reference([it for part in parts for it in part], (1, 2, 3), ties, "neg")
-        assert_recall_close(_compute(metric), want, where=ties)
+        assert_recall_close(compute_or_error(metric), want, where=ties)
     # g_> = 1, e = 10, p = 1: P(hit@2) = 1 - C(10, 1) / C(11, 1) = 1 / 11.
     assert want == pytest.approx([0.0, 1 / 11, 2 / 11])
 
@@ -233,10 +202,10 @@ def test_infinite_scores_are_ordinary_values(ties: str) -> None:
         metric = RetrievalRecallAtK(k=(1, 2, 3), ties=ties)
         for part in _split(list(items), num_batches, random.Random(num_batches)):
             if part:
-                preds, target, indexes = _tensors(part)
+                preds, target, indexes = flat_tensors(part)
                 metric.update(preds, target, indexes=indexes)
         assert_recall_close(
-            _compute(metric), _reference(items, (1, 2, 3), ties, "neg"), where=num_batches
+            compute_or_error(metric), _reference(items, (1, 2, 3), ties, "neg"), where=num_batches
         )
 
 
@@ -252,10 +221,10 @@ def test_dtypes_of_scores_targets_and_ids() -> None:
         for target_dtype in (torch.bool, torch.uint8, torch.int32, torch.int64):
             for index_dtype in (torch.int16, torch.int32, torch.int64):
                 metric = RetrievalRecallAtK(k=(1, 3), ties="expected")
-                preds, target, indexes = _tensors(items, dtype, target_dtype, index_dtype)
+                preds, target, indexes = flat_tensors(items, dtype, target_dtype, index_dtype)
                 metric.update(preds, target, indexes=indexes)
                 assert_recall_close(
-                    _compute(metric), want, where=(dtype, target_dtype, index_dtype)
+                    compute_or_error(metric), want, where=(dtype, target_dtype, index_dtype)
                 )
 
 
@@ -286,7 +255,7 @@ def test_empty_batches_change_nothing() -> None:
     metric.update(
         torch.empty(0), torch.empty(0, dtype=torch.int64), indexes=torch.empty(0, dtype=torch.int64)
     )
-    preds, target, indexes = _tensors([(0, 0.4, 1), (0, 0.9, 0), (1, 0.2, 1)])
+    preds, target, indexes = flat_tensors([(0, 0.4, 1), (0, 0.9, 0), (1, 0.2, 1)])
     metric.update(preds, target, indexes=indexes)
     metric.update(
         torch.empty(0), torch.empty(0, dtype=torch.int64), indexes=torch.empty(0, dtype=torch.int64)
@@ -317,12 +286,12 @@ def test_dense_and_flat_in_one_instance_count_into_one_result(ties: str) -> None
             for _ in range(12)
         ]
         items += part
-        preds, target, indexes = _tensors(part)
+        preds, target, indexes = flat_tensors(part)
         metric.update(preds, target, indexes=indexes)
         if step == 1:  # a compute in between changes nothing
-            _compute(metric)
+            compute_or_error(metric)
     assert_recall_close(
-        _compute(metric), _reference(items, (1, 2, 5), ties, "neg", dense_rows), where=ties
+        compute_or_error(metric), _reference(items, (1, 2, 5), ties, "neg", dense_rows), where=ties
     )
     assert int(metric.query_counts.sum()) == 24  # the dense state holds the dense rows only
 
@@ -411,8 +380,8 @@ def test_collection_never_groups_instances_that_differ() -> None:
 
 
 def test_forward_returns_the_batch_value_and_accumulates() -> None:
-    first = _tensors([(0, 0.9, 1), (0, 0.1, 0), (1, 0.2, 1), (1, 0.8, 0)])
-    second = _tensors([(1, 0.1, 1), (2, 0.3, 0), (2, 0.4, 1)])
+    first = flat_tensors([(0, 0.9, 1), (0, 0.1, 0), (1, 0.2, 1), (1, 0.8, 0)])
+    second = flat_tensors([(1, 0.1, 1), (2, 0.3, 0), (2, 0.4, 1)])
     metric = RetrievalRecallAtK(k=1)
     assert float(metric(first[0], first[1], indexes=first[2])) == 0.5
     assert float(metric(second[0], second[1], indexes=second[2])) == 1.0
@@ -430,11 +399,11 @@ def test_reset_merge_state_pickle_state_dict_and_dtype_casts() -> None:
         RetrievalRecallAtK(k=(1, 2), ties="expected"),
         RetrievalRecallAtK(k=(1, 2), ties="expected"),
     )
-    a.update(*_tensors(items[:half], torch.float64)[:2], indexes=_tensors(items[:half])[2])
-    b.update(*_tensors(items[half:], torch.float64)[:2], indexes=_tensors(items[half:])[2])
+    a.update(*flat_tensors(items[:half], torch.float64)[:2], indexes=flat_tensors(items[:half])[2])
+    b.update(*flat_tensors(items[half:], torch.float64)[:2], indexes=flat_tensors(items[half:])[2])
     a.merge_state(b)
-    assert_recall_close(_compute(a), want, where="merge_state")
-    assert_recall_close(_compute(pickle.loads(pickle.dumps(a))), want, where="pickle")
+    assert_recall_close(compute_or_error(a), want, where="merge_state")
+    assert_recall_close(compute_or_error(pickle.loads(pickle.dumps(a))), want, where="pickle")
 
     a.persistent(True)
     buffer = io.BytesIO()
@@ -442,17 +411,17 @@ def test_reset_merge_state_pickle_state_dict_and_dtype_casts() -> None:
     buffer.seek(0)
     fresh = RetrievalRecallAtK(k=(1, 2), ties="expected")
     fresh.load_state_dict(torch.load(buffer))
-    assert_recall_close(_compute(fresh), want, where="state_dict")
+    assert_recall_close(compute_or_error(fresh), want, where="state_dict")
 
     # A module-wide cast (Lightning's half precision) must not round the kept scores:
     # they are stored as int64 bit patterns. (Cast before any compute: torchmetrics
     # casts its cached result too.)
     cast = RetrievalRecallAtK(k=(1, 2), ties="expected")
-    preds, target, indexes = _tensors(items, torch.float64)
+    preds, target, indexes = flat_tensors(items, torch.float64)
     cast.update(preds, target, indexes=indexes)
     cast.to(torch.float16)
     assert all(block.dtype == torch.int64 for block in getattr(cast, cast._flat_name))
-    assert_recall_close(_compute(cast), want, where="after .to(float16)")
+    assert_recall_close(compute_or_error(cast), want, where="after .to(float16)")
 
     a.reset()
     assert getattr(a, a._flat_name) == []
@@ -463,10 +432,10 @@ def test_reset_merge_state_pickle_state_dict_and_dtype_casts() -> None:
 def test_compute_does_not_change_the_state() -> None:
     metric = RetrievalRecallAtK(k=(1, 2))
     for part in _split(_random_items(random.Random(4)), 3, random.Random(4)):
-        preds, target, indexes = _tensors([it for it in part if it[2] != IGNORE])
+        preds, target, indexes = flat_tensors([it for it in part if it[2] != IGNORE])
         metric.update(preds, target, indexes=indexes)
     before = [block.clone() for block in getattr(metric, metric._flat_name)]
-    first, second = _compute(metric), _compute(metric)
+    first, second = compute_or_error(metric), compute_or_error(metric)
     assert first == second
     after = getattr(metric, metric._flat_name)
     assert len(before) == len(after) and all(
@@ -521,79 +490,8 @@ def test_compaction_keeps_the_state_bounded_when_queries_arrive_in_many_pieces()
         largest = max(largest, _state_elements(metric))
     assert largest <= 6 * num_queries * max_k  # without compaction: 100 rows a query
     assert_recall_close(
-        _compute(metric), _reference(items, (1, 5, max_k), "expected", "neg"), where=""
+        compute_or_error(metric), _reference(items, (1, 5, max_k), "expected", "neg"), where=""
     )
-
-
-# ------------------------------------------------------------------------ distributed
-
-
-def _distributed_items() -> list[Item]:
-    rng = random.Random(99)
-    items = [
-        (q, float(rng.randint(0, 4)), rng.choice([0, 0, 0, 1, IGNORE]))
-        for q in range(12)
-        for _ in range(8)
-    ]
-    rng.shuffle(items)
-    return items
-
-
-def _distributed_shards(items: list[Item]) -> dict[str, tuple[list[Item], list[Item]]]:
-    # "split": every query (query 3 in particular) has items on both processes, unevenly.
-    query_3 = [it for it in items if it[0] == 3]
-    rest = [it for it in items if it[0] != 3]
-    split = (rest[:30] + query_3[:3], rest[30:] + query_3[3:])
-    return {"split": split, "one_rank_empty": (items, [])}
-
-
-def _flat_worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
-    items = _distributed_items()
-    dense_scores, dense_target = payload
-    out: dict[str, Any] = {}
-    for scenario, shards in _distributed_shards(items).items():
-        for ties in TIES:
-            metric = RetrievalRecallAtK(k=(1, 2, 4), ties=ties, ignore_index=IGNORE)
-            if shards[rank]:
-                preds, target, indexes = _tensors(shards[rank])
-                metric.update(preds, target, indexes=indexes)
-            before = [block.clone() for block in getattr(metric, metric._flat_name)]
-            out[f"{scenario}/{ties}"] = _compute(metric)
-            after = getattr(metric, metric._flat_name)
-            out[f"{scenario}/{ties}/restored"] = len(before) == len(after) and all(
-                torch.equal(x, y) for x, y in zip(before, after, strict=True)
-            )
-    # Mixed: rank 0 holds flat data only, rank 1 dense rows only.
-    metric = RetrievalRecallAtK(k=(1, 2, 4), ignore_index=IGNORE)
-    if rank == 0:
-        preds, target, indexes = _tensors(items)
-        metric.update(preds, target, indexes=indexes)
-    else:
-        metric.update(dense_scores, dense_target)
-    out["mixed"] = _compute(metric)
-    return out
-
-
-def test_two_processes_equal_one_process() -> None:
-    gen = torch.Generator().manual_seed(1)
-    dense_scores = torch.randint(0, 4, (5, 6), generator=gen).float()
-    dense_target = torch.randint(-1, 6, (5,), generator=gen)
-    results = run_distributed(_flat_worker, world_size=2, payload=(dense_scores, dense_target))
-    items = _distributed_items()
-    for ties in TIES:
-        want = _reference(items, (1, 2, 4), ties, "neg")
-        for scenario in ("split", "one_rank_empty"):
-            for rank, result in enumerate(results):
-                assert_recall_close(
-                    result[f"{scenario}/{ties}"], want, where=(scenario, ties, rank)
-                )
-                assert result[f"{scenario}/{ties}/restored"], (scenario, ties, rank)
-    single = RetrievalRecallAtK(k=(1, 2, 4), ignore_index=IGNORE)
-    preds, target, indexes = _tensors(items)
-    single.update(preds, target, indexes=indexes)
-    single.update(dense_scores, dense_target)
-    for result in results:
-        assert_recall_close(result["mixed"], _compute(single), where="mixed")
 
 
 # ---------------------------------------------------------------------------- errors

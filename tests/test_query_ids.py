@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from helpers import TIES, run_distributed
+from helpers import TIES, tied_rows
 
 from recall_at_k import RetrievalRecallAtK
 from recall_at_k.functional import retrieval_recall_at_k
 
 
-def _data(num: int = 31, gallery: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(11)
-    scores = torch.randint(0, 3, (num, gallery), generator=gen).float()
-    target = torch.randint(-1, gallery, (num,), generator=gen)
-    return scores, target
-
-
-def _padded_shards(num: int, world: int) -> list[torch.Tensor]:
-    """DistributedSampler(shuffle=False, drop_last=False): repeat the first ids to pad."""
-    total = -(-num // world) * world
-    ids = torch.cat([torch.arange(num), torch.arange(total - num)])
-    return [ids[rank::world] for rank in range(world)]
-
-
 @pytest.mark.parametrize("ties", TIES)
 def test_repeated_ids_count_once(ties: str) -> None:
-    scores, target = _data()
+    scores, target = tied_rows()
     want = retrieval_recall_at_k(scores, target, (1, 2, 4), ties=ties)
     metric = RetrievalRecallAtK((1, 2, 4), ties=ties)
     order = torch.cat([torch.arange(31), torch.tensor([0, 5, 5, 30])])  # repeats
@@ -42,7 +26,7 @@ def test_repeated_ids_count_once(ties: str) -> None:
 
 
 def test_query_ids_and_plain_rows_count_together_and_forward_works() -> None:
-    scores, target = _data()
+    scores, target = tied_rows()
     metric = RetrievalRecallAtK((1, 3))
     batch_value = metric(scores[:10], target[:10], query_ids=torch.arange(10))
     assert batch_value == retrieval_recall_at_k(scores[:10], target[:10], (1, 3))
@@ -53,7 +37,7 @@ def test_query_ids_and_plain_rows_count_together_and_forward_works() -> None:
 
 def test_query_ids_errors() -> None:
     metric = RetrievalRecallAtK()
-    scores, target = _data()
+    scores, target = tied_rows()
     with pytest.raises(
         ValueError,
         match=r"`query_ids` must be an integer \(int64\) tensor of shape \[Q\] = \[31\], one id per row of `scores`, got shape \[30\]",
@@ -75,35 +59,3 @@ def test_query_ids_errors() -> None:
             indexes=torch.zeros(3, dtype=torch.int64),
             query_ids=torch.arange(3),
         )
-
-
-def _worker(rank: int, world: int, payload: Any) -> dict[str, Any]:
-    scores, target = _data()
-    shard = _padded_shards(len(scores), world)[rank]
-    out: dict[str, Any] = {}
-    for ties in TIES:
-        with_ids = RetrievalRecallAtK((1, 2, 4), ties=ties)
-        without = RetrievalRecallAtK((1, 2, 4), ties=ties)
-        for rows in shard.split(4):
-            with_ids.update(scores[rows], target[rows], query_ids=rows)
-            without.update(scores[rows], target[rows])
-        out[ties] = (with_ids.compute(), without.compute())
-    # A process that never called update, beside one that did.
-    lonely = RetrievalRecallAtK((1, 2, 4))
-    if rank == 0:
-        lonely.update(scores, target, query_ids=torch.arange(len(scores)))
-    out["lonely"] = lonely.compute()
-    return out
-
-
-def test_padded_distributed_sampler_counts_once_across_processes() -> None:
-    results = run_distributed(_worker, world_size=2)
-    scores, target = _data()
-    for ties in TIES:
-        want = retrieval_recall_at_k(scores, target, (1, 2, 4), ties=ties)
-        for result in results:
-            with_ids, without = result[ties]
-            assert with_ids == want, ties
-            assert without != want, ties  # the padded repeat changes the number
-    for result in results:
-        assert result["lonely"] == retrieval_recall_at_k(scores, target, (1, 2, 4))
