@@ -318,24 +318,19 @@ def test_plot_draws_one_curve_per_direction() -> None:
     assert len(ax.get_lines()) == 1
 
 
-def test_wide_label_blocks_take_the_dense_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    original = _embedding.dense_tie_counts
-
-    def spy(*args: Any) -> Any:
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(_embedding, "dense_tie_counts", spy)
+def test_wide_label_blocks_take_the_dense_route() -> None:
     emb = torch.randn(30, 4, generator=gen(17))
     batches = [Batch(emb, torch.arange(30) % 2)]  # two classes: blocks of half the gallery
     expected = reference_embedding_recall(batches, KS)
     assert run_metric(batches) == pytest.approx(expected, abs=1e-6)
-    assert calls
-    calls.clear()
+    assert run_metric(batches, route=Route("dense")) == run_metric(batches)
+    # the automatic choice for a tile whose widest block is half the gallery: dense
+    assert _embedding.tile_mode(Route(), 15, 30, panels_possible=True) == "dense"
     many = [Batch(emb, torch.arange(30) % 10)]
     assert run_metric(many) == pytest.approx(reference_embedding_recall(many, KS), abs=1e-6)
-    assert not calls
+    # ... and for blocks of a tenth of it: label blocks, by panels on the CPU
+    assert _embedding.tile_mode(Route(), 3, 30, panels_possible=True) == "panels"
+    assert _embedding.tile_mode(Route(), 3, 30, panels_possible=False) == "tiles"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
