@@ -103,13 +103,3 @@ def test_half_precision_is_ranked_in_its_own_precision(dtype: torch.dtype) -> No
     # ... and half scores agree with the reference applied to their own values.
     scores = torch.randint(0, 4, (6, 7)).to(dtype) / 3
     _check(scores, torch.rand(6, 7) < 0.3, (1, 2, 5))
-
-
-def test_zero_dim_and_three_dim_scores_are_rejected() -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"`scores` must be a floating point tensor of shape \[Q, G\], got shape \[\]",
-    ):
-        retrieval_recall_at_k(torch.tensor(0.5), torch.tensor(0))
-    with pytest.raises(ValueError, match=r"got shape \[2, 2, 2\]"):
-        RetrievalRecallAtK().update(torch.rand(2, 2, 2), torch.tensor([0, 1]))

@@ -196,8 +196,3 @@ def test_plot_accepts_logged_values_with_a_prefix() -> None:
     line = ax.get_lines()[0]
     assert list(line.get_ydata()) == [0.25, 0.75]
     assert list(ax.get_xticks()) == [1, 5]
-    with pytest.raises(
-        ValueError,
-        match=r"`val` must hold the key 'recall@1' \(optionally with a prefix ending in '/'\)",
-    ):
-        metric.plot({"recall@5": torch.tensor(0.5)})

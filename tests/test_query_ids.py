@@ -33,29 +33,3 @@ def test_query_ids_and_plain_rows_count_together_and_forward_works() -> None:
     metric(scores[:10], target[:10], query_ids=torch.arange(10))  # all repeats
     metric.update(scores[10:], target[10:])  # rows without ids: complete, distinct
     assert metric.compute() == retrieval_recall_at_k(scores, target, (1, 3))
-
-
-def test_query_ids_errors() -> None:
-    metric = RetrievalRecallAtK()
-    scores, target = tied_rows()
-    with pytest.raises(
-        ValueError,
-        match=r"`query_ids` must be an integer \(int64\) tensor of shape \[Q\] = \[31\], one id per row of `scores`, got shape \[30\]",
-    ):
-        metric.update(scores, target, query_ids=torch.arange(30))
-    with pytest.raises(ValueError, match=r"`query_ids` must be an integer .* dtype torch.float32"):
-        metric.update(scores, target, query_ids=torch.arange(31).float())
-    with pytest.raises(ValueError, match=r"`query_ids` must be a torch.Tensor, got list"):
-        metric.update(scores, target, query_ids=list(range(31)))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"`query_ids` is on device meta but `preds` is on cpu"):
-        metric.update(scores, target, query_ids=torch.arange(31, device="meta"))
-    with pytest.raises(
-        ValueError,
-        match=r"`query_ids` is for the dense form; in the flat form `indexes` already are the query ids",
-    ):
-        metric.update(
-            torch.rand(3),
-            torch.tensor([1, 0, 0]),
-            indexes=torch.zeros(3, dtype=torch.int64),
-            query_ids=torch.arange(3),
-        )
