@@ -1,4 +1,6 @@
-"""EmbeddingRecallAtK against a literal brute-force reference, re-ID CMC, DDP and errors."""
+"""EmbeddingRecallAtK against a literal brute-force reference (every route and chunk size), re-ID
+CMC, and its torchmetrics behaviour. (Processes: test_distributed.py; errors: test_errors.py.)
+"""
 
 from __future__ import annotations
 

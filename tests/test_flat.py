@@ -1,10 +1,10 @@
 """The flat ``(preds, target, indexes)`` form of RetrievalRecallAtK (issue 3).
 
 Against the brute-force reference (queries split over batches in random order, every tie
-policy and empty-target action, ignored items, heavy ties, +-inf), against torchmetrics
-``RetrievalHitRate`` on tie-free data, inside a ``MetricCollection``, across two real
-gloo processes, mixed with the dense form, the O(queries x max K) state bound, and every
-input error.
+policy and empty-target action, ignored items, heavy ties, +-inf; the padded and the
+sorted per-query top K forced in turn), against torchmetrics ``RetrievalHitRate`` on
+tie-free data, inside a ``MetricCollection``, mixed with the dense form, and the
+O(queries x max K) state bound. (Processes: test_distributed.py; errors: test_errors.py.)
 """
 
 from __future__ import annotations
