@@ -1,4 +1,4 @@
-"""Brute-force EmbeddingRecallAtK: every rule of DESIGN section 2 applied literally.
+"""Brute-force EmbeddingRecallAtK: every rule of its definition applied literally.
 
 The items of all updates are laid end to end; each role's members are listed in order,
 skipping an item whose id was already listed in that role; the full score matrix is
@@ -6,6 +6,9 @@ computed in float64; and for every (query, gallery item) pair the ignore rule is
 evaluated on its own: the same sample (the same item, or both carry the same id), or
 the exclusion rule. The rows then go to :func:`reference.reference_recall`, which sorts
 each query's gallery literally.
+
+Below the reference: the scenarios it is checked on (``SCENARIOS``, each returning the
+batches and the metric's options) and :func:`run_metric`, the metric on a scenario.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from reference import reference_recall
 from torch import Tensor
+
+from recall_at_k import EmbeddingRecallAtK
+from recall_at_k._embedding import Route
 
 
 @dataclass(frozen=True)
@@ -148,3 +155,188 @@ def reference_embedding_recall(
         for k, value in zip(ks, values, strict=True):
             out[f"{prefix}recall@{k}"] = value
     return out
+
+
+# ---------------------------------------------------------------- scenarios
+
+KS = (1, 2, 5, 10)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def signs(n: int, d: int, g: torch.Generator) -> Tensor:
+    """+-1 vectors of width 16: every cosine is a multiple of 1/16, exact in float32."""
+    return torch.randint(0, 2, (n, d), generator=g).float() * 2 - 1
+
+
+def small_ints(n: int, d: int, g: torch.Generator) -> Tensor:
+    """Small integers: dot products and squared distances are exact and often tie.
+
+    No row is all zeros (its dot products would all tie, and the brute-force "expected"
+    enumeration of a tie block that large would take hours).
+    """
+    values = torch.randint(-1, 3, (n, d), generator=g).float()
+    values[(values == 0).all(dim=1), 0] = 1.0
+    return values
+
+
+def split(emb: Tensor, labels: Tensor, sizes: list[int], **extra: Any) -> list[Batch]:
+    batches, start = [], 0
+    for size in sizes:
+        part = {
+            k: (v[start : start + size] if isinstance(v, Tensor) else v) for k, v in extra.items()
+        }
+        batches.append(Batch(emb[start : start + size], labels[start : start + size], **part))
+        start += size
+    return batches
+
+
+def leave_one_out_continuous() -> tuple[list[Batch], dict[str, Any]]:
+    g = gen(1)
+    emb = torch.randn(48, 8, generator=g)
+    labels = torch.randint(0, 5, (48,), generator=g)
+    labels[47] = 9  # a class of one: that query has no positive
+    return split(emb, labels, [20, 1, 27]), {"similarity": "cosine"}
+
+
+def leave_one_out_tied_cosine() -> tuple[list[Batch], dict[str, Any]]:
+    g = gen(2)
+    emb = signs(36, 16, g)
+    emb[30:] = emb[:6]  # exact duplicates (different samples: no ids)
+    labels = torch.randint(0, 4, (36,), generator=g)
+    return split(emb, labels, [17, 19]), {"similarity": "cosine"}
+
+
+def leave_one_out_tied_dot() -> tuple[list[Batch], dict[str, Any]]:
+    g = gen(3)
+    emb = small_ints(40, 4, g)
+    labels = torch.randint(0, 5, (40,), generator=g)
+    return split(emb, labels, [25, 15]), {"similarity": "dot"}
+
+
+def leave_one_out_tied_euclidean() -> tuple[list[Batch], dict[str, Any]]:
+    g = gen(4)
+    emb = small_ints(40, 3, g)
+    labels = torch.randint(0, 3, (40,), generator=g)
+    return split(emb, labels, [40]), {"similarity": "euclidean"}
+
+
+def leave_one_out_padded_ids() -> tuple[list[Batch], dict[str, Any]]:
+    """DistributedSampler-style padding: the first items again, with their ids."""
+    g = gen(5)
+    emb = small_ints(30, 4, g)
+    labels = torch.randint(0, 4, (30,), generator=g)
+    ids = torch.arange(100, 130)
+    pad = [0, 3, 7, 11]
+    emb = torch.cat([emb, emb[pad]])
+    labels = torch.cat([labels, labels[pad]])
+    ids = torch.cat([ids, ids[pad]])
+    return split(emb, labels, [16, 18], ids=ids), {"similarity": "dot"}
+
+
+def _query_gallery(exclude: str, seed: int) -> tuple[list[Batch], dict[str, Any]]:
+    g = gen(seed)
+    q_emb, g_emb = small_ints(22, 4, g), small_ints(44, 4, g)
+    q_lab = torch.randint(0, 7, (22,), generator=g)  # labels 6 never in the gallery
+    g_lab = torch.randint(0, 6, (44,), generator=g)
+    q_grp, g_grp = torch.randint(0, 3, (22,), generator=g), torch.randint(0, 3, (44,), generator=g)
+    batches = [
+        Batch(q_emb[:9], q_lab[:9], "query", q_grp[:9]),
+        Batch(g_emb[:30], g_lab[:30], "gallery", g_grp[:30]),
+        Batch(q_emb[9:], q_lab[9:], "query", q_grp[9:]),
+        Batch(g_emb[30:], g_lab[30:], "gallery", g_grp[30:]),
+    ]
+    return batches, {"similarity": "dot", "exclude": exclude}
+
+
+def query_gallery_same_group() -> tuple[list[Batch], dict[str, Any]]:
+    return _query_gallery("same_group", 6)
+
+
+def query_gallery_junk() -> tuple[list[Batch], dict[str, Any]]:
+    return _query_gallery("same_label_and_group", 7)
+
+
+def leave_one_out_same_group() -> tuple[list[Batch], dict[str, Any]]:
+    g = gen(8)
+    emb = signs(40, 16, g)
+    labels = torch.randint(0, 5, (40,), generator=g)
+    groups = torch.randint(0, 4, (40,), generator=g)
+    return split(emb, labels, [13, 27], groups=groups), {"exclude": "same_group"}
+
+
+def cross_modal() -> tuple[list[Batch], dict[str, Any]]:
+    """Eight images, five captions each; the dataset yields the image once per caption."""
+    g = gen(9)
+    images = small_ints(8, 4, g)
+    image_ids = torch.arange(8).repeat_interleave(5)
+    captions = images[image_ids] + torch.randint(-1, 2, (40, 4), generator=g).float()
+    repeated = images[image_ids]
+    batches = [
+        Batch(repeated[:15], image_ids[:15], "query", ids=image_ids[:15]),
+        Batch(captions[:15], image_ids[:15], "gallery"),
+        Batch(repeated[15:], image_ids[15:], "query", ids=image_ids[15:]),
+        Batch(captions[15:], image_ids[15:], "gallery"),
+    ]
+    kwargs = {"similarity": "dot", "bidirectional": True, "directions": ("i2t", "t2i")}
+    return batches, kwargs
+
+
+def mixed_roles_with_ids() -> tuple[list[Batch], dict[str, Any]]:
+    """Roles mixed; a query and a gallery item sharing an id are one sample."""
+    g = gen(10)
+    emb = small_ints(30, 4, g)
+    labels = torch.randint(0, 4, (30,), generator=g)
+    ids = torch.arange(30)
+    ids[20:25] = ids[:5]  # gallery items 20..24 are the queries 0..4 again
+    batches = [
+        Batch(emb[:10], labels[:10], "query", ids=ids[:10]),
+        Batch(emb[10:20], labels[10:20], "both", ids=ids[10:20]),
+        Batch(emb[20:], labels[20:], "gallery", ids=ids[20:]),
+        Batch(emb[25:28], labels[25:28], "both"),  # without ids: samples of their own
+    ]
+    return batches, {"similarity": "euclidean", "bidirectional": True}
+
+
+def _tanh_similarity(q: Tensor, g: Tensor) -> Tensor:
+    return torch.tanh(q @ g.T / 4).round(decimals=1)
+
+
+def callable_similarity() -> tuple[list[Batch], dict[str, Any]]:
+    g = gen(11)
+    emb = small_ints(30, 4, g)
+    labels = torch.randint(0, 4, (30,), generator=g)
+    return split(emb, labels, [30]), {"similarity": _tanh_similarity}
+
+
+SCENARIOS: dict[str, Callable[[], tuple[list[Batch], dict[str, Any]]]] = {
+    f.__name__: f
+    for f in (
+        leave_one_out_continuous,
+        leave_one_out_tied_cosine,
+        leave_one_out_tied_dot,
+        leave_one_out_tied_euclidean,
+        leave_one_out_padded_ids,
+        leave_one_out_same_group,
+        query_gallery_same_group,
+        query_gallery_junk,
+        cross_modal,
+        mixed_roles_with_ids,
+        callable_similarity,
+    )
+}
+
+
+def run_metric(
+    batches: list[Batch], ks: Any = KS, route: Route | None = None, **kwargs: Any
+) -> dict[str, float]:
+    metric = EmbeddingRecallAtK(ks, **kwargs)
+    if route is not None:
+        metric._route = route
+    for batch in batches:
+        metric.update(batch.embeddings, batch.labels, **batch.kwargs())
+    result = metric.compute()
+    assert isinstance(result, dict)
+    return {key: float(value) for key, value in result.items()}

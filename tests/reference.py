@@ -102,3 +102,30 @@ def reference_recall(
     if counted == 0:
         return [math.nan for _ in ks]
     return [t / counted for t in totals]
+
+
+def reference_flat_recall(
+    items: Sequence[tuple[int, float, int]],
+    ks: Sequence[int],
+    ties: str,
+    action: str,
+    dense: Sequence[tuple[list[float], list[bool]]] = (),
+    ignore_index: int | None = None,
+) -> list[float] | str:
+    """The flat form: ``(query id, score, target)`` items grouped into one row per query
+    (items whose target is ``ignore_index`` dropped), plus complete ``dense`` rows;
+    ``"error"`` where :func:`reference_recall` raises (the ``"error"`` action)."""
+    rows: dict[int, tuple[list[float], list[bool]]] = {}
+    for qid, score, target in items:
+        if target == ignore_index:
+            continue
+        scores, relevant = rows.setdefault(qid, ([], []))
+        scores.append(score)
+        relevant.append(bool(target))
+    queries = list(rows.values()) + list(dense)
+    try:
+        return reference_recall(
+            [q[0] for q in queries], [q[1] for q in queries], None, ks, ties, action
+        )
+    except ValueError:
+        return "error"

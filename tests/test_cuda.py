@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import TIES
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
 GALLERY = 37
 BATCHES = (5, 16, 11)  # queries in each dense batch

@@ -73,6 +73,21 @@ class Route(NamedTuple):
 AUTO_ROUTE = Route()
 
 
+def tile_mode(
+    route: Route, widest: int, num_gallery: int, panels_possible: bool
+) -> Literal["panels", "tiles", "dense"]:
+    """How one tile is counted: the route's mode, or for ``"auto"`` dense masks when the
+    tile's widest label block (``widest`` gallery items) exceeds
+    ``SPARSE_MAX_BLOCK_FRACTION`` of the gallery, else panels where possible, else tiles."""
+    mode = route.mode
+    if mode == "auto":
+        narrow = widest <= SPARSE_MAX_BLOCK_FRACTION * num_gallery
+        mode = ("panels" if panels_possible else "tiles") if narrow else "dense"
+    if mode == "panels" and not panels_possible:
+        mode = "tiles"
+    return mode
+
+
 class Side(NamedTuple):
     """The items that play one role, each sample once: rows into the item tensors and
     the sample identity of each."""
@@ -232,12 +247,7 @@ def rank(
         tile = _Queries._make(t[start : start + rows_per_tile] for t in share)
         tile_embeddings = embeddings.index_select(0, tile.rows)
         widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
-        narrow = widest <= SPARSE_MAX_BLOCK_FRACTION * num_gallery
-        mode = route.mode
-        if mode == "auto":
-            mode = ("panels" if panels_possible else "tiles") if narrow else "dense"
-        if mode == "panels" and not panels_possible:
-            mode = "tiles"
+        mode = tile_mode(route, widest, num_gallery, panels_possible)
         if mode == "panels":
             counts = _panel_counts(
                 tile_embeddings, tile, gallery, needed, widest, options, route, workspace

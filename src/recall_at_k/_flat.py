@@ -56,7 +56,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -65,7 +65,11 @@ from recall_at_k import _kernel
 from recall_at_k._checks import check_no_nan, check_same_device, check_tensors, describe
 
 __all__ = [
+    "COMPACT_SLACK",
+    "PADDED_FILL",
     "Partials",
+    "SegmentPath",
+    "choose_path",
     "compact",
     "flat_partials",
     "flat_rank_histogram",
@@ -80,10 +84,15 @@ ROW_PREFIX = _BEST + 1
 # A padded [segments, longest] matrix is used for the per-segment top-K while it holds
 # at most this many cells per item; beyond that (one huge query among many small ones)
 # a sort on (id, -score) costs less memory.
-_PADDED_FILL = 4
+PADDED_FILL = 4
 # compact() merges the state into one block once it holds more than twice the rows of
 # its first block plus this many rows.
-_COMPACT_SLACK = 256
+COMPACT_SLACK = 256
+
+SegmentPath = Literal["auto", "padded", "sorted"]
+"""How :func:`segment_top` finds each segment's top K: ``"auto"`` chooses by
+:func:`choose_path`; ``"padded"`` and ``"sorted"`` force one way (every way gives the
+same result; the choice is a private switch for tests)."""
 
 _NEG_INF = float("-inf")
 
@@ -167,6 +176,7 @@ def flat_partials(
     max_k: int,
     ignore_index: int | None,
     validate_args: bool,
+    path: SegmentPath = "auto",
 ) -> Tensor | None:
     """Validate a flat batch and summarise it into packed state rows.
 
@@ -185,7 +195,7 @@ def flat_partials(
     if preds.numel() == 0:
         return None
     positive = target if target.dtype == torch.bool else target != 0
-    return pack(summarise(preds, positive, indexes.to(torch.int64), max_k))
+    return pack(summarise(preds, positive, indexes.to(torch.int64), max_k, path=path))
 
 
 # ----------------------------------------------------------------- segment operations
@@ -221,8 +231,26 @@ def _count_equal(matrix: Tensor, value: Tensor) -> Tensor:
     return out.sum(dim=1).to(torch.int64)
 
 
+def choose_path(counts: Tensor, n: int) -> Literal["equal", "padded", "sorted"]:
+    """The way ``"auto"`` finds the per-segment top K of ``n`` values in these segments.
+
+    ``"equal"``: every segment has the same length (the values already form the matrix);
+    ``"padded"``: a ``[segments, longest]`` matrix of at most :data:`PADDED_FILL` cells
+    per value; ``"sorted"`` otherwise (one huge segment among many small ones).
+    """
+    cells = counts.numel() * int(counts.max())
+    if cells == n:
+        return "equal"
+    return "padded" if cells <= PADDED_FILL * n else "sorted"
+
+
 def segment_top(
-    counts: Tensor, values: Tensor, max_k: int, kept: Tensor | None = None
+    counts: Tensor,
+    values: Tensor,
+    max_k: int,
+    kept: Tensor | None = None,
+    *,
+    path: SegmentPath = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """The ``max_k`` largest values of each segment, descending, ``-inf`` padded.
 
@@ -232,6 +260,7 @@ def segment_top(
         values: float ``[n]``; entries that must not count are ``-inf``.
         max_k: how many to keep.
         kept: optional int64 ``[segments]``, how many of each row of the result are real.
+        path: the way to compute it (see :data:`SegmentPath`).
 
     Returns:
         ``top``, ``[segments, max_k]`` of the dtype of ``values``, and, when ``kept`` is
@@ -242,10 +271,11 @@ def segment_top(
     device = values.device
     width = int(counts.max())
     padding: Tensor | None = None
-    if segments * width == n:
+    way = choose_path(counts, n) if path == "auto" else path
+    if way == "equal":
         # Every segment has the same length: the grouped values already form the matrix.
         matrix = values.view(segments, width)
-    elif segments * width <= _PADDED_FILL * n:
+    elif way == "padded":
         seg = torch.repeat_interleave(torch.arange(segments, device=device), counts)
         rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[seg]
         matrix = torch.full((segments, width), _NEG_INF, dtype=values.dtype, device=device)
@@ -298,7 +328,14 @@ def _sort_key(indexes: Tensor) -> tuple[Tensor, Tensor | int]:
     return indexes, 0
 
 
-def summarise(preds: Tensor, positive: Tensor, indexes: Tensor, max_k: int) -> Partials:
+def summarise(
+    preds: Tensor,
+    positive: Tensor,
+    indexes: Tensor,
+    max_k: int,
+    *,
+    path: SegmentPath = "auto",
+) -> Partials:
     """Partials of one batch of items: one row per distinct id, ids ascending.
 
     Items that arrive grouped by id in ascending order (the usual layout of a data
@@ -310,6 +347,7 @@ def summarise(preds: Tensor, positive: Tensor, indexes: Tensor, max_k: int) -> P
         positive: bool ``[n]`` relevance.
         indexes: int64 ``[n]`` query ids.
         max_k: the largest K.
+        path: the way :func:`segment_top` goes.
     """
     values = _scores_dtype(preds)
     device = values.device
@@ -341,7 +379,7 @@ def summarise(preds: Tensor, positive: Tensor, indexes: Tensor, max_k: int) -> P
     )
 
     kept = (counts - num_pos).clamp(max=max_k)
-    top, equal = segment_top(counts, negatives, max_k, kept)
+    top, equal = segment_top(counts, negatives, max_k, kept, path=path)
     assert equal is not None
     # ``equal`` counted the positives too when the boundary value is -inf.
     boundary_value = _gather_column(top, kept - 1)
@@ -350,7 +388,13 @@ def summarise(preds: Tensor, positive: Tensor, indexes: Tensor, max_k: int) -> P
     return Partials(ids, best.to(torch.float64), tied, top.to(torch.float64), kept, boundary)
 
 
-def merge(parts: Partials, max_k: int, complete_queries: bool = False) -> Partials:
+def merge(
+    parts: Partials,
+    max_k: int,
+    complete_queries: bool = False,
+    *,
+    path: SegmentPath = "auto",
+) -> Partials:
     """Merge rows that share a query id into one row per id (ids ascending), exactly.
 
     With ``complete_queries`` every row already summarises a whole query, so rows that
@@ -378,7 +422,7 @@ def merge(parts: Partials, max_k: int, complete_queries: bool = False) -> Partia
 
     valid = torch.arange(max_k, device=device) < parts.kept.unsqueeze(1)
     values = torch.where(valid, parts.top, _NEG_INF).reshape(-1)
-    top, _ = segment_top(counts * max_k, values, max_k)
+    top, _ = segment_top(counts * max_k, values, max_k, path=path)
     kept = torch.zeros_like(tied).scatter_add_(0, seg, parts.kept).clamp(max=max_k)
 
     boundary_value = _gather_column(top, kept - 1)[seg]
@@ -438,7 +482,14 @@ def _as_rows(state: Tensor | Sequence[Tensor], max_k: int) -> Tensor | None:
     return rows.reshape(-1, ROW_PREFIX + max_k)
 
 
-def compact(state: list[Tensor], max_k: int, complete_queries: bool = False) -> list[Tensor]:
+def compact(
+    state: list[Tensor],
+    max_k: int,
+    complete_queries: bool = False,
+    *,
+    path: SegmentPath = "auto",
+    slack: int = COMPACT_SLACK,
+) -> list[Tensor]:
     """Merge the state blocks into one once they hold too many rows.
 
     Merging happens when the blocks hold more than twice the rows of the first block
@@ -448,14 +499,21 @@ def compact(state: list[Tensor], max_k: int, complete_queries: bool = False) -> 
     if len(state) < 2:
         return state
     total = sum(block.shape[0] for block in state)
-    if total <= 2 * state[0].shape[0] + _COMPACT_SLACK:
+    if total <= 2 * state[0].shape[0] + slack:
         return state
     rows = _as_rows(state, max_k)
-    return [] if rows is None else [pack(merge(unpack(rows), max_k, complete_queries))]
+    if rows is None:
+        return []
+    return [pack(merge(unpack(rows), max_k, complete_queries, path=path))]
 
 
 def flat_rank_histogram(
-    state: Tensor | Sequence[Tensor], ties: str, max_k: int, complete_queries: bool = False
+    state: Tensor | Sequence[Tensor],
+    ties: str,
+    max_k: int,
+    complete_queries: bool = False,
+    *,
+    path: SegmentPath = "auto",
 ) -> tuple[Tensor, Tensor] | None:
     """The flat state's contribution to the rank histogram, as ``rank_histogram`` gives.
 
@@ -465,5 +523,5 @@ def flat_rank_histogram(
     rows = _as_rows(state, max_k)
     if rows is None:
         return None
-    parts = merge(unpack(rows), max_k, complete_queries)
+    parts = merge(unpack(rows), max_k, complete_queries, path=path)
     return _kernel.rank_histogram(tie_counts(parts, max_k), ties, max_k)

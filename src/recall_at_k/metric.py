@@ -107,6 +107,12 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     _dense_block_bytes: int = _dense.CPU_BLOCK_BYTES
     """Bytes of scores per block of rows on the CPU mask path (a private switch for
     tests; every block size gives the same counts)."""
+    _flat_path: _flat.SegmentPath = "auto"
+    """How the flat form finds each query's top K (a private switch for tests; every
+    path gives the same counts)."""
+    _flat_slack: int = _flat.COMPACT_SLACK
+    """Rows the flat state may grow by before it is compacted (a private switch for
+    tests; every slack gives the same counts)."""
 
     @overload
     def __init__(
@@ -288,6 +294,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             max_k=self.max_k,
             ignore_index=self.ignore_index,
             validate_args=self.validate_args,
+            path=self._flat_path,
         )
         if rows is not None:
             state: list[Tensor] = getattr(self, self._flat_name)
@@ -297,7 +304,13 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     def _compact_flat(self) -> None:
         state = getattr(self, self._flat_name)
         if isinstance(state, list):
-            compacted = _flat.compact(state, self.max_k, self.complete_queries)
+            compacted = _flat.compact(
+                state,
+                self.max_k,
+                self.complete_queries,
+                path=self._flat_path,
+                slack=self._flat_slack,
+            )
             setattr(self, self._flat_name, compacted)
 
     def _after_forward(self) -> None:
@@ -308,7 +321,11 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     def _histograms(self) -> list[Histogram]:
         hist, queries = self.rank_histogram, self.query_counts
         flat = _flat.flat_rank_histogram(
-            getattr(self, self._flat_name), self.ties, self.max_k, self.complete_queries
+            getattr(self, self._flat_name),
+            self.ties,
+            self.max_k,
+            self.complete_queries,
+            path=self._flat_path,
         )
         if flat is not None:
             hist, queries = hist + flat[0], queries + flat[1]

@@ -1,51 +1,91 @@
-"""Property-based agreement of the flat form and of EmbeddingRecallAtK with the references."""
+"""Property-based agreement of every form with the brute-force references (hypothesis).
+
+Dense: the functional API, and the metric over any batching, order and precision. Flat:
+queries split over batches in any order, with ``ignore_index``. Embedding: every
+similarity, exclusion rule, role layout, id repeats and chunk size.
+"""
 
 from __future__ import annotations
 
-import math
 import random
 import warnings
 
+import pytest
 import torch
 from embedding_reference import Batch, reference_embedding_recall
+from helpers import (
+    FLAT_IGNORE,
+    DenseCase,
+    assert_recall_close,
+    dense_cases,
+    embedding_cases,
+    flat_cases,
+)
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from reference import reference_recall
-from strategies import ACTIONS, LEVELS, TIES
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k.functional import retrieval_recall_at_k
 
 PROPERTY = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-IGNORE = -100
 
 
-def _same(got: dict[str, torch.Tensor] | torch.Tensor, want: dict[str, float]) -> bool:
-    assert isinstance(got, dict)
-    for key, value in want.items():
-        actual = float(got[key])
-        if not ((math.isnan(actual) and math.isnan(value)) or abs(actual - value) <= 1e-6):
-            return False
-    return True
+def _expected(case: DenseCase) -> list[float] | None:
+    try:
+        return reference_recall(
+            case.scores, case.mask, case.ignored, case.ks, case.ties, case.action
+        )
+    except ValueError:
+        return None
 
 
-@st.composite
-def flat_cases(draw: st.DrawFn) -> dict[str, object]:
-    levels = draw(st.lists(st.sampled_from(LEVELS), min_size=1, max_size=4, unique=True))
-    use_ignore = draw(st.booleans())
-    items: list[tuple[int, float, int]] = []
-    for query in range(draw(st.integers(1, 6))):
-        for _ in range(draw(st.integers(0, 8))):
-            target = draw(st.sampled_from([0, 1, IGNORE] if use_ignore else [0, 1]))
-            items.append((query * 7 + 3, draw(st.sampled_from(levels)), target))  # sparse ids
-    return {
-        "items": items,
-        "ignore_index": IGNORE if use_ignore else None,
-        "ks": tuple(draw(st.lists(st.integers(1, 10), min_size=1, max_size=3, unique=True))),
-        "ties": draw(st.sampled_from(TIES)),
-        "action": draw(st.sampled_from(ACTIONS)),
-        "seed": draw(st.integers(0, 2**16)),
-        "batches": draw(st.integers(1, 5)),
-    }
+# -------------------------------------------------------------------------- dense
+
+
+@PROPERTY
+@given(case=dense_cases())
+def test_functional_matches_reference(case: DenseCase) -> None:
+    scores, target, ignore = case.tensors()
+    want = _expected(case)
+
+    def run() -> object:
+        return retrieval_recall_at_k(
+            scores, target, case.ks, ignore=ignore, ties=case.ties, empty_target_action=case.action
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if want is None:
+            with pytest.raises(ValueError, match="had no valid positive"):
+                run()
+            return
+        got = run()
+    assert_recall_close(got, want, case.ks)
+
+
+@PROPERTY
+@given(case=dense_cases())
+def test_metric_is_invariant_to_batching_order_and_precision(case: DenseCase) -> None:
+    want = _expected(case)
+    if want is None:
+        return
+    results = []
+    for dtype, reverse in ((torch.float32, False), (torch.float64, True)):
+        scores, target, ignore = case.tensors(dtype)
+        metric = RetrievalRecallAtK(case.ks, ties=case.ties, empty_target_action=case.action)
+        batches = case.batches()
+        for lo, hi in reversed(batches) if reverse else batches:
+            metric.update(
+                scores[lo:hi], target[lo:hi], ignore=None if ignore is None else ignore[lo:hi]
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results.append(metric.compute())
+    assert_recall_close(results[0], want, case.ks)
+    assert_recall_close(results[1], want, case.ks)
+
+
+# --------------------------------------------------------------- flat and embedding
 
 
 @PROPERTY
@@ -57,7 +97,7 @@ def test_flat_form_matches_reference(case: dict[str, object]) -> None:
     # Reference: one row per query that keeps at least one item after ignore_index.
     rows: dict[int, list[tuple[float, int]]] = {}
     for query, score, target in items:
-        if target != IGNORE:
+        if target != FLAT_IGNORE:
             rows.setdefault(query, []).append((score, target))
     scores = [[s for s, _ in row] for row in rows.values()]
     relevant = [[t == 1 for _, t in row] for row in rows.values()]
@@ -85,45 +125,7 @@ def test_flat_form_matches_reference(case: dict[str, object]) -> None:
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert _same(metric.compute(), want)
-
-
-@st.composite
-def embedding_cases(draw: st.DrawFn) -> dict[str, object]:
-    n = draw(st.integers(2, 9))
-    similarity = draw(st.sampled_from(["dot", "euclidean", "cosine"]))
-    # Scores must be exact in float32 whatever kernel the matrix product uses (a fused
-    # multiply-add rounds differently, see the README): small integers for dot and
-    # euclidean; for cosine, vectors whose normalised entries are exact (an axis times
-    # 1 or 2, or four entries of +-1, norm 2), so every cosine is in {0, +-0.5, +-1}.
-    embeddings: list[list[float]] = []
-    for _ in range(n):
-        if similarity == "cosine":
-            kind = draw(st.sampled_from(["axis", "signs"]))
-            if kind == "axis":
-                vector = [0.0] * 4
-                vector[draw(st.integers(0, 3))] = draw(st.sampled_from([-2.0, -1.0, 1.0, 2.0]))
-            else:
-                vector = [draw(st.sampled_from([-1.0, 1.0])) for _ in range(4)]
-        else:
-            coords = st.sampled_from([-1.0, 0.0, 1.0, 2.0])
-            vector = [draw(coords), draw(coords)]
-        embeddings.append(vector)
-    roles = draw(st.sampled_from(["both", "split"]))
-    return {
-        "embeddings": embeddings,
-        "labels": [draw(st.integers(0, 2)) for _ in range(n)],
-        "groups": [draw(st.integers(0, 1)) for _ in range(n)],
-        "use_ids": draw(st.booleans()),
-        "roles": roles,
-        "similarity": similarity,
-        "exclude": draw(st.sampled_from(["none", "same_group", "same_label_and_group"])),
-        "ks": tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3, unique=True))),
-        "ties": draw(st.sampled_from(TIES)),
-        "action": draw(st.sampled_from(("neg", "pos", "skip"))),
-        "chunk_bytes": draw(st.sampled_from([1, 12, 64, 2**20])),
-        "bidirectional": roles == "split" and draw(st.booleans()),
-    }
+        assert_recall_close(metric.compute(), want)
 
 
 @PROPERTY
@@ -171,4 +173,4 @@ def test_embedding_metric_matches_reference(case: dict[str, object]) -> None:
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert _same(metric.compute(), want)
+        assert_recall_close(metric.compute(), want)

@@ -1,20 +1,26 @@
-"""The dense kernel, functional API and metric against the brute-force reference."""
+"""The dense form against the brute-force reference: the kernel, functional API and metric.
+
+Random cases over every tie policy and empty-target action (with default and one-row CPU
+blocks), the mask path against the select path, the worked example of the definition,
+extreme but legal inputs (+-inf, K past the gallery, every item ignored, strided and
+half precision inputs), NaN found by the mask path itself, ``validate_args=False``, and
+``query_ids``: padded repeats count once.
+"""
 
 from __future__ import annotations
 
 import itertools
 import math
 import random
+import warnings
 
 import pytest
 import torch
+from helpers import ACTIONS, DETERMINISTIC_TIES, TIES, assert_recall_close, tied_rows
 from reference import reference_first_hit_rank, reference_recall
 
 from recall_at_k import RetrievalRecallAtK, _dense, _kernel
 from recall_at_k.functional import retrieval_first_hit_rank, retrieval_recall_at_k
-
-TIES = ("pessimistic", "optimistic", "expected")
-ACTIONS = ("neg", "pos", "skip", "error")
 
 
 def _random_case(rng: random.Random) -> dict[str, object]:
@@ -49,15 +55,6 @@ def _random_case(rng: random.Random) -> dict[str, object]:
     }
 
 
-def _assert_close(actual: dict[str, torch.Tensor], expected: list[float], ks: tuple[int, ...]):
-    for k, want in zip(ks, expected, strict=True):
-        got = float(actual[f"recall@{k}"])
-        if math.isnan(want):
-            assert math.isnan(got), (k, got)
-        else:
-            assert got == pytest.approx(want, abs=1e-6), (k, got, want)
-
-
 @pytest.mark.parametrize("block_bytes", [None, 1], ids=["default-blocks", "one-row-blocks"])
 @pytest.mark.parametrize("seed", range(6))
 def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
@@ -89,7 +86,7 @@ def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
                 scores, target, ks, ignore=ignore, ties=ties, empty_target_action=action
             )
         assert isinstance(got, dict)
-        _assert_close(got, expected, ks)
+        assert_recall_close(got, expected, ks)
 
         # The metric, fed the same rows in a random split into batches, agrees too.
         metric = RetrievalRecallAtK(ks, ties=ties, empty_target_action=action)
@@ -104,7 +101,7 @@ def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
         with pytest.warns(UserWarning) if math.isnan(expected[0]) else _no_warning():
             from_metric = metric.compute()
         assert isinstance(from_metric, dict)
-        _assert_close(from_metric, expected, ks)
+        assert_recall_close(from_metric, expected, ks)
 
         if ties != "expected":
             ranks = retrieval_first_hit_rank(scores, target, ignore=ignore, ties=ties)
@@ -145,14 +142,14 @@ def _several_row_blocks_case() -> tuple[torch.Tensor, torch.Tensor]:
     return scores, mask
 
 
-@pytest.mark.parametrize("ties", ["pessimistic", "optimistic"])
+@pytest.mark.parametrize("ties", DETERMINISTIC_TIES)
 def test_mask_path_agrees_on_a_batch_of_several_row_blocks(ties: str) -> None:
     scores, mask = _several_row_blocks_case()
     ks = (1, 5, 10, 100)
     expected = reference_recall(scores.tolist(), mask.tolist(), None, ks, ties, "neg")
     got = retrieval_recall_at_k(scores, mask, ks, ties=ties, empty_target_action="neg")
     assert isinstance(got, dict)
-    _assert_close(got, expected, ks)
+    assert_recall_close(got, expected, ks)
     ranks = retrieval_first_hit_rank(scores, mask, ties=ties)
     want = [
         reference_first_hit_rank(row, m, None, ties)
@@ -177,8 +174,8 @@ def test_mask_path_counts_equal_the_select_path_for_every_count() -> None:
         assert torch.equal(a[has], b[has]), name
 
 
-def test_design_worked_examples_through_the_metric() -> None:
-    """DESIGN section 1: ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] -> R@1 0.5, R@5 0.8."""
+def test_worked_examples_through_the_metric() -> None:
+    """The worked example of the definition: ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] -> R@1 0.5, R@5 0.8."""
     ranks = [1, 1, 2, 1, 8, 3, 1, 12, 1, 4]
     gallery = 20
     # Query q's true item is column 0 and exactly rank - 1 negatives score above it.
@@ -227,3 +224,178 @@ def test_expected_is_exact_for_ten_million_tied_items() -> None:
             ee, pp = int(e[q]), int(p[q])
             want = 0.0 if m <= 0 else 1 - math.comb(ee, m) / math.comb(ee + pp, m)
             assert float(prob[q, j]) == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def _check(scores: torch.Tensor, mask: torch.Tensor, ks: tuple[int, ...], **kw: object) -> None:
+    """Both target forms (when one positive a row) and the mask form agree with the reference."""
+    ignore = kw.pop("ignore", None)
+    for ties in TIES:
+        want = reference_recall(
+            scores.double().tolist(),
+            mask.tolist(),
+            None if ignore is None else ignore.tolist(),  # type: ignore[attr-defined]
+            ks,
+            ties,
+            "neg",
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = retrieval_recall_at_k(scores, mask, ks, ignore=ignore, ties=ties)  # type: ignore[arg-type]
+        assert isinstance(got, dict)
+        # pytest.approx's default tolerance: relative 1e-6, absolute 1e-12
+        assert_recall_close(got, want, ks, abs=1e-12, rel=1e-6, where=ties)
+        if bool((mask.sum(1) <= 1).all()):
+            column = torch.where(mask.any(1), mask.int().argmax(1), -1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                by_index = retrieval_recall_at_k(scores, column, ks, ignore=ignore, ties=ties)  # type: ignore[arg-type]
+            assert by_index == got
+
+
+def test_infinite_scores_are_ordinary_values() -> None:
+    inf = float("inf")
+    scores = torch.tensor(
+        [
+            [inf, inf, 0.0, -inf],
+            [-inf, -inf, -inf, 1.0],
+            [inf, 2.0, -inf, inf],
+            [-inf, -inf, 0.0, 0.0],
+        ]
+    )
+    mask = torch.tensor([[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0]], dtype=torch.bool)
+    _check(scores, mask, (1, 2, 3, 4))
+    # several positives at -inf, and at +inf
+    mask2 = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    _check(scores, mask2, (1, 2, 3))
+
+
+def test_k_larger_than_the_gallery_single_item_and_single_query() -> None:
+    _check(
+        torch.tensor([[0.3, 0.1, 0.2]]), torch.tensor([[0, 0, 1]], dtype=torch.bool), (1, 5, 100)
+    )
+    _check(torch.rand(6, 1), torch.tensor([[1], [0], [1], [1], [0], [1]], dtype=torch.bool), (1, 2))
+    _check(torch.rand(1, 1), torch.ones(1, 1, dtype=torch.bool), (1,))
+
+
+def test_every_item_ignored_and_all_scores_equal() -> None:
+    scores = torch.ones(3, 5)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[:, 2] = True
+    _check(scores, mask, (1, 3, 5), ignore=torch.ones(3, 5, dtype=torch.bool))
+    _check(scores, mask, (1, 3, 5))
+    assert retrieval_first_hit_rank(scores, mask).tolist() == [5, 5, 5]
+    assert retrieval_first_hit_rank(scores, mask, ties="optimistic").tolist() == [1, 1, 1]
+
+
+def test_non_contiguous_and_expanded_inputs() -> None:
+    base = torch.randint(0, 3, (8, 12)).float()
+    mask = torch.rand(8, 12) < 0.2
+    _check(base.t().contiguous().t(), mask, (1, 4))  # column-major strides
+    _check(base[:, ::2], mask[:, ::2], (1, 3))  # strided view
+    row = torch.tensor([[0.5, 0.1, 0.5, 0.9]])
+    expanded = row.expand(6, 4)  # stride 0 rows
+    _check(expanded, torch.eye(6, 4, dtype=torch.bool), (1, 2, 3))
+    metric = RetrievalRecallAtK(k=(1, 2))
+    metric.update(expanded, torch.eye(6, 4, dtype=torch.bool).t().contiguous().t())
+    assert metric.compute() == retrieval_recall_at_k(
+        expanded, torch.eye(6, 4, dtype=torch.bool), (1, 2)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_ranked_in_its_own_precision(dtype: torch.dtype) -> None:
+    # 1.0 and 1.0001 are distinct in float32 but the same float16/bfloat16 value: a real tie.
+    scores32 = torch.tensor([[1.0001, 1.0, 0.5]])
+    target = torch.tensor([1])
+    assert float(retrieval_recall_at_k(scores32, target, k=1, ties="optimistic")) == 0.0  # type: ignore[arg-type]
+    half = scores32.to(dtype)
+    assert half[0, 0] == half[0, 1]
+    assert float(retrieval_recall_at_k(half, target, k=1, ties="optimistic")) == 1.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(half, target, k=1)) == 0.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(half, target, k=1, ties="expected")) == 0.5  # type: ignore[arg-type]
+    # ... and half scores agree with the reference applied to their own values.
+    scores = torch.randint(0, 4, (6, 7)).to(dtype) / 3
+    _check(scores, torch.rand(6, 7) < 0.3, (1, 2, 5))
+
+
+def test_value_checks_are_skipped_without_validate_args() -> None:
+    metric = RetrievalRecallAtK(k=1, validate_args=False)
+    metric.update(torch.tensor([[0.1, 0.5], [0.2, 0.3]]), torch.tensor([[0, 1], [1, 0]]))
+    assert float(metric.compute()) == 0.5  # type: ignore[arg-type]
+    # structural checks still run: they need no synchronisation
+    with pytest.raises(ValueError, match=r"`scores` must be a floating point tensor"):
+        metric.update(torch.ones(2, 2, dtype=torch.int64), torch.tensor([0, 1]))
+
+
+def test_no_counted_query_warns_and_returns_nan() -> None:
+    metric = RetrievalRecallAtK(k=(1, 5), empty_target_action="skip")
+    with pytest.warns(UserWarning, match=r"No query was counted for Recall@K"):
+        result = metric.compute()
+    assert isinstance(result, dict)
+    assert all(torch.isnan(v) for v in result.values())
+    metric.update(torch.rand(2, 3), torch.tensor([-1, -1]))
+    with pytest.warns(UserWarning, match=r"No query was counted"):
+        metric.compute()
+
+
+@pytest.mark.parametrize(
+    ("position", "target_kind"),
+    [
+        ((0, 0), "bool"),  # on a positive
+        ((1, 3), "bool"),  # on a negative
+        ((4, 2), "bool"),  # in a row without a positive
+        ((5, 1), "bool"),  # in a row whose positive scores -inf
+        ((299, 699), "bool"),  # the last row of the second CPU row block
+        ((7, 5), "int"),  # 0/1 integer mask
+    ],
+)
+def test_nan_is_found_by_the_mask_path_itself(position: tuple[int, int], target_kind: str) -> None:
+    """A [Q, G] mask without ignore takes the CPU path that detects NaN rows in its own
+    pass (no separate NaN check); the error, its count and the untouched state hold."""
+    scores = torch.rand(300, 700)
+    mask = torch.zeros(300, 700, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[4] = False
+    scores[5, 0] = float("-inf")
+    scores[position] = float("nan")
+    scores[150, 10] = float("nan")
+    target = mask if target_kind == "bool" else mask.to(torch.int64)
+    match = r"`scores` must not contain NaN, found 2 NaN value\(s\)"
+    metric = RetrievalRecallAtK(k=(1, 5))
+    metric.update(torch.rand(2, 700), mask[:2])
+    before = metric.rank_histogram.clone(), metric.query_counts.clone()
+    with pytest.raises(ValueError, match=match):
+        metric.update(scores, target)
+    assert torch.equal(metric.rank_histogram, before[0])
+    assert torch.equal(metric.query_counts, before[1])
+    for ties in DETERMINISTIC_TIES:
+        with pytest.raises(ValueError, match=match):
+            retrieval_first_hit_rank(scores, target, ties=ties)
+    for ties in TIES:
+        with pytest.raises(ValueError, match=match):
+            retrieval_recall_at_k(scores, target, ties=ties)
+
+
+@pytest.mark.parametrize("ties", TIES)
+def test_repeated_ids_count_once(ties: str) -> None:
+    scores, target = tied_rows()
+    want = retrieval_recall_at_k(scores, target, (1, 2, 4), ties=ties)
+    metric = RetrievalRecallAtK((1, 2, 4), ties=ties)
+    order = torch.cat([torch.arange(31), torch.tensor([0, 5, 5, 30])])  # repeats
+    for rows in order.split(7):
+        metric.update(scores[rows], target[rows], query_ids=rows)
+    assert metric.compute() == want
+    # Without ids the repeats are counted again: the number differs.
+    plain = RetrievalRecallAtK((1, 2, 4), ties=ties)
+    plain.update(scores[order], target[order])
+    assert plain.compute() != want
+
+
+def test_query_ids_and_plain_rows_count_together_and_forward_works() -> None:
+    scores, target = tied_rows()
+    metric = RetrievalRecallAtK((1, 3))
+    batch_value = metric(scores[:10], target[:10], query_ids=torch.arange(10))
+    assert batch_value == retrieval_recall_at_k(scores[:10], target[:10], (1, 3))
+    metric(scores[:10], target[:10], query_ids=torch.arange(10))  # all repeats
+    metric.update(scores[10:], target[10:])  # rows without ids: complete, distinct
+    assert metric.compute() == retrieval_recall_at_k(scores, target, (1, 3))
