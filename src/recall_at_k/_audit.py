@@ -1,0 +1,431 @@
+"""The protocol audit of :class:`recall_at_k.EmbeddingRecallAtK`: pure functions, no Metric.
+
+What :meth:`~recall_at_k.EmbeddingRecallAtK.protocol_report` counts, per direction:
+
+- ``identical_positive`` / ``identical_negative``: counted queries whose gallery holds a
+  non-ignored item (not the query's own sample, not excluded by ``exclude``) with a
+  bitwise-equal embedding, of the query's label / another label;
+- ``duplicate_gallery_items``: gallery items bitwise-equal to an earlier gallery item
+  (gallery items are distinct samples: ids repeated within a role count once);
+- with a ``near_duplicate`` threshold, ``near_positive`` / ``near_negative`` (a
+  non-ignored gallery item scored at or above it; identical items count too) and
+  ``near_hits_at_1`` (queries whose rank-1 hit scores at or above it).
+
+The identical and duplicate counts need no scores: one sort of the embeddings' bit
+patterns gives each item the class of its bitwise-equal rows, and composite keys
+(class, label, group) turn "is there such an item in my gallery" into counts looked up
+per query. Everything is O(N log N) sorts and O(N) gathers, whatever the data (every
+embedding equal included): no loop over queries, no pairs.
+
+The near counts need a score per (query, gallery item). :func:`near_counts` computes
+them in a separate pass over tiles of at most ``chunk_bytes`` of scores (never the
+whole query x gallery matrix); it is not (yet) part of the ranking's own tiles, so it
+costs about one more pass of scoring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from recall_at_k._types import Similarity
+
+CPU_TILE_BYTES = 32 * 2**20
+"""On CPU, a near-duplicate tile holds at most this many bytes (scores and masks)."""
+_MASK_BYTES = 6
+"""Bytes of boolean masks per score in a near-duplicate tile."""
+
+_BITS = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+class Codes(NamedTuple):
+    """Per item, int64 codes in ``[0, N)``: equal codes = equal keys."""
+
+    klass: Tensor  # the class of bitwise-equal embeddings
+    label: Tensor
+    group: Tensor
+    label_group: Tensor
+    class_label: Tensor
+    class_group: Tensor
+    class_label_group: Tensor
+
+
+class DirectionAudit(NamedTuple):
+    """The audit of one direction's queries, per query (``[Q]`` bool)."""
+
+    counted: Tensor  # counted by compute() under empty_target_action
+    identical_positive: Tensor
+    identical_negative: Tensor
+    duplicate_gallery_items: int
+
+
+def bitwise_classes(embeddings: Tensor) -> Tensor:
+    """int64 ``[N]``: rows with the same bit pattern share a class (``0..C-1``).
+
+    Bitwise equality is stricter than ``==``: ``-0.0`` and ``0.0`` differ, and so do
+    NaN payloads (embeddings are finite when ``validate_args=True``).
+    """
+    num, width = embeddings.shape
+    if num == 0 or width == 0:
+        return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
+    bits = embeddings.contiguous().view(_BITS[embeddings.dtype])
+    return cast(Tensor, torch.unique(bits, dim=0, return_inverse=True)[1])
+
+
+def _code(values: Tensor) -> Tensor:
+    return cast(Tensor, torch.unique(values, return_inverse=True)[1])
+
+
+def _pair(a: Tensor, b: Tensor) -> Tensor:
+    """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2)."""
+    if a.numel() == 0:
+        return a.clone()
+    return _code(a * (int(b.max()) + 1) + b)
+
+
+def codes(embeddings: Tensor, labels: Tensor, groups: Tensor) -> Codes:
+    """The composite keys the audit counts with, over every stored item."""
+    klass = bitwise_classes(embeddings)
+    label, group = _code(labels), _code(groups)
+    class_label = _pair(klass, label)
+    return Codes(
+        klass,
+        label,
+        group,
+        _pair(label, group),
+        class_label,
+        _pair(klass, group),
+        _pair(class_label, group),
+    )
+
+
+def audit_direction(
+    keys: Codes,
+    queries: tuple[Tensor, Tensor],
+    gallery: tuple[Tensor, Tensor],
+    exclude: str,
+    empty_target_action: str,
+) -> DirectionAudit:
+    """Identical positives / negatives of each query and the gallery's duplicates.
+
+    Each count is "gallery items with the query's key" (a ``bincount`` of the gallery's
+    codes, read at the query's code), by inclusion-exclusion over the ignore rules,
+    minus the query's own sample when it is in the gallery and would be counted.
+
+    Args:
+        keys: :func:`codes` of every item.
+        queries: ``(rows, identity)`` of the queries (rows into the items).
+        gallery: ``(rows, identity)`` of the gallery, each sample once.
+        exclude: ``"none"``, ``"same_group"`` or ``"same_label_and_group"``.
+        empty_target_action: which queries ``compute()`` counts.
+    """
+    q_rows, q_identity = queries
+    g_rows, g_identity = gallery
+    num = keys.klass.shape[0]
+
+    def in_gallery(code: Tensor) -> Tensor:
+        """Per query: the gallery items that share the query's ``code``."""
+        return torch.bincount(code[g_rows], minlength=num)[code[q_rows]]
+
+    # The query's own sample in the gallery (the ranking ignores it), where it is there.
+    has_self = torch.zeros_like(q_rows, dtype=torch.bool)
+    self_row = q_rows
+    if g_identity.numel():
+        ident_sorted, order = torch.sort(g_identity)
+        position = torch.searchsorted(ident_sorted, q_identity)
+        position = position.clamp(max=ident_sorted.shape[0] - 1)
+        has_self = ident_sorted[position] == q_identity
+        self_row = g_rows[order[position]]
+    same_class = has_self & (keys.klass[self_row] == keys.klass[q_rows])
+    same_label = keys.label[self_row] == keys.label[q_rows]
+    same_group = keys.group[self_row] == keys.group[q_rows]
+    grouped = exclude != "none"  # both rules ignore same-group items of the same label
+    # Valid positives (which queries compute() counts), then the identical ones.
+    self_positive = has_self & same_label & ~(same_group & grouped)
+    positives = in_gallery(keys.label) - self_positive.long()
+    identical_pos = in_gallery(keys.class_label) - (self_positive & same_class).long()
+    if grouped:
+        positives -= in_gallery(keys.label_group)
+        identical_pos -= in_gallery(keys.class_label_group)
+    # Identical negatives: another label; only "same_group" ignores negatives.
+    group_rule = exclude == "same_group"
+    self_negative = same_class & ~same_label & ~(same_group & group_rule)
+    identical_neg = in_gallery(keys.klass) - in_gallery(keys.class_label)
+    identical_neg -= self_negative.long()
+    if group_rule:
+        identical_neg -= in_gallery(keys.class_group) - in_gallery(keys.class_label_group)
+    if empty_target_action in ("skip", "error"):
+        counted = positives > 0
+    else:
+        counted = torch.ones_like(positives, dtype=torch.bool)
+    gallery_classes = torch.bincount(keys.klass[g_rows], minlength=num)
+    duplicates = int(g_rows.shape[0]) - int((gallery_classes > 0).sum())
+    return DirectionAudit(
+        counted, counted & (identical_pos > 0), counted & (identical_neg > 0), duplicates
+    )
+
+
+# ------------------------------------------------------------------ near-duplicates
+
+
+class AuditOptions(NamedTuple):
+    """The metric's options that the audit reads."""
+
+    exclude: str
+    empty_target_action: str
+    near_duplicate: float | None  # the threshold; None: no near-duplicate pass
+    similarity: Similarity
+    ties: str
+    chunk_bytes: int
+
+
+def near_counts(
+    prepared: Tensor,
+    labels: Tensor,
+    groups: Tensor,
+    queries: tuple[Tensor, Tensor],
+    gallery: tuple[Tensor, Tensor],
+    options: AuditOptions,
+) -> Tensor:
+    assert options.near_duplicate is not None
+    """int64 ``[3]``: queries with a near positive, a near negative, a near hit at 1.
+
+    A separate pass over tiles of queries (scores of at most ``chunk_bytes``, and on CPU
+    at most ``CPU_TILE_BYTES`` of scores and masks): a query's near items are its
+    non-ignored gallery items scored at or above ``options.near_duplicate``; its rank-1 hit
+    is near when it is a hit at rank 1 (no valid negative scored above its best valid
+    positive, nor equal to it unless ``ties="optimistic"``) whose score s* is at or
+    above the threshold. Only queries ``compute()`` counts are counted.
+
+    Args:
+        prepared: embeddings from :func:`recall_at_k._embedding.prepare` (normalised for
+            ``"cosine"``), every item.
+        labels: int64 ``[N]``; groups: int64 ``[N]``.
+        queries: ``(rows, identity)`` of the queries this process counts.
+        gallery: ``(rows, identity)`` of the whole gallery.
+        options: threshold, similarity, exclusion, ties, empty-target rule, tile size.
+    """
+    q_rows, q_identity = queries
+    g_rows, g_identity = gallery
+    device = prepared.device
+    total = torch.zeros(3, dtype=torch.int64, device=device)
+    num_gallery = g_rows.shape[0]
+    if q_rows.numel() == 0 or num_gallery == 0:
+        return total
+    g_embeddings = prepared[g_rows]
+    g_labels, g_groups = labels[g_rows], groups[g_rows]
+    g_sq_norms = g_embeddings.square().sum(dim=1) if options.similarity == "euclidean" else None
+    budget = options.chunk_bytes
+    if device.type == "cpu":
+        budget = min(budget, CPU_TILE_BYTES)
+    per_row = num_gallery * (prepared.element_size() + _MASK_BYTES)
+    rows_per_tile = max(1, budget // max(1, per_row))
+    for start in range(0, q_rows.shape[0], rows_per_tile):
+        rows = q_rows[start : start + rows_per_tile]
+        tile = prepared[rows]
+        if callable(options.similarity):
+            scores = options.similarity(tile, g_embeddings).detach()
+        elif g_sq_norms is not None:
+            scores = torch.addmm(g_sq_norms.neg().unsqueeze(0), tile, g_embeddings.T, alpha=2)
+            scores.sub_(tile.square().sum(dim=1, keepdim=True))
+        else:
+            scores = tile @ g_embeddings.T
+        target = labels[rows].unsqueeze(1) == g_labels.unsqueeze(0)
+        valid = q_identity[start : start + rows_per_tile].unsqueeze(1) != g_identity.unsqueeze(0)
+        if options.exclude != "none":
+            same_group = groups[rows].unsqueeze(1) == g_groups.unsqueeze(0)
+            if options.exclude == "same_label_and_group":
+                same_group &= target
+            valid &= ~same_group
+        positive = valid & target
+        negative = valid & ~target
+        near = scores >= options.near_duplicate
+        best = torch.where(positive, scores, float("-inf")).amax(dim=1, keepdim=True)
+        has_positive = positive.any(dim=1)
+        if options.ties == "optimistic":
+            beaten = (negative & (scores > best)).any(dim=1)
+        else:
+            beaten = (negative & (scores >= best)).any(dim=1)
+        counted = has_positive
+        if options.empty_target_action not in ("skip", "error"):
+            counted = torch.ones_like(has_positive)
+        near_hit = has_positive & ~beaten & (best.squeeze(1) >= options.near_duplicate)
+        total += torch.stack(
+            [
+                (counted & (near & positive).any(dim=1)).sum(),
+                (counted & (near & negative).any(dim=1)).sum(),
+                near_hit.sum(),
+            ]
+        )
+    return total
+
+
+def shard(queries: tuple[Tensor, Tensor], group: Any | None) -> tuple[Tensor, Tensor]:
+    """This process's contiguous share of the queries (all of them without ``group``)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return queries
+    world, me = dist.get_world_size(group.group), dist.get_rank(group.group)
+    num = queries[0].shape[0]
+    lo, hi = num * me // world, num * (me + 1) // world
+    return queries[0][lo:hi], queries[1][lo:hi]
+
+
+def sum_shares(counts: Tensor, group: Any | None) -> Tensor:
+    """``counts`` summed over the processes of ``group`` (unchanged without one)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return counts
+    if dist.get_world_size(group.group) > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group.group)
+    return counts
+
+
+# ------------------------------------------------------------------ report, warning
+
+
+def check_near_duplicate(value: object) -> float | None:
+    """``near_duplicate``: None or a finite real threshold (in the metric's similarity)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            "`near_duplicate` must be None or a finite float (a threshold in the metric's"
+            f" own similarity, such as 0.95 for cosine), got {value!r}"
+        )
+    if not torch.isfinite(torch.tensor(float(value), dtype=torch.float64)):
+        raise ValueError(f"`near_duplicate` must be finite, got {value!r}")
+    return float(value)
+
+
+Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def counted_queries(
+    histograms: Sequence[tuple[Tensor, Tensor] | None], empty_target_action: str
+) -> list[int | None]:
+    """The counted queries of each direction, from the ranking's query counts (with,
+    without a valid positive), by the rule of ``compute()``."""
+    skip = empty_target_action in ("skip", "error")
+    return [None if h is None else int(h[1][0]) + (0 if skip else int(h[1][1])) for h in histograms]
+
+
+def protocol_reports(
+    stored: tuple[Tensor, Tensor],
+    prepared: Tensor | None,
+    directions: Sequence[Sides | None],
+    counted: Sequence[int | None],
+    options: AuditOptions,
+    group: Any | None,
+) -> list[dict[str, int]]:
+    """The report of each direction, identical on every process.
+
+    Args:
+        stored: the stored embeddings ``[N, D]`` (bit patterns compared as stored) and
+            metadata ``[N, >= 2]`` (label, group first).
+        prepared: the embeddings as scored (needed for the near-duplicate pass).
+        directions: ``((query rows, identity), (gallery rows, identity))`` per
+            direction, or None for a direction without queries or gallery.
+        counted: the counted queries of each direction as ``compute()`` found them, or
+            None to count them here (by the same rule).
+        options: the metric's options.
+        group: the process group to share the near pass over (None: all queries here).
+    """
+    embeddings, labels, groups = stored[0], stored[1][:, 0], stored[1][:, 1]
+    near = options.near_duplicate is not None and prepared is not None
+    keys = codes(embeddings, labels, groups)
+    reports: list[dict[str, int]] = []
+    previous: Sides | None = None
+    for sides, queries in zip(directions, counted, strict=False):
+        if sides is None:
+            reports.append(empty_report(options.near_duplicate is not None))
+            continue
+        if previous is not None and all(
+            torch.equal(a[0], b[0]) for a, b in zip(previous, sides, strict=True)
+        ):
+            reports.append(dict(reports[-1]))
+            continue
+        previous = sides
+        audit = audit_direction(
+            keys, sides[0], sides[1], options.exclude, options.empty_target_action
+        )
+        found = None
+        if near and prepared is not None:
+            share = shard(sides[0], group)
+            found = near_counts(prepared, labels, groups, share, sides[1], options)
+            found = sum_shares(found, group)
+        queries = int(audit.counted.sum()) if queries is None else queries
+        reports.append(report(queries, audit, found))
+    return reports
+
+
+def report(queries: int, audit: DirectionAudit, near: Tensor | None) -> dict[str, int]:
+    """One direction's report, its keys in the documented order."""
+    result = {
+        "queries": queries,
+        "identical_positive": int(audit.identical_positive.sum()),
+        "identical_negative": int(audit.identical_negative.sum()),
+    }
+    if near is not None:
+        near_positive, near_negative, near_hits = (int(v) for v in near.tolist())
+        result["near_positive"] = near_positive
+        result["near_negative"] = near_negative
+        result["near_hits_at_1"] = near_hits
+    result["duplicate_gallery_items"] = audit.duplicate_gallery_items
+    return result
+
+
+def empty_report(near: bool) -> dict[str, int]:
+    """The report of a direction without queries or gallery: every count 0."""
+    keys = ["queries", "identical_positive", "identical_negative"]
+    keys += ["near_positive", "near_negative", "near_hits_at_1"] if near else []
+    return dict.fromkeys([*keys, "duplicate_gallery_items"], 0)
+
+
+def warning_message(
+    names: Sequence[str], reports: Sequence[dict[str, int]], directions: Sequence[Sides | None]
+) -> str | None:
+    """The warning about identical positives or duplicate gallery items, or None.
+
+    Args:
+        names: the direction names (``""`` for a metric with one direction).
+        reports: the report of each direction.
+        directions: each direction's sides, or None.
+    """
+    gallery = [0 if d is None else int(d[1][0].shape[0]) for d in directions]
+    reports_named = list(zip(names, reports, strict=False))
+    findings = []
+    for (name, found), size in zip(reports_named, gallery, strict=False):
+        where = f"direction {name!r}: " if name else ""
+        identical, queries = found["identical_positive"], found["queries"]
+        duplicates = found["duplicate_gallery_items"]
+        if identical:
+            findings.append(
+                f"{where}{identical} of {queries} counted queries ({identical / queries:.1%})"
+                " have a bitwise-identical item of their own label in their gallery, a"
+                " guaranteed hit (leakage)"
+            )
+        if duplicates:
+            findings.append(
+                f"{where}{duplicates} of {size} gallery items ({duplicates / max(size, 1):.1%})"
+                " are bitwise-identical to another gallery item, so every query ranks each"
+                " repeat again"
+            )
+    if not findings:
+        return None
+    return (
+        "EmbeddingRecallAtK: "
+        + "; ".join(findings)
+        + ". Fixes: pass `ids=` so that repeats of one sample (a caption-indexed loader"
+        " repeating its images, DistributedSampler padding, a query that is also in the"
+        " gallery) count once; pass `groups=` with exclude='same_group' to ignore items of"
+        " the query's own source; or de-duplicate the gallery. protocol_report() has the"
+        " counts. (Shown once per metric instance.)"
+    )
