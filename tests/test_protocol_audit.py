@@ -46,11 +46,16 @@ def _bits(row: Tensor) -> Tensor:
     return row.view(torch.int32)
 
 
-def _score(query: Tensor, item: Tensor, similarity: str) -> float:
+def dot(queries: Tensor, gallery: Tensor) -> Tensor:
+    """A callable similarity (module level: the two-process test pickles it)."""
+    return queries @ gallery.T
+
+
+def _score(query: Tensor, item: Tensor, similarity: Any) -> float:
     q, g = query.double(), item.double()
     if similarity == "cosine":
         return float(q @ g / (q.norm() * g.norm()))
-    if similarity == "dot":
+    if similarity == "dot" or similarity is dot:
         return float(q @ g)
     return -float(((q - g) ** 2).sum())
 
@@ -255,6 +260,7 @@ def cases() -> list[Case]:
             {**near, "exclude": "same_group", "bidirectional": True},
         ),
         Case("loo_dot_no_near", [data], {"similarity": "dot"}),
+        Case("loo_callable", split(data, 2), {"similarity": dot, "near_duplicate": 12.0}),
         Case("loo_euclidean", [data], {"similarity": "euclidean", "near_duplicate": -1e-2}),
     ]
     return out

@@ -32,12 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k._kernel import count_dtype
 from recall_at_k._types import Similarity
 
 CPU_TILE_BYTES = 32 * 2**20
-"""On CPU, a near-duplicate tile holds at most this many bytes (scores and masks)."""
-_MASK_BYTES = 6
-"""Bytes of boolean masks per score in a near-duplicate tile."""
+"""On CPU, a near-duplicate tile holds at most this many bytes of scores."""
 
 _BITS = {
     torch.float16: torch.int16,
@@ -196,15 +195,20 @@ def near_counts(
     gallery: tuple[Tensor, Tensor],
     options: AuditOptions,
 ) -> Tensor:
-    assert options.near_duplicate is not None
     """int64 ``[3]``: queries with a near positive, a near negative, a near hit at 1.
 
-    A separate pass over tiles of queries (scores of at most ``chunk_bytes``, and on CPU
-    at most ``CPU_TILE_BYTES`` of scores and masks): a query's near items are its
-    non-ignored gallery items scored at or above ``options.near_duplicate``; its rank-1 hit
-    is near when it is a hit at rank 1 (no valid negative scored above its best valid
-    positive, nor equal to it unless ``ties="optimistic"``) whose score s* is at or
-    above the threshold. Only queries ``compute()`` counts are counted.
+    A separate pass over tiles of queries (at most ``chunk_bytes`` of scores, and on
+    CPU ``CPU_TILE_BYTES``, plus one buffer of the same size): a query's near items are
+    its non-ignored gallery items scored at or above ``options.near_duplicate``; its
+    rank-1 hit is near when it is a hit at rank 1 (no valid negative scored above its
+    best valid positive s*, nor equal to it unless ``ties="optimistic"``: a certain hit
+    under ``"expected"``) and s* is at or above the threshold. Only queries
+    ``compute()`` counts are counted.
+
+    As in the ranking, the gallery's columns are sorted by label, so a query's
+    positives (and the label-and-group junk) are one block of columns: the full-width
+    work per tile is the product and two comparisons (with the threshold, with s*);
+    negatives are "every item" minus "the block".
 
     Args:
         prepared: embeddings from :func:`recall_at_k._embedding.prepare` (normalised for
@@ -214,55 +218,89 @@ def near_counts(
         gallery: ``(rows, identity)`` of the whole gallery.
         options: threshold, similarity, exclusion, ties, empty-target rule, tile size.
     """
+    assert options.near_duplicate is not None
+    threshold = options.near_duplicate
     q_rows, q_identity = queries
-    g_rows, g_identity = gallery
     device = prepared.device
     total = torch.zeros(3, dtype=torch.int64, device=device)
-    num_gallery = g_rows.shape[0]
-    if q_rows.numel() == 0 or num_gallery == 0:
+    if q_rows.numel() == 0 or gallery[0].numel() == 0:
         return total
-    g_embeddings = prepared[g_rows]
-    g_labels, g_groups = labels[g_rows], groups[g_rows]
-    g_sq_norms = g_embeddings.square().sum(dim=1) if options.similarity == "euclidean" else None
+    # The gallery in label order; each query's block of columns and its own column.
+    g_labels, order = torch.sort(labels[gallery[0]], stable=True)
+    g_rows, g_identity = gallery[0][order], gallery[1][order]
+    g_embeddings, g_groups = prepared[g_rows], groups[g_rows]
+    num_gallery = g_rows.shape[0]
+    block_labels, block_counts = torch.unique_consecutive(g_labels, return_counts=True)
+    block_starts = torch.cumsum(block_counts, dim=0) - block_counts
+    q_labels, q_groups = labels[q_rows], groups[q_rows]
+    block = torch.searchsorted(block_labels, q_labels).clamp(max=block_labels.shape[0] - 1)
+    q_start = block_starts[block]
+    q_count = torch.where(block_labels[block] == q_labels, block_counts[block], 0)
+    identity_sorted, identity_column = torch.sort(g_identity)
+    position = torch.searchsorted(identity_sorted, q_identity).clamp(max=num_gallery - 1)
+    is_self = identity_sorted[position] == q_identity
+    self_column = torch.where(is_self, identity_column[position], -1)
+    g_neg_sq = None
+    if options.similarity == "euclidean":
+        g_neg_sq = g_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
+    buffers: tuple[Tensor, Tensor] | None = None
+    counts_all = options.empty_target_action not in ("skip", "error")
     budget = options.chunk_bytes
     if device.type == "cpu":
         budget = min(budget, CPU_TILE_BYTES)
-    per_row = num_gallery * (prepared.element_size() + _MASK_BYTES)
-    rows_per_tile = max(1, budget // max(1, per_row))
+    rows_per_tile = max(1, budget // max(1, num_gallery * prepared.element_size()))
+    sum_dtype = count_dtype(num_gallery)
+    compare = torch.gt if options.ties == "optimistic" else torch.ge
     for start in range(0, q_rows.shape[0], rows_per_tile):
-        rows = q_rows[start : start + rows_per_tile]
-        tile = prepared[rows]
+        tile = slice(start, start + rows_per_tile)
+        queries_tile = prepared[q_rows[tile]]
         if callable(options.similarity):
-            scores = options.similarity(tile, g_embeddings).detach()
-        elif g_sq_norms is not None:
-            scores = torch.addmm(g_sq_norms.neg().unsqueeze(0), tile, g_embeddings.T, alpha=2)
-            scores.sub_(tile.square().sum(dim=1, keepdim=True))
+            scores = options.similarity(queries_tile, g_embeddings).detach().clone()
+            spare = torch.empty_like(scores)
         else:
-            scores = tile @ g_embeddings.T
-        target = labels[rows].unsqueeze(1) == g_labels.unsqueeze(0)
-        valid = q_identity[start : start + rows_per_tile].unsqueeze(1) != g_identity.unsqueeze(0)
-        if options.exclude != "none":
-            same_group = groups[rows].unsqueeze(1) == g_groups.unsqueeze(0)
-            if options.exclude == "same_label_and_group":
-                same_group &= target
-            valid &= ~same_group
-        positive = valid & target
-        negative = valid & ~target
-        near = scores >= options.near_duplicate
-        best = torch.where(positive, scores, float("-inf")).amax(dim=1, keepdim=True)
-        has_positive = positive.any(dim=1)
-        if options.ties == "optimistic":
-            beaten = (negative & (scores > best)).any(dim=1)
-        else:
-            beaten = (negative & (scores >= best)).any(dim=1)
-        counted = has_positive
-        if options.empty_target_action not in ("skip", "error"):
-            counted = torch.ones_like(has_positive)
-        near_hit = has_positive & ~beaten & (best.squeeze(1) >= options.near_duplicate)
+            # Two buffers reused by every tile (a fresh one costs its page faults).
+            shape = (queries_tile.shape[0], num_gallery)
+            if buffers is None:
+                first = torch.empty(shape, dtype=prepared.dtype, device=device)
+                buffers = (first, torch.empty_like(first))
+            scores = buffers[0][: shape[0]]
+            spare = buffers[1][: shape[0]]
+            if g_neg_sq is not None:
+                torch.addmm(g_neg_sq, queries_tile, g_embeddings.T, alpha=2, out=scores)
+                scores.sub_(queries_tile.square().sum(dim=1, keepdim=True))
+            else:
+                torch.matmul(queries_tile, g_embeddings.T, out=scores)
+        # Ignored items become NaN, which compares false with everything.
+        own = self_column[tile]
+        rows = torch.arange(own.shape[0], device=device)
+        scores[rows[own >= 0], own[own >= 0]] = float("nan")
+        if options.exclude == "same_group":
+            same = q_groups[tile].unsqueeze(1) == g_groups.unsqueeze(0)
+            scores.masked_fill_(same, float("nan"))
+        count = q_count[tile]
+        steps = torch.arange(max(1, int(count.max())), device=device)
+        in_block = steps.unsqueeze(0) < count.unsqueeze(1)
+        columns = (q_start[tile].unsqueeze(1) + steps).clamp_(max=num_gallery - 1)
+        block_scores = scores.gather(1, columns)
+        valid = in_block & ~torch.isnan(block_scores)
+        if options.exclude == "same_label_and_group":
+            valid &= g_groups[columns] != q_groups[tile].unsqueeze(1)
+        best = torch.where(valid, block_scores, float("-inf")).amax(dim=1, keepdim=True)
+        has_positive = valid.any(dim=1)
+        near_block = block_scores >= threshold
+        near_positive = (valid & near_block).any(dim=1)
+        block_near = (in_block & near_block).sum(dim=1)
+        block_beat = (in_block & compare(block_scores, best)).sum(dim=1)
+        torch.ge(scores, threshold, out=spare)
+        near_any = spare.sum(dim=1, dtype=sum_dtype).long()
+        compare(scores, best, out=scores)
+        beaten = scores.sum(dim=1, dtype=sum_dtype).long() - block_beat
+        counted = torch.ones_like(has_positive) if counts_all else has_positive
+        near_hit = has_positive & (beaten == 0) & (best.squeeze(1) >= threshold)
         total += torch.stack(
             [
-                (counted & (near & positive).any(dim=1)).sum(),
-                (counted & (near & negative).any(dim=1)).sum(),
+                (counted & near_positive).sum(),
+                (counted & (near_any > block_near)).sum(),
                 near_hit.sum(),
             ]
         )
