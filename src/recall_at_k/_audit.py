@@ -185,6 +185,20 @@ class AuditOptions(NamedTuple):
     similarity: Similarity
     ties: str
     chunk_bytes: int
+    names: tuple[str, ...] = ("",)  # the direction names ("" for one direction)
+
+
+def options_of(metric: Any) -> AuditOptions:
+    """The audit options of an :class:`~recall_at_k.EmbeddingRecallAtK`."""
+    return AuditOptions(
+        metric.exclude,
+        metric.empty_target_action,
+        metric.near_duplicate,
+        metric.similarity,
+        metric.ties,
+        metric.chunk_bytes,
+        tuple(metric.directions) if metric.bidirectional else ("",),
+    )
 
 
 def near_counts(

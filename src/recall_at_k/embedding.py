@@ -90,6 +90,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         chunk_bytes: upper bound of the bytes of one tile's scores (on CPU tiles stay
             within 32 MiB even when it allows more). Peak memory of ``compute`` is about
             one tile (twice it for ``ties="expected"``) plus copies of the embeddings.
+        near_duplicate: a threshold in the metric's own similarity (0.95 for cosine,
+            say): :meth:`protocol_report` then also counts queries with a gallery item
+            scored at or above it (for now a separate pass: about one more ranking).
         key: template of the result's keys, ``"recall@{k}"`` by default.
         validate_args: check that embeddings are finite, and a callable similarity's
             scores free of NaN (these checks read values on the host).
@@ -417,19 +420,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         per instance (never re-armed) of identical positives or duplicate gallery items."""
         if self._in_forward:
             return
-        options = _audit.AuditOptions(
-            self.exclude,
-            self.empty_target_action,
-            self.near_duplicate,
-            self.similarity,
-            self.ties,
-            self.chunk_bytes,
-        )
+        options = _audit.options_of(self)
         self._report = _audit.protocol_reports(
             stored, prepared, sides, counted, options, self._gathered
         )
-        names = self.directions if self.bidirectional else ("",)
-        message = _audit.warning_message(names, self._report, sides)
+        message = _audit.warning_message(options.names, self._report, sides)
         if warn and message is not None and not self._audit_warned:
             self._audit_warned = True
             warnings.warn(message, UserWarning, stacklevel=7)
