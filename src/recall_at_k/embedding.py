@@ -380,15 +380,13 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     # ------------------------------------------------------------------ protocol audit
 
     def protocol_report(self) -> dict[str, int] | dict[str, dict[str, int]]:
-        """Counts that reveal a leaky or repeated protocol, from the synchronised data.
-
-        Keys: ``"queries"`` (counted), ``"identical_positive"`` / ``"identical_negative"``
-        (queries whose gallery holds a non-ignored item with a bitwise-equal embedding
-        that is another sample, of their label -- a guaranteed hit -- / of another
-        label), with ``near_duplicate`` ``"near_positive"`` / ``"near_negative"`` (a
-        non-ignored item scored at or above it) and ``"near_hits_at_1"`` (the rank-1 hit
-        is), and ``"duplicate_gallery_items"`` (bitwise-equal to an earlier gallery
-        item). From the last ``compute()``, else computed now (a collective call under
+        """Counts that reveal a leaky or repeated protocol: ``"queries"`` (counted);
+        ``"identical_positive"`` / ``"identical_negative"``: queries with a non-ignored
+        gallery item whose embedding is bitwise-equal, another sample, of their label (a
+        guaranteed hit) / of another; with ``near_duplicate``, ``"near_positive"`` /
+        ``"near_negative"`` (an item scored at or above it) and ``"near_hits_at_1"`` (the
+        rank-1 hit is one); ``"duplicate_gallery_items"`` (bitwise-equal to an earlier
+        gallery item). From the last ``compute()``, else computed now (collective under
         DDP). Bidirectional: one dict per direction, keyed by its name.
         """
         if self._report is None:
