@@ -259,6 +259,7 @@ def cases() -> list[Case]:
             ],
             {**near, "exclude": "same_group", "bidirectional": True},
         ),
+        Case("loo_bidirectional", [data], {**near, "bidirectional": True}),
         Case("loo_dot_no_near", [data], {"similarity": "dot"}),
         Case("loo_callable", split(data, 2), {"similarity": dot, "near_duplicate": 12.0}),
         Case("loo_euclidean", [data], {"similarity": "euclidean", "near_duplicate": -1e-2}),
@@ -576,3 +577,21 @@ def test_two_processes_equal_one_process() -> None:
             else:
                 assert got.keys() == single.keys()
                 assert all(torch.equal(got[k], single[k]) for k in single), name
+
+
+def test_expected_ties_count_certain_near_hits_and_forward_keeps_no_report() -> None:
+    """``ties="expected"``: a near hit at 1 is a certain one (as ``"pessimistic"``);
+    ``forward``'s batch value neither stores a report nor warns."""
+    case = CASES[0]
+    pessimistic = metric_of(case)
+    feed(pessimistic, case.batches)
+    expected_ties = metric_of(Case("expected", case.batches, {**case.options, "ties": "expected"}))
+    feed(expected_ties, case.batches)
+    assert expected_ties.protocol_report() == pessimistic.protocol_report()
+    metric = metric_of(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in case.batches:
+            metric(b.embeddings, b.labels)
+    assert metric._report is None
+    assert metric.protocol_report() == brute_force(case)
