@@ -241,6 +241,9 @@ def test_plot_draws_the_band() -> None:
         at_k = vertices[vertices[:, 0] == k][:, 1]
         low, high = interval[key].tolist()
         assert min(at_k) == pytest.approx(low) and max(at_k) == pytest.approx(high)
+    # One band belongs to one result, not to a list of them.
+    with pytest.raises(ValueError, match="`interval`"):
+        metric.plot([metric.compute(), metric.compute()], interval=interval)
     # Without `interval` no band.
     _, plain = metric.plot()
     assert not [c for c in plain.collections if isinstance(c, PolyCollection)]
