@@ -337,6 +337,17 @@ def test_report_does_not_depend_on_tiles_or_batches(case: Case) -> None:
     assert small.protocol_report() == brute_force(case)
 
 
+@pytest.mark.parametrize("case", TILE_CASES, ids=[c.name for c in TILE_CASES])
+def test_near_pass_in_narrow_panels(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Panels of one or two columns around each tile's label blocks: the same report."""
+    import recall_at_k._audit
+
+    monkeypatch.setattr(recall_at_k._audit, "CPU_PANEL_BYTES", 8)
+    metric = metric_of(case, chunk_bytes=700)
+    feed(metric, case.batches)
+    assert metric.protocol_report() == brute_force(case)
+
+
 def test_compute_is_unchanged_and_warns_once_per_instance() -> None:
     case = CASES[0]
     plain = metric_of(Case("plain", case.batches, {}))

@@ -20,7 +20,9 @@ embedding equal included): no loop over queries, no pairs.
 The near counts need a score per (query, gallery item). :func:`near_counts` computes
 them in a separate pass over tiles of at most ``chunk_bytes`` of scores (never the
 whole query x gallery matrix); it is not (yet) part of the ranking's own tiles, so it
-costs about one more pass of scoring.
+costs about one more ranking, and its scores are its own product's (which may differ
+from the ranking's in the last bit: a score within rounding of the threshold or of s*
+may be counted differently than the ranking would).
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recall_at_k._kernel import count_dtype
 from recall_at_k._types import Similarity
 
 CPU_TILE_BYTES = 32 * 2**20
 """On CPU, a near-duplicate tile holds at most this many bytes of scores."""
+CPU_PANEL_BYTES = 2 * 2**20
+"""On CPU, a tile's columns outside its label blocks are scored in panels of this size."""
 
 _BITS = {
     torch.float16: torch.int16,
@@ -212,7 +215,7 @@ def near_counts(
     """int64 ``[3]``: queries with a near positive, a near negative, a near hit at 1.
 
     A separate pass over tiles of queries (at most ``chunk_bytes`` of scores, and on
-    CPU ``CPU_TILE_BYTES``, plus one buffer of the same size): a query's near items are
+    CPU ``CPU_TILE_BYTES``): a query's near items are
     its non-ignored gallery items scored at or above ``options.near_duplicate``; its
     rank-1 hit is near when it is a hit at rank 1 (no valid negative scored above its
     best valid positive s*, nor equal to it unless ``ties="optimistic"``: a certain hit
@@ -220,9 +223,11 @@ def near_counts(
     ``compute()`` counts are counted.
 
     As in the ranking, the gallery's columns are sorted by label, so a query's
-    positives (and the label-and-group junk) are one block of columns: the full-width
-    work per tile is the product and two comparisons (with the threshold, with s*);
-    negatives are "every item" minus "the block".
+    positives (and the label-and-group junk) are one block of columns, read with a
+    gather; the full-width work is the product and one row maximum (the best negative:
+    the block set to -inf). On CPU the queries go in label order, so a tile's blocks
+    form one run of columns, scored first; the other columns follow in panels of about
+    ``CPU_PANEL_BYTES``, reduced while still in the core's cache.
 
     Args:
         prepared: embeddings from :func:`recall_at_k._embedding.prepare` (normalised for
@@ -234,19 +239,21 @@ def near_counts(
     """
     assert options.near_duplicate is not None
     threshold = options.near_duplicate
-    q_rows, q_identity = queries
     device = prepared.device
     total = torch.zeros(3, dtype=torch.int64, device=device)
-    if q_rows.numel() == 0 or gallery[0].numel() == 0:
+    if queries[0].numel() == 0 or gallery[0].numel() == 0:
         return total
-    # The gallery in label order; each query's block of columns and its own column.
+    # The gallery in label order, the queries too (a tile's blocks are then one run of
+    # columns); each query's block of columns and its own column.
     g_labels, order = torch.sort(labels[gallery[0]], stable=True)
     g_rows, g_identity = gallery[0][order], gallery[1][order]
     g_embeddings, g_groups = prepared[g_rows], groups[g_rows]
     num_gallery = g_rows.shape[0]
+    q_labels, order = torch.sort(labels[queries[0]], stable=True)
+    q_rows, q_identity = queries[0][order], queries[1][order]
+    q_groups = groups[q_rows]
     block_labels, block_counts = torch.unique_consecutive(g_labels, return_counts=True)
     block_starts = torch.cumsum(block_counts, dim=0) - block_counts
-    q_labels, q_groups = labels[q_rows], groups[q_rows]
     block = torch.searchsorted(block_labels, q_labels).clamp(max=block_labels.shape[0] - 1)
     q_start = block_starts[block]
     q_count = torch.where(block_labels[block] == q_labels, block_counts[block], 0)
@@ -257,64 +264,79 @@ def near_counts(
     g_neg_sq = None
     if options.similarity == "euclidean":
         g_neg_sq = g_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
-    buffers: tuple[Tensor, Tensor] | None = None
     counts_all = options.empty_target_action not in ("skip", "error")
     budget = options.chunk_bytes
+    panels = device.type == "cpu" and not callable(options.similarity)
     if device.type == "cpu":
         budget = min(budget, CPU_TILE_BYTES)
     rows_per_tile = max(1, budget // max(1, num_gallery * prepared.element_size()))
-    sum_dtype = count_dtype(num_gallery)
-    compare = torch.gt if options.ties == "optimistic" else torch.ge
-    for start in range(0, q_rows.shape[0], rows_per_tile):
-        tile = slice(start, start + rows_per_tile)
+
+    def scored(tile: slice, first: int, stop: int) -> Tensor:
+        """Scores of the tile's queries against columns ``first:stop``, -inf where
+        ignored (the query itself, its group under "same_group")."""
         queries_tile = prepared[q_rows[tile]]
         if callable(options.similarity):
-            scores = options.similarity(queries_tile, g_embeddings).detach().clone()
-            spare = torch.empty_like(scores)
+            out = options.similarity(queries_tile, g_embeddings).detach().clone()
+        elif g_neg_sq is not None:
+            out = torch.addmm(
+                g_neg_sq[:, first:stop], queries_tile, g_embeddings[first:stop].T, alpha=2
+            )
+            out.sub_(queries_tile.square().sum(dim=1, keepdim=True))
         else:
-            # Two buffers reused by every tile (a fresh one costs its page faults).
-            shape = (queries_tile.shape[0], num_gallery)
-            if buffers is None:
-                first = torch.empty(shape, dtype=prepared.dtype, device=device)
-                buffers = (first, torch.empty_like(first))
-            scores = buffers[0][: shape[0]]
-            spare = buffers[1][: shape[0]]
-            if g_neg_sq is not None:
-                torch.addmm(g_neg_sq, queries_tile, g_embeddings.T, alpha=2, out=scores)
-                scores.sub_(queries_tile.square().sum(dim=1, keepdim=True))
-            else:
-                torch.matmul(queries_tile, g_embeddings.T, out=scores)
-        # Ignored items become NaN, which compares false with everything.
-        own = self_column[tile]
-        rows = torch.arange(own.shape[0], device=device)
-        scores[rows[own >= 0], own[own >= 0]] = float("nan")
+            out = queries_tile @ g_embeddings[first:stop].T
+        own = self_column[tile] - first
+        inside = (self_column[tile] >= 0) & (own >= 0) & (own < stop - first)
+        out[torch.arange(own.shape[0], device=device)[inside], own[inside]] = float("-inf")
         if options.exclude == "same_group":
-            same = q_groups[tile].unsqueeze(1) == g_groups.unsqueeze(0)
-            scores.masked_fill_(same, float("nan"))
+            same = q_groups[tile].unsqueeze(1) == g_groups[first:stop].unsqueeze(0)
+            out.masked_fill_(same, float("-inf"))
+        return out
+
+    for start in range(0, q_rows.shape[0], rows_per_tile):
+        tile = slice(start, start + rows_per_tile)
         count = q_count[tile]
+        lo, hi = 0, num_gallery
+        if panels:  # first the run of columns holding every block of the tile
+            present = count > 0
+            lo = int(torch.where(present, q_start[tile], num_gallery).min())
+            hi = max(lo, int(torch.where(present, q_start[tile] + count, 0).max()))
+        scores = scored(tile, lo, hi)
+        # The block: steps past a query's count repeat its block's columns (so every
+        # column written below is in the block), and a query without a block reads one
+        # column that it writes back unchanged.
         steps = torch.arange(max(1, int(count.max())), device=device)
         in_block = steps.unsqueeze(0) < count.unsqueeze(1)
-        columns = (q_start[tile].unsqueeze(1) + steps).clamp_(max=num_gallery - 1)
-        block_scores = scores.gather(1, columns)
-        valid = in_block & ~torch.isnan(block_scores)
-        if options.exclude == "same_label_and_group":
-            valid &= g_groups[columns] != q_groups[tile].unsqueeze(1)
-        best = torch.where(valid, block_scores, float("-inf")).amax(dim=1, keepdim=True)
+        columns = q_start[tile].unsqueeze(1) + steps % count.clamp(min=1).unsqueeze(1)
+        local = (columns - lo).clamp_(0, max(hi - lo - 1, 0))
+        block_scores = scores.gather(1, local) if hi > lo else local.to(prepared.dtype)
+        # Valid positives from the rules, not from the scores (a score may be -inf).
+        valid = in_block & (columns != self_column[tile].unsqueeze(1))
+        if options.exclude != "none":
+            valid &= g_groups[columns.clamp(max=num_gallery - 1)] != q_groups[tile].unsqueeze(1)
+        best = torch.where(valid, block_scores, float("-inf")).amax(dim=1)
         has_positive = valid.any(dim=1)
-        near_block = block_scores >= threshold
-        near_positive = (valid & near_block).any(dim=1)
-        block_near = (in_block & near_block).sum(dim=1)
-        block_beat = (in_block & compare(block_scores, best)).sum(dim=1)
-        torch.ge(scores, threshold, out=spare)
-        near_any = spare.sum(dim=1, dtype=sum_dtype).long()
-        compare(scores, best, out=scores)
-        beaten = scores.sum(dim=1, dtype=sum_dtype).long() - block_beat
+        near_positive = (valid & (block_scores >= threshold)).any(dim=1)
+        # The best negative: the block set to -inf, the rest of the row as it is (an
+        # ignored item is -inf and so never reaches the threshold, or s* above it).
+        if hi > lo:
+            has_block = (count > 0).unsqueeze(1)
+            scores.scatter_(1, local, torch.where(has_block, float("-inf"), block_scores))
+            best_negative = scores.amax(dim=1)
+        else:
+            best_negative = torch.full_like(best, float("-inf"))
+        # The other columns, in panels reduced while still in the core's cache.
+        width = max(1, CPU_PANEL_BYTES // (max(1, count.shape[0]) * prepared.element_size()))
+        outside = [(a, min(a + width, lo)) for a in range(0, lo, width)]
+        outside += [(a, min(a + width, num_gallery)) for a in range(hi, num_gallery, width)]
+        for first, stop in outside:
+            best_negative = torch.maximum(best_negative, scored(tile, first, stop).amax(dim=1))
+        beaten = best_negative > best if options.ties == "optimistic" else best_negative >= best
         counted = torch.ones_like(has_positive) if counts_all else has_positive
-        near_hit = has_positive & (beaten == 0) & (best.squeeze(1) >= threshold)
+        near_hit = has_positive & ~beaten & (best >= threshold)
         total += torch.stack(
             [
                 (counted & near_positive).sum(),
-                (counted & (near_any > block_near)).sum(),
+                (counted & (best_negative >= threshold)).sum(),
                 near_hit.sum(),
             ]
         )
