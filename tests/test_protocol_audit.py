@@ -559,6 +559,22 @@ def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
         results[case.name] = _run_one(case, batches)
     for name, (kwargs, batches) in _interval_cases().items():
         results["interval/" + name] = _interval_of(kwargs, batches[rank::world_size])
+    # Uneven updates after a compute(): only rank 1 adds data; the reports (on demand
+    # and from compute) follow on both processes, none waits for the other forever.
+    case = CASES[0]
+    metric = metric_of(case)
+    feed(metric, case.batches[rank::world_size])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metric.compute()
+        before = metric.protocol_report()
+        if rank == 1:
+            feed(metric, case.batches[:1])
+        after_update = metric.protocol_report()
+        metric.compute()
+        metric.confidence_interval()
+        after_compute = metric.protocol_report()
+    results["uneven"] = (before, after_update, after_compute)
     return results
 
 
@@ -579,6 +595,11 @@ def test_two_processes_equal_one_process() -> None:
             assert interval.keys() == single[2][1].keys()
             for key in interval:
                 assert torch.equal(interval[key], single[2][1][key]), (case.name, key)
+    more = Case("more", [*CASES[0].batches, CASES[0].batches[0]], CASES[0].options)
+    for result in results:
+        before, after_update, after_compute = result["uneven"]
+        assert before == brute_force(CASES[0])
+        assert after_update == after_compute == brute_force(more)
     for name, (kwargs, batches) in _interval_cases().items():
         single = _interval_of(kwargs, batches)
         for result in results:
@@ -606,3 +627,27 @@ def test_expected_ties_count_certain_near_hits_and_forward_keeps_no_report() -> 
             metric(b.embeddings, b.labels)
     assert metric._report is None
     assert metric.protocol_report() == brute_force(case)
+
+
+def test_interval_after_compute_reuses_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``confidence_interval()`` after ``compute()`` ranks again but does not audit again;
+    a report made on demand still lets ``compute()`` warn."""
+    import recall_at_k._audit
+
+    calls = []
+    original = recall_at_k._audit.protocol_reports
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(recall_at_k._audit, "protocol_reports", counting)
+    case = CASES[0]
+    metric = metric_of(case)
+    feed(metric, case.batches)
+    metric.protocol_report()
+    with pytest.warns(UserWarning, match="protocol_report"):
+        metric.compute()
+    metric.confidence_interval()
+    assert metric.protocol_report() == brute_force(case)
+    assert len(calls) == 1

@@ -353,6 +353,17 @@ def shard(queries: tuple[Tensor, Tensor], group: Any | None) -> tuple[Tensor, Te
     return queries[0][lo:hi], queries[1][lo:hi]
 
 
+def stale_anywhere(metric: Any, stale: bool) -> bool:
+    """Whether the metric's report is stale on any process that its ``compute()`` syncs
+    with (all of them then audit again, together); ``stale`` alone otherwise."""
+    available = metric.distributed_available_fn
+    if not (metric._to_sync and callable(available) and available()):
+        return stale
+    flag = torch.tensor([int(stale)], dtype=torch.int64, device=metric.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=metric.process_group)
+    return bool(flag)
+
+
 def sum_shares(counts: Tensor, group: Any | None) -> Tensor:
     """``counts`` summed over the processes of ``group`` (unchanged without one)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):

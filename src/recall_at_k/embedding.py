@@ -228,6 +228,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         # The protocol report of the last compute() (None once data changes); the
         # warning about identical positives is shown once per instance (never re-armed).
         self._report: list[dict[str, int]] | None = None
+        self._report_gathered = False  # whether the report counted gathered states
         self._audit_warned = False
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
@@ -389,7 +390,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         gallery item). From the last ``compute()``, else computed now (collective under
         DDP). Bidirectional: one dict per direction, keyed by its name.
         """
-        if self._report is None:
+        if _audit.stale_anywhere(self, self._report is None):
             self._synced(self._audit_on_demand)
         reports = [dict(r) for r in self._report or []]
         return (
@@ -418,10 +419,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         per instance (never re-armed) of identical positives or duplicate gallery items."""
         if self._in_forward:
             return
-        options = _audit.options_of(self)
-        self._report = _audit.protocol_reports(
-            stored, prepared, sides, counted, options, self._gathered
-        )
+        options, gathered = _audit.options_of(self), self._gathered is not None
+        # Kept while the local data are those it counted (a confidence_interval() after
+        # compute() ranks again); gathered data may have changed on another process.
+        if self._report is None or gathered or self._report_gathered:
+            self._report = _audit.protocol_reports(
+                stored, prepared, sides, counted, options, self._gathered
+            )
+            self._report_gathered = gathered
         message = _audit.warning_message(options.names, self._report, sides)
         if warn and message is not None and not self._audit_warned:
             self._audit_warned = True
