@@ -110,9 +110,10 @@ def brute_force(case: Case) -> dict[str, Any]:
                 kind = "positive" if lg == lq else "negative"
                 score = _score(eq, eg, similarity)
                 (positives if kind == "positive" else negatives).append(score)
-                if torch.equal(_bits(eq), _bits(eg)):
+                identical = torch.equal(_bits(eq), _bits(eg))
+                if identical:
                     found.add("identical_" + kind)
-                if near is not None and score >= near:
+                if near is not None and (score >= near or identical):  # identical: near too
                     found.add("near_" + kind)
             if not positives and action in ("skip", "error"):
                 continue
@@ -262,6 +263,8 @@ def cases() -> list[Case]:
         Case("loo_bidirectional", [data], {**near, "bidirectional": True}),
         Case("loo_dot_no_near", [data], {"similarity": "dot"}),
         Case("loo_callable", split(data, 2), {"similarity": dot, "near_duplicate": 12.0}),
+        # A threshold no score reaches: the near items are the identical ones.
+        Case("loo_dot_unreachable", [data], {"similarity": "dot", "near_duplicate": 1e6}),
         Case("loo_euclidean", [data], {"similarity": "euclidean", "near_duplicate": -1e-2}),
     ]
     return out

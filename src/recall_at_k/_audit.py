@@ -8,7 +8,8 @@ What :meth:`~recall_at_k.EmbeddingRecallAtK.protocol_report` counts, per directi
 - ``duplicate_gallery_items``: gallery items bitwise-equal to an earlier gallery item
   (gallery items are distinct samples: ids repeated within a role count once);
 - with a ``near_duplicate`` threshold, ``near_positive`` / ``near_negative`` (a
-  non-ignored gallery item scored at or above it; identical items count too) and
+  non-ignored gallery item scored at or above it; identical items count too, even where
+  rounding scores them below it) and
   ``near_hits_at_1`` (queries whose rank-1 hit scores at or above it).
 
 The identical and duplicate counts need no scores: one sort of the embeddings' bit
@@ -212,7 +213,8 @@ def near_counts(
     gallery: tuple[Tensor, Tensor],
     options: AuditOptions,
 ) -> Tensor:
-    """int64 ``[3]``: queries with a near positive, a near negative, a near hit at 1.
+    """bool ``[3, Q]``: whether each query has a near positive, a near negative, a near
+    hit at 1.
 
     A separate pass over tiles of queries (at most ``chunk_bytes`` of scores, and on
     CPU ``CPU_TILE_BYTES``): a query's near items are
@@ -240,17 +242,17 @@ def near_counts(
     assert options.near_duplicate is not None
     threshold = options.near_duplicate
     device = prepared.device
-    total = torch.zeros(3, dtype=torch.int64, device=device)
+    found = torch.zeros(3, queries[0].shape[0], dtype=torch.bool, device=device)
     if queries[0].numel() == 0 or gallery[0].numel() == 0:
-        return total
+        return found
     # The gallery in label order, the queries too (a tile's blocks are then one run of
     # columns); each query's block of columns and its own column.
     g_labels, order = torch.sort(labels[gallery[0]], stable=True)
     g_rows, g_identity = gallery[0][order], gallery[1][order]
     g_embeddings, g_groups = prepared[g_rows], groups[g_rows]
     num_gallery = g_rows.shape[0]
-    q_labels, order = torch.sort(labels[queries[0]], stable=True)
-    q_rows, q_identity = queries[0][order], queries[1][order]
+    q_labels, q_order = torch.sort(labels[queries[0]], stable=True)
+    q_rows, q_identity = queries[0][q_order], queries[1][q_order]
     q_groups = groups[q_rows]
     block_labels, block_counts = torch.unique_consecutive(g_labels, return_counts=True)
     block_starts = torch.cumsum(block_counts, dim=0) - block_counts
@@ -333,24 +335,17 @@ def near_counts(
         beaten = best_negative > best if options.ties == "optimistic" else best_negative >= best
         counted = torch.ones_like(has_positive) if counts_all else has_positive
         near_hit = has_positive & ~beaten & (best >= threshold)
-        total += torch.stack(
-            [
-                (counted & near_positive).sum(),
-                (counted & (best_negative >= threshold)).sum(),
-                near_hit.sum(),
-            ]
-        )
-    return total
+        flags = torch.stack([near_positive, best_negative >= threshold, near_hit]) & counted
+        found[:, q_order[tile]] = flags
+    return found
 
 
-def shard(queries: tuple[Tensor, Tensor], group: Any | None) -> tuple[Tensor, Tensor]:
-    """This process's contiguous share of the queries (all of them without ``group``)."""
+def shard(num: int, group: Any | None) -> slice:
+    """This process's contiguous share of ``num`` queries (all without ``group``)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
-        return queries
+        return slice(0, num)
     world, me = dist.get_world_size(group.group), dist.get_rank(group.group)
-    num = queries[0].shape[0]
-    lo, hi = num * me // world, num * (me + 1) // world
-    return queries[0][lo:hi], queries[1][lo:hi]
+    return slice(num * me // world, num * (me + 1) // world)
 
 
 def stale_anywhere(metric: Any, stale: bool) -> bool:
@@ -443,9 +438,13 @@ def protocol_reports(
         )
         found = None
         if near and prepared is not None:
-            share = shard(sides[0], group)
-            found = near_counts(prepared, labels, groups, share, sides[1], options)
-            found = sum_shares(found, group)
+            # The near pass on this process's share; identical items count as near.
+            share = shard(sides[0][0].shape[0], group)
+            queries_share = (sides[0][0][share], sides[0][1][share])
+            flags = near_counts(prepared, labels, groups, queries_share, sides[1], options)
+            flags[0] |= audit.identical_positive[share]
+            flags[1] |= audit.identical_negative[share]
+            found = sum_shares(flags.sum(dim=1), group)
         queries = int(audit.counted.sum()) if queries is None else queries
         reports.append(report(queries, audit, found))
     return reports

@@ -385,10 +385,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         ``"identical_positive"`` / ``"identical_negative"``: queries with a non-ignored
         gallery item whose embedding is bitwise-equal, another sample, of their label (a
         guaranteed hit) / of another; with ``near_duplicate``, ``"near_positive"`` /
-        ``"near_negative"`` (an item scored at or above it) and ``"near_hits_at_1"`` (the
-        rank-1 hit is one); ``"duplicate_gallery_items"`` (bitwise-equal to an earlier
-        gallery item). From the last ``compute()``, else computed now (collective under
-        DDP). Bidirectional: one dict per direction, keyed by its name.
+        ``"near_negative"`` (an item scored at or above it, or identical) and
+        ``"near_hits_at_1"`` (the rank-1 hit scores at or above it);
+        ``"duplicate_gallery_items"`` (bitwise-equal to an earlier gallery item). From
+        the last ``compute()``, else computed now (collective under DDP).
+        Bidirectional: one dict per direction, keyed by its name.
         """
         if _audit.stale_anywhere(self, self._report is None):
             self._synced(self._audit_on_demand)
