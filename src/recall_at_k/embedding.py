@@ -420,6 +420,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         per instance (never re-armed) of identical positives or duplicate gallery items."""
         if self._in_forward:
             return
+        sides, counted = sides[: len(self._prefixes)], counted[: len(self._prefixes)]
         options, gathered = _audit.options_of(self), self._gathered is not None
         # Kept while the local data are those it counted (a confidence_interval() after
         # compute() ranks again); gathered data may have changed on another process.
