@@ -18,14 +18,20 @@ captions with ``role="gallery"``, labels = image id, and ``bidirectional=True`` 
 ways (keys ``i2t/recall@K`` and ``t2i/recall@K``). ``ids=image_id`` on the images makes
 each image count once; without it the text -> image gallery holds five copies of every
 image, so each wrong image is counted five times above the right one and the text ->
-image numbers drop (Recall@5 falls to what Recall@1 is). Image -> text is unchanged
+image numbers drop (Recall@5 falls to what Recall@1 is); ``compute()`` warns about the
+duplicate gallery items and ``protocol_report()`` counts them. Image -> text is unchanged
 here only because every image repeats equally often (five identical queries average to
-the same value); with uneven caption counts it would be reweighted too.
+the same value); with uneven caption counts it would be reweighted too. Each value is
+printed with its 95% Wilson interval (``confidence_interval()``).
 
 Run: ``python examples/cross_modal.py``
 """
 
 from __future__ import annotations
+
+import textwrap
+import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -65,9 +71,16 @@ def fit_towers(images: Tensor, captions: Tensor) -> tuple[Tensor, Tensor, Tensor
     return image_tower, mean, text_tower
 
 
+class Evaluation(NamedTuple):
+    recall: dict[str, float]
+    interval: dict[str, tuple[float, float]]  # 95% Wilson interval of each value
+    report: dict[str, dict[str, int]]  # protocol_report(), one dict per direction
+    warnings: list[str]  # what compute() warned
+
+
 def evaluate(
     loader: DataLoader[tuple[Tensor, ...]], towers: tuple[Tensor, Tensor, Tensor], use_ids: bool
-) -> dict[str, float]:
+) -> Evaluation:
     image_tower, mean, text_tower = towers
     metric = EmbeddingRecallAtK(k=KS, bidirectional=True, directions=("i2t", "t2i"))
     for image, caption, image_id in loader:
@@ -76,9 +89,17 @@ def evaluate(
         # ids on one modality only: an image id repeated within the queries counts once.
         metric.update(image_embedding, image_id, role="query", ids=image_id if use_ids else None)
         metric.update(text_embedding, image_id, role="gallery")
-    result = metric.compute()
-    assert isinstance(result, dict)
-    return {key: float(value) for key, value in result.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = metric.compute()
+    interval = metric.confidence_interval(0.95)
+    report = metric.protocol_report()
+    return Evaluation(
+        {key: float(value) for key, value in result.items()},
+        {key: (float(low), float(high)) for key, (low, high) in interval.items()},
+        {name: dict(counts) for name, counts in report.items() if isinstance(counts, dict)},
+        [str(w.message) for w in caught],
+    )
 
 
 def evaluate_unique_images(
@@ -106,12 +127,21 @@ def caption_loader(test: tuple[Tensor, Tensor], seed: int) -> DataLoader[tuple[T
     return DataLoader(dataset, batch_size=256, shuffle=True, generator=generator)
 
 
-def print_table(title: str, result: dict[str, float]) -> None:
+def print_table(title: str, evaluation: Evaluation) -> None:
+    """Recall@K with its 95% interval, then the protocol report and any warning."""
     print(title)
-    print(f"  {'direction':14s}" + "".join(f"{f'R@{k}':>8s}" for k in KS))
+    print(f"  {'direction':14s}" + "".join(f"{f'R@{k} [95% interval]':>28s}" for k in KS))
     for direction, name in (("i2t", "image -> text"), ("t2i", "text -> image")):
-        values = "".join(f"{result[f'{direction}/recall@{k}']:8.4f}" for k in KS)
-        print(f"  {name:14s}{values}")
+        cells = ""
+        for k in KS:
+            key = f"{direction}/recall@{k}"
+            low, high = evaluation.interval[key]
+            cells += f"{evaluation.recall[key]:10.4f} [{low:.4f}, {high:.4f}]"
+        print(f"  {name:14s}{cells}")
+    for direction, counts in evaluation.report.items():
+        print(f"  protocol_report()[{direction!r}]: {counts}")
+    for message in evaluation.warnings:
+        print("  warning: " + textwrap.fill(message, 86, subsequent_indent="    "))
 
 
 def main() -> dict[str, dict[str, float]]:
@@ -124,24 +154,33 @@ def main() -> dict[str, dict[str, float]]:
     test = make_pairs(1000, views, generator)
     loader = caption_loader(test, seed=0)
 
+    with_ids = evaluate(loader, towers, use_ids=True)
+    without_ids = evaluate(loader, towers, use_ids=False)
     results = {
-        "with ids": evaluate(loader, towers, use_ids=True),
-        "without ids": evaluate(loader, towers, use_ids=False),
+        "with ids": with_ids.recall,
+        "without ids": without_ids.recall,
         "unique images": evaluate_unique_images(test, towers),
     }
     print("1,000 test images x 5,000 captions, fed through a caption-indexed loader")
     print("(every image arrives five times, once per caption)\n")
-    print_table("ids=image_id on the images (each image counts once):", results["with ids"])
+    print_table("no ids (each image counted five times):", without_ids)
     print()
-    print_table("no ids (each image counted five times):", results["without ids"])
+    print_table("ids=image_id on the images (each image counts once):", with_ids)
     print()
     same = results["with ids"] == results["unique images"]
     print(f"with ids, the result equals each image added once by hand: {same}")
-    with_ids, without = results["with ids"], results["without ids"]
+    with_r, without = results["with ids"], results["without ids"]
+    duplicates = without_ids.report["t2i"]["duplicate_gallery_items"]
     print(
         f"without ids, text -> image R@5 is {without['t2i/recall@5']:.4f} instead of"
-        f" {with_ids['t2i/recall@5']:.4f}: every wrong image above the right one counts five"
-        " times."
+        f" {with_r['t2i/recall@5']:.4f}: every wrong image above the right one counts five"
+        f" times. protocol_report() shows it ({duplicates} duplicate gallery items) and"
+        " compute() warns; with ids both are gone."
+    )
+    print(
+        "without ids the image -> text interval is also too narrow: it counts"
+        f" {without_ids.report['i2t']['queries']} queries where there are"
+        f" {with_ids.report['i2t']['queries']} images."
     )
     return results
 

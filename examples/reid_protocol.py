@@ -21,6 +21,12 @@ similarity, not re-identification. This example builds synthetic identities and 
 A fifth row shows ``exclude="same_group"``, a different (stricter) protocol that ignores
 every photo from the query's camera, other people's included.
 
+Each row also shows the 95% Wilson interval of R@1 (``confidence_interval()``) and what
+``protocol_report()`` detects: in row 1 every query has a bitwise-identical copy of
+itself in the gallery (``compute()`` warns), in row 2 the other frames of its track are
+near-duplicates (``near_duplicate=0.95``) and make most rank-1 hits; the junk rule
+removes them.
+
 The synthetic data: every identity has an appearance vector; each camera adds a shift
 shared by everyone it films (lighting, viewpoint); each (identity, camera) track adds its
 own offset (pose, background); each frame adds a little noise. Cameras: 6; identities:
@@ -32,7 +38,9 @@ Run: ``python examples/reid_protocol.py``
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,6 +49,7 @@ from recall_at_k import EmbeddingRecallAtK
 
 NUM_IDENTITIES, NUM_CAMERAS, FRAMES_PER_TRACK, DIM = 200, 6, 4, 32
 KS = (1, 5)
+NEAR_DUPLICATE = 0.95  # cosine: frames of one track score about 0.99, other photos less
 
 
 @dataclass
@@ -74,11 +83,23 @@ def make_data(seed: int = 0) -> ReIDData:
     )
 
 
+class Outcome(NamedTuple):
+    recall: dict[str, float]
+    interval: tuple[float, float]  # 95% Wilson interval of R@1
+    report: dict[str, int]  # protocol_report()
+    warned: bool  # whether compute() warned about identical positives
+
+
 def recall(
     data: ReIDData, *, use_ids: bool, exclude: str = "none", empty_target_action: str = "neg"
-) -> dict[str, float]:
+) -> Outcome:
     """Queries against the whole set of photos (the queries included), under a protocol."""
-    metric = EmbeddingRecallAtK(k=KS, exclude=exclude, empty_target_action=empty_target_action)
+    metric = EmbeddingRecallAtK(
+        k=KS,
+        exclude=exclude,
+        empty_target_action=empty_target_action,
+        near_duplicate=NEAR_DUPLICATE,
+    )
     photo_id = torch.arange(len(data.identity))
     q = data.is_query
     metric.update(
@@ -95,9 +116,18 @@ def recall(
         groups=data.camera,
         ids=photo_id if use_ids else None,
     )
-    result = metric.compute()
-    assert isinstance(result, dict)
-    return {key: float(value) for key, value in result.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = metric.compute()
+    low, high = (float(v) for v in metric.confidence_interval(0.95)["recall@1"])
+    report = metric.protocol_report()
+    assert isinstance(report, dict)
+    return Outcome(
+        {key: float(value) for key, value in result.items()},
+        (low, high),
+        {key: int(value) for key, value in report.items() if isinstance(value, int)},
+        any("protocol_report()" in str(w.message) for w in caught),
+    )
 
 
 def queries_with_a_cross_camera_match(data: ReIDData) -> int:
@@ -116,35 +146,46 @@ def main() -> dict[str, dict[str, float]]:
         " camera only)\n"
     )
     junk = "same_label_and_group"
-    protocols: dict[str, tuple[int, dict[str, float]]] = {
-        "1. queries also in gallery, nothing excluded": (
-            num_queries,
-            recall(data, use_ids=False),
+    protocols: dict[str, Outcome] = {
+        "1. queries also in gallery, nothing excluded": recall(data, use_ids=False),
+        "2. query itself not counted (ids)": recall(data, use_ids=True),
+        "3. + same-camera junk ignored (exclude)": recall(data, use_ids=True, exclude=junk),
+        "4. Market-1501: + skip queries w/o a match": recall(
+            data, use_ids=True, exclude=junk, empty_target_action="skip"
         ),
-        "2. query itself not counted (ids)": (num_queries, recall(data, use_ids=True)),
-        "3. + same-camera junk ignored (exclude)": (
-            num_queries,
-            recall(data, use_ids=True, exclude=junk),
-        ),
-        "4. Market-1501: + skip queries w/o a match": (
-            matched,
-            recall(data, use_ids=True, exclude=junk, empty_target_action="skip"),
-        ),
-        "5. (another protocol) exclude='same_group'": (
-            matched,
-            recall(data, use_ids=True, exclude="same_group", empty_target_action="skip"),
+        "5. (another protocol) exclude='same_group'": recall(
+            data, use_ids=True, exclude="same_group", empty_target_action="skip"
         ),
     }
     width = max(len(name) for name in protocols)
-    print(f"{'protocol':{width}s}  {'queries':>7s}" + "".join(f"{f'R@{k}':>8s}" for k in KS))
-    for name, (counted, values) in protocols.items():
-        cells = "".join(f"{values[f'recall@{k}']:8.4f}" for k in KS)
-        print(f"{name:{width}s}  {counted:7d}{cells}")
     print(
-        "\nRows 1 and 2 measure how alike two frames of one track are; row 4 is the re-ID"
-        " number to report."
+        f"{'protocol':{width}s}  {'queries':>7s}"
+        + "".join(f"{f'R@{k}':>8s}" for k in KS)
+        + f"  {'R@1 95% interval':>16s}  {'identical+':>10s}  {'near+':>5s}  {'near@1':>6s}"
     )
-    return {name: values for name, (_, values) in protocols.items()}
+    for name, outcome in protocols.items():
+        cells = "".join(f"{outcome.recall[f'recall@{k}']:8.4f}" for k in KS)
+        low, high = outcome.interval
+        report = outcome.report
+        print(
+            f"{name:{width}s}  {report['queries']:7d}{cells}  [{low:.4f}, {high:.4f}]"
+            f"  {report['identical_positive']:10d}  {report['near_positive']:5d}"
+            f"  {report['near_hits_at_1']:6d}"
+        )
+    print(
+        "\nidentical+: queries with a bitwise-identical photo of their identity in their"
+        f" gallery; near+ / near@1: with a photo of their identity at cosine >= {NEAR_DUPLICATE}"
+        " / whose rank-1 hit is such a photo (protocol_report(), near_duplicate="
+        f"{NEAR_DUPLICATE}). compute() warned about protocol 1:"
+        f" {protocols['1. queries also in gallery, nothing excluded'].warned}; about the"
+        f" others: {any(o.warned for o in list(protocols.values())[1:])}."
+    )
+    print(
+        "Rows 1 and 2 measure how alike two frames of one track are (near@1: the rank-1 hit"
+        " is a near-duplicate frame); row 4 is the re-ID number to report."
+    )
+    assert matched == protocols["4. Market-1501: + skip queries w/o a match"].report["queries"]
+    return {name: outcome.recall for name, outcome in protocols.items()}
 
 
 if __name__ == "__main__":

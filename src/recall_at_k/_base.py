@@ -321,6 +321,11 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 curve[prefix.rstrip("/")] = (self.ks, _plot.values_of(result, keys))
             curves.append(curve)
         bands = None
+        if interval is not None and len(results) != 1:
+            raise ValueError(
+                "`interval` is the band of one result: pass one `val` (a list of results"
+                " draws one curve each, and one interval cannot belong to all of them)"
+            )
         if interval is not None:
             bands = {
                 prefix.rstrip("/"): _plot.bounds_of(interval, [prefix + k for k in self.keys])

@@ -8,13 +8,14 @@ its share of the queries and the histograms are summed with ``all_reduce``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 
 import torch
 from torch import Tensor
 
-from recall_at_k import _embedding
+from recall_at_k import _audit, _embedding
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
 from recall_at_k._embedding import AUTO_ROUTE, Route, Side
@@ -89,6 +90,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         chunk_bytes: upper bound of the bytes of one tile's scores (on CPU tiles stay
             within 32 MiB even when it allows more). Peak memory of ``compute`` is about
             one tile (twice it for ``ties="expected"``) plus copies of the embeddings.
+        near_duplicate: a threshold in the metric's own similarity (0.95 for cosine,
+            say): :meth:`protocol_report` then also counts queries with a gallery item
+            scored at or above it (for now a separate pass: about one more ranking).
         key: template of the result's keys, ``"recall@{k}"`` by default.
         validate_args: check that embeddings are finite, and a callable similarity's
             scores free of NaN (these checks read values on the host).
@@ -118,7 +122,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         {'i2t/recall@1': tensor(1.), 't2i/recall@1': tensor(0.7500)}
     """
 
-    __jit_ignored_attributes__: ClassVar[list[str]] = ["last_compute_num_queries_ranked"]
+    __jit_ignored_attributes__: ClassVar[list[str]] = [
+        "last_compute_num_queries_ranked",
+        "near_duplicate",
+        "_report",
+    ]
 
     last_compute_num_queries_ranked: dict[str, int]
     """Queries this process ranked in the last ``compute``, per direction (its share under
@@ -139,6 +147,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         ties: Ties = "pessimistic",
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
+        near_duplicate: float | None = None,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -156,6 +165,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         ties: Ties = "pessimistic",
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
+        near_duplicate: float | None = None,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -173,6 +183,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         ties: Ties = "pessimistic",
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
+        near_duplicate: float | None = None,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -189,6 +200,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         ties: Ties = "pessimistic",
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
+        near_duplicate: float | None = None,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -211,7 +223,13 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.similarity = similarity
         self.exclude = exclude
         self.bidirectional = bool(bidirectional)
+        self.near_duplicate = _audit.check_near_duplicate(near_duplicate)
         self.last_compute_num_queries_ranked = {}
+        # The protocol report of the last compute() (None once data changes); the
+        # warning about identical positives is shown once per instance (never re-armed).
+        self._report: list[dict[str, int]] | None = None
+        self._report_gathered = False  # whether the report counted gathered states
+        self._audit_warned = False
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
         self._gathered: _embedding.ProcessGroup | None = None
@@ -246,6 +264,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 counts once.
         """
         self._touch_views()
+        self._report = None
         _embedding.check_batch(embeddings, labels, groups, ids)
         check_choice("role", role, ROLES)
         if self.exclude != "none" and groups is None:
@@ -322,11 +341,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if meta.shape[0] == 0:
             # Nothing added (on any process): like RetrievalRecallAtK, NaN with a warning.
             empty = torch.zeros(self.max_k, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+            self._audit((embeddings, meta), None, [None, None], [0, 0])
             return [empty for _ in self._prefixes]
-        self._check_groups(meta)
-        group = self._gathered  # shard across processes only when states are gathered
-        identity = _embedding.identities(meta[:, _ID], (meta[:, _FLAGS] & _HAS_ID) != 0)
-        roles = [(_IS_QUERY, _IS_GALLERY), (_IS_GALLERY, _IS_QUERY)][: len(self._prefixes)]
         options = _embedding.RankOptions(
             self.similarity,
             self.exclude,
@@ -336,6 +352,22 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             self.validate_args and _embedding.may_produce_nan(embeddings, self.similarity),
         )
         prepared = _embedding.prepare(embeddings, self.similarity)
+        directions = self._directions(meta)
+        group = self._gathered  # shard across processes only when states are gathered
+        histograms, ranked = _embedding.rank_shared(
+            prepared, meta[:, _LABEL], meta[:, _GROUP], directions, options, self._route, group
+        )
+        self.last_compute_num_queries_ranked = dict(zip(self.directions, ranked, strict=False))
+        counted = _audit.counted_queries(histograms, self.empty_target_action)
+        self._audit((embeddings, meta), prepared, directions, counted)
+        return histograms
+
+    def _directions(self, meta: Tensor) -> list[tuple[Side, Side] | None]:
+        """Each direction's (queries, gallery), None for one that cannot be ranked
+        (an error outside ``forward``)."""
+        self._check_groups(meta)
+        identity = _embedding.identities(meta[:, _ID], (meta[:, _FLAGS] & _HAS_ID) != 0)
+        roles = [(_IS_QUERY, _IS_GALLERY), (_IS_GALLERY, _IS_QUERY)][: len(self._prefixes)]
         directions: list[tuple[Side, Side] | None] = []
         for index, (query_flag, gallery_flag) in enumerate(roles):
             queries = _embedding.select((meta[:, _FLAGS] & query_flag) != 0, identity)
@@ -344,11 +376,73 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             if missing is not None and not self._in_forward:
                 raise ValueError(missing)
             directions.append(None if missing is not None else (queries, gallery))
-        histograms, ranked = _embedding.rank_shared(
-            prepared, meta[:, _LABEL], meta[:, _GROUP], directions, options, self._route, group
+        return directions
+
+    # ------------------------------------------------------------------ protocol audit
+
+    def protocol_report(self) -> dict[str, int] | dict[str, dict[str, int]]:
+        """Counts that reveal a leaky or repeated protocol: ``"queries"`` (counted);
+        ``"identical_positive"`` / ``"identical_negative"``: queries with a non-ignored
+        gallery item whose embedding is bitwise-equal, another sample, of their label (a
+        guaranteed hit) / of another; with ``near_duplicate``, ``"near_positive"`` /
+        ``"near_negative"`` (an item scored at or above it, or identical) and
+        ``"near_hits_at_1"`` (the rank-1 hit scores at or above it);
+        ``"duplicate_gallery_items"`` (bitwise-equal to an earlier gallery item). From
+        the last ``compute()``, else computed now (collective under DDP).
+        Bidirectional: one dict per direction, keyed by its name.
+        """
+        if _audit.stale_anywhere(self, self._report is None):
+            self._synced(self._audit_on_demand)
+        reports = [dict(r) for r in self._report or []]
+        return (
+            dict(zip(self.directions, reports, strict=False)) if self.bidirectional else reports[0]
         )
-        self.last_compute_num_queries_ranked = dict(zip(self.directions, ranked, strict=False))
-        return histograms
+
+    def _audit_on_demand(self) -> None:
+        try:
+            embeddings, meta = self._stored()
+            sides = self._directions(meta) if meta.shape[0] else [None, None]
+            near = self.near_duplicate is not None
+            prepared = _embedding.prepare(embeddings, self.similarity) if near else None
+            self._audit((embeddings, meta), prepared, sides, [None, None], warn=False)
+        finally:
+            self._gathered = None
+
+    def _audit(
+        self,
+        stored: tuple[Tensor, Tensor],
+        prepared: Tensor | None,
+        sides: Sequence[Any],
+        counted: Sequence[int | None],
+        warn: bool = True,
+    ) -> None:
+        """Store the report (not in ``forward``: its value is the batch's) and warn once
+        per instance (never re-armed) of identical positives or duplicate gallery items."""
+        if self._in_forward:
+            return
+        sides, counted = sides[: len(self._prefixes)], counted[: len(self._prefixes)]
+        options, gathered = _audit.options_of(self), self._gathered is not None
+        # Kept while the local data are those it counted (a confidence_interval() after
+        # compute() ranks again); gathered data may have changed on another process.
+        if self._report is None or gathered or self._report_gathered:
+            self._report = _audit.protocol_reports(
+                stored, prepared, sides, counted, options, self._gathered
+            )
+            self._report_gathered = gathered
+        message = _audit.warning_message(options.names, self._report, sides)
+        if warn and message is not None and not self._audit_warned:
+            self._audit_warned = True
+            warnings.warn(message, UserWarning, stacklevel=7)
+
+    def reset(self) -> None:
+        """Reset the state (and the views); forget the protocol report."""
+        super().reset()
+        self._report = None
+
+    def merge_state(self, incoming_state: Any) -> None:
+        """torchmetrics' ``merge_state``; forget the protocol report."""
+        super().merge_state(incoming_state)
+        self._report = None
 
     def _check_groups(self, meta: Tensor) -> None:
         """Every item has a group when ``exclude`` reads them (``merge_state`` of items

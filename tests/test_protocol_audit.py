@@ -1,0 +1,656 @@
+"""``EmbeddingRecallAtK.protocol_report()`` and its warning, against a brute force.
+
+The brute force is a literal double loop over (query, gallery item) pairs that applies
+the ignore rules one by one (the query's own sample, ``exclude``, ids repeated within a
+role) and compares embeddings bit for bit with ``torch.equal``. The data plant exact
+copies and near copies (of the same and of another label) among random embeddings.
+
+The one two-process spawn of the audit and interval tests lives here too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from helpers import run_distributed
+from torch import Tensor
+
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+
+DIM = 16
+
+
+@dataclass
+class Batch:
+    embeddings: Tensor
+    labels: Tensor
+    role: str = "both"
+    groups: Tensor | None = None
+    ids: Tensor | None = None
+
+
+@dataclass
+class Case:
+    name: str
+    batches: list[Batch]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _bits(row: Tensor) -> Tensor:
+    return row.view(torch.int32)
+
+
+def dot(queries: Tensor, gallery: Tensor) -> Tensor:
+    """A callable similarity (module level: the two-process test pickles it)."""
+    return queries @ gallery.T
+
+
+def _score(query: Tensor, item: Tensor, similarity: Any) -> float:
+    q, g = query.double(), item.double()
+    if similarity == "cosine":
+        return float(q @ g / (q.norm() * g.norm()))
+    if similarity == "dot" or similarity is dot:
+        return float(q @ g)
+    return -float(((q - g) ** 2).sum())
+
+
+def brute_force(case: Case) -> dict[str, Any]:
+    """The report, pair by pair (one dict, or one per direction by name)."""
+    options = case.options
+    exclude = options.get("exclude", "none")
+    action = options.get("empty_target_action", "neg")
+    near = options.get("near_duplicate")
+    similarity = options.get("similarity", "cosine")
+    optimistic = options.get("ties", "pessimistic") == "optimistic"
+    items = []
+    for batch in case.batches:
+        for i in range(batch.labels.shape[0]):
+            group = None if batch.groups is None else int(batch.groups[i])
+            ident = None if batch.ids is None else int(batch.ids[i])
+            items.append((batch.embeddings[i], int(batch.labels[i]), group, ident, batch.role))
+    # A sample: items sharing an id are one; an item without id is alone.
+    identity = [("id", it[3]) if it[3] is not None else ("item", n) for n, it in enumerate(items)]
+
+    def side(role: str) -> list[int]:
+        seen, rows = set(), []
+        for n, it in enumerate(items):
+            if it[4] in (role, "both") and identity[n] not in seen:
+                seen.add(identity[n])
+                rows.append(n)
+        return rows
+
+    names = options.get("directions", ("q2g", "g2q"))
+    roles = [("query", "gallery"), ("gallery", "query")]
+    if not options.get("bidirectional", False):
+        roles = roles[:1]
+    reports = {}
+    for name, (query_role, gallery_role) in zip(names, roles, strict=False):
+        queries, gallery = side(query_role), side(gallery_role)
+        report = {"queries": 0, "identical_positive": 0, "identical_negative": 0}
+        if near is not None:
+            report.update(near_positive=0, near_negative=0, near_hits_at_1=0)
+        for q in queries:
+            eq, lq, hq = items[q][0], items[q][1], items[q][2]
+            found = set()
+            positives, negatives = [], []
+            for g in gallery:
+                eg, lg, hg = items[g][0], items[g][1], items[g][2]
+                if identity[g] == identity[q]:
+                    continue  # the query itself
+                if exclude == "same_group" and hg == hq:
+                    continue
+                if exclude == "same_label_and_group" and lg == lq and hg == hq:
+                    continue
+                kind = "positive" if lg == lq else "negative"
+                score = _score(eq, eg, similarity)
+                (positives if kind == "positive" else negatives).append(score)
+                identical = torch.equal(_bits(eq), _bits(eg))
+                if identical:
+                    found.add("identical_" + kind)
+                if near is not None and (score >= near or identical):  # identical: near too
+                    found.add("near_" + kind)
+            if not positives and action in ("skip", "error"):
+                continue
+            report["queries"] += 1
+            for key in found:
+                report[key] += 1
+            if near is not None and positives:
+                best = max(positives)
+                beaten = any(s > best if optimistic else s >= best for s in negatives)
+                report["near_hits_at_1"] += int(not beaten and best >= near)
+        duplicates = 0
+        for j, g in enumerate(gallery):
+            earlier = gallery[:j]
+            duplicates += any(
+                identity[e] != identity[g] and torch.equal(_bits(items[e][0]), _bits(items[g][0]))
+                for e in earlier
+            )
+        report["duplicate_gallery_items"] = duplicates
+        reports[name] = report
+    if not options.get("bidirectional", False):
+        return reports[names[0]]
+    return reports
+
+
+def planted(seed: int, num: int = 48, classes: int = 6, groups: int = 3) -> Batch:
+    """Random items plus exact and near copies of the same and of another label.
+
+    Each planted copy has a base item of its own, so that no query has both an exact
+    positive and an exact negative (which would tie at rank 1 by rounding alone)."""
+    gen = torch.Generator().manual_seed(seed)
+    embeddings = torch.randn(num, DIM, generator=gen)
+    labels = torch.randint(0, classes, (num,), generator=gen)
+    group = torch.randint(0, groups, (num,), generator=gen)
+    extra_e, extra_l, extra_g = [], [], []
+    bases = torch.randperm(num, generator=gen)[:12].tolist()
+    for n, base in enumerate(bases):
+        copy = embeddings[base].clone()
+        if n % 3 == 2:  # a near copy
+            copy = copy + 1e-3 * torch.randn(DIM, generator=gen)
+        label = int(labels[base]) if n % 2 == 0 else (int(labels[base]) + 1) % classes
+        extra_e.append(copy)
+        extra_l.append(label)
+        # Half the copies in the base's group (exclude may ignore them).
+        extra_g.append(int(group[base]) if n % 4 < 2 else (int(group[base]) + 1) % groups)
+    embeddings = torch.cat([embeddings, torch.stack(extra_e)])
+    order = torch.randperm(embeddings.shape[0], generator=gen)
+    return Batch(
+        embeddings[order],
+        torch.cat([labels, torch.tensor(extra_l)])[order],
+        groups=torch.cat([group, torch.tensor(extra_g)])[order],
+    )
+
+
+def split(batch: Batch, parts: int) -> list[Batch]:
+    size = math.ceil(batch.labels.shape[0] / parts)
+    out = []
+    for start in range(0, batch.labels.shape[0], size):
+        rows = slice(start, start + size)
+        out.append(
+            Batch(
+                batch.embeddings[rows],
+                batch.labels[rows],
+                batch.role,
+                None if batch.groups is None else batch.groups[rows],
+                None if batch.ids is None else batch.ids[rows],
+            )
+        )
+    return out
+
+
+def cases() -> list[Case]:
+    data = planted(0)
+    n = data.labels.shape[0]
+    ids = torch.arange(n) * 3 + 100
+    # Ids that make some exact copies one sample (repeated within a role).
+    ids_dup = ids.clone()
+    classes = data.embeddings.view(torch.int32)
+    for j in range(n):
+        for i in range(j):
+            if torch.equal(classes[i], classes[j]) and j % 2 == 0:
+                ids_dup[j] = ids_dup[i]
+                break
+    q_rows = torch.arange(n) % 3 == 0
+    gallery = Batch(data.embeddings, data.labels, "gallery", data.groups)
+    queries = Batch(data.embeddings[q_rows], data.labels[q_rows], "query", data.groups[q_rows])
+    near = {"near_duplicate": 0.95}
+    relabelled = torch.where(
+        q_rows & (torch.arange(n) % 2 == 0), (data.labels + 1) % 6, data.labels
+    )
+    regrouped = torch.where(q_rows & (torch.arange(n) % 4 < 2), (data.groups + 1) % 3, data.groups)
+    out = [
+        Case("loo", split(data, 3), {**near}),
+        Case(
+            "loo_optimistic_skip",
+            split(data, 2),
+            {**near, "ties": "optimistic", "empty_target_action": "skip"},
+        ),
+        Case(
+            "loo_ids", [Batch(data.embeddings, data.labels, "both", data.groups, ids_dup)], {**near}
+        ),
+        Case("loo_same_group", [data], {**near, "exclude": "same_group"}),
+        Case(
+            "loo_junk_skip",
+            [data],
+            {**near, "exclude": "same_label_and_group", "empty_target_action": "skip"},
+        ),
+        Case("qg", [queries, gallery], {**near}),
+        Case(
+            "qg_ids",
+            [
+                Batch(queries.embeddings, queries.labels, "query", queries.groups, ids[q_rows]),
+                Batch(gallery.embeddings, gallery.labels, "gallery", gallery.groups, ids),
+            ],
+            {**near, "exclude": "same_label_and_group"},
+        ),
+        Case(
+            "bidirectional",
+            [queries, gallery],
+            {**near, "bidirectional": True, "directions": ("i2t", "t2i")},
+        ),
+        Case(
+            "bidirectional_ids_group",
+            [
+                Batch(queries.embeddings, queries.labels, "query", queries.groups, ids[q_rows]),
+                Batch(gallery.embeddings, gallery.labels, "gallery", gallery.groups, ids_dup),
+            ],
+            {**near, "bidirectional": True, "exclude": "same_group"},
+        ),
+        # A query's own sample (its id) in the gallery with another label / group: it
+        # is still the query itself, never an identical negative.
+        Case(
+            "qg_ids_self_relabelled",
+            [
+                Batch(queries.embeddings, queries.labels, "query", queries.groups, ids[q_rows]),
+                Batch(gallery.embeddings, relabelled, "gallery", regrouped, ids),
+            ],
+            {**near},
+        ),
+        Case(
+            "qg_ids_self_relabelled_group",
+            [
+                Batch(queries.embeddings, queries.labels, "query", queries.groups, ids[q_rows]),
+                Batch(gallery.embeddings, relabelled, "gallery", regrouped, ids),
+            ],
+            {**near, "exclude": "same_group", "bidirectional": True},
+        ),
+        Case("loo_bidirectional", [data], {**near, "bidirectional": True}),
+        Case("loo_dot_no_near", [data], {"similarity": "dot"}),
+        Case("loo_callable", split(data, 2), {"similarity": dot, "near_duplicate": 12.0}),
+        # A threshold no score reaches: the near items are the identical ones.
+        Case("loo_dot_unreachable", [data], {"similarity": "dot", "near_duplicate": 1e6}),
+        Case("loo_euclidean", [data], {"similarity": "euclidean", "near_duplicate": -1e-2}),
+    ]
+    return out
+
+
+CASES = cases()
+
+
+def metric_of(case: Case, **extra: Any) -> EmbeddingRecallAtK[dict[str, Tensor]]:
+    return EmbeddingRecallAtK(k=(1, 5), **case.options, **extra)
+
+
+def feed(metric: EmbeddingRecallAtK[Any], batches: list[Batch]) -> None:
+    for b in batches:
+        metric.update(b.embeddings, b.labels, role=b.role, groups=b.groups, ids=b.ids)  # type: ignore[arg-type]
+
+
+def test_cases_plant_what_they_should() -> None:
+    """The planted data exercise every count (so no test passes vacuously)."""
+    totals: dict[str, int] = {}
+    for case in CASES:
+        expected = brute_force(case)
+        reports = expected.values() if case.options.get("bidirectional") else [expected]
+        for report in reports:
+            for key, value in report.items():
+                totals[key] = totals.get(key, 0) + value
+    for key in (
+        "identical_positive",
+        "identical_negative",
+        "near_positive",
+        "near_negative",
+        "near_hits_at_1",
+        "duplicate_gallery_items",
+    ):
+        assert totals[key] > 0, key
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_report_equals_brute_force(case: Case) -> None:
+    expected = brute_force(case)
+    # On demand (no compute yet): the audit counts the queries itself.
+    metric = metric_of(case)
+    feed(metric, case.batches)
+    assert metric.protocol_report() == expected
+    # After compute(): "queries" comes from the ranking; the same report.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metric.compute()
+    assert metric.protocol_report() == expected
+    # Keys in the documented order.
+    first = next(iter(expected.values())) if case.options.get("bidirectional") else expected
+    keys = ["queries", "identical_positive", "identical_negative"]
+    if "near_duplicate" in case.options:
+        keys += ["near_positive", "near_negative", "near_hits_at_1"]
+    assert list(first) == [*keys, "duplicate_gallery_items"]
+
+
+TILE_CASES = [CASES[0], CASES[1], CASES[3]]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=[c.name for c in TILE_CASES])
+def test_report_does_not_depend_on_tiles_or_batches(case: Case) -> None:
+    """The near pass in tiles of one query, the data in one batch: the same report."""
+    whole = Batch(
+        torch.cat([b.embeddings for b in case.batches]),
+        torch.cat([b.labels for b in case.batches]),
+        case.batches[0].role,
+        torch.cat([b.groups for b in case.batches if b.groups is not None]),
+        None,
+    )
+    small = metric_of(case, chunk_bytes=1)
+    feed(small, [whole])
+    assert small.protocol_report() == brute_force(case)
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=[c.name for c in TILE_CASES])
+def test_near_pass_in_narrow_panels(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Panels of one or two columns around each tile's label blocks: the same report."""
+    import recall_at_k._audit
+
+    monkeypatch.setattr(recall_at_k._audit, "CPU_PANEL_BYTES", 8)
+    metric = metric_of(case, chunk_bytes=700)
+    feed(metric, case.batches)
+    assert metric.protocol_report() == brute_force(case)
+
+
+def test_compute_is_unchanged_and_warns_once_per_instance() -> None:
+    case = CASES[0]
+    plain = metric_of(Case("plain", case.batches, {}))
+    feed(plain, case.batches)
+    audited = metric_of(case)
+    feed(audited, case.batches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        expected = plain.compute()
+        assert audited.compute() == expected
+        assert audited.compute() == expected
+        audited.reset()
+        feed(audited, case.batches)
+        assert audited.compute() == expected
+    ours = [w for w in caught if "protocol_report()" in str(w.message)]
+    assert len(ours) == 2  # one from each instance
+    message = str(ours[0].message)
+    report = brute_force(case)
+    share = report["identical_positive"] / report["queries"]
+    assert f"{report['identical_positive']} of {report['queries']} counted queries" in message
+    assert f"({share:.1%})" in message
+    for fix in ("`ids=`", "`groups=`", "exclude='same_group'", "de-duplicate the gallery"):
+        assert fix in message
+    assert ours[0].filename == __file__
+
+
+def test_no_warning_for_a_clean_protocol() -> None:
+    gen = torch.Generator().manual_seed(3)
+    metric = EmbeddingRecallAtK(k=(1, 5))
+    metric.update(torch.randn(30, DIM, generator=gen), torch.arange(30) % 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metric.compute()
+    report = metric.protocol_report()
+    assert report == {
+        "queries": 30,
+        "identical_positive": 0,
+        "identical_negative": 0,
+        "duplicate_gallery_items": 0,
+    }
+
+
+def test_caption_loader_without_ids_is_detected() -> None:
+    """Each image repeated once per caption: without ids the text -> image gallery holds
+    the repeats; with ids they count once and the warning goes."""
+    gen = torch.Generator().manual_seed(4)
+    images = torch.randn(10, DIM, generator=gen).repeat_interleave(3, dim=0)
+    image_ids = torch.arange(10).repeat_interleave(3)
+    captions = images + 0.5 * torch.randn(30, DIM, generator=gen)
+    reports = {}
+    for use_ids in (False, True):
+        metric = EmbeddingRecallAtK(k=1, bidirectional=True, directions=("i2t", "t2i"))
+        metric.update(images, image_ids, role="query", ids=image_ids if use_ids else None)
+        metric.update(captions, image_ids, role="gallery")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            metric.compute()
+        reports[use_ids] = (metric.protocol_report(), caught)
+    without, caught = reports[False]
+    assert isinstance(without["t2i"], dict)
+    assert without["t2i"]["duplicate_gallery_items"] == 20
+    assert without["i2t"]["duplicate_gallery_items"] == 0
+    assert any("20 of 30 gallery items" in str(w.message) for w in caught)
+    with_ids, caught = reports[True]
+    assert isinstance(with_ids["t2i"], dict)
+    assert with_ids["t2i"]["duplicate_gallery_items"] == 0
+    assert not [w for w in caught if "protocol_report()" in str(w.message)]
+
+
+def test_report_is_forgotten_when_data_changes() -> None:
+    data = planted(1)
+    metric = EmbeddingRecallAtK(k=1)
+    feed(metric, [data])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metric.compute()
+    first = metric.protocol_report()
+    assert first["queries"] == data.labels.shape[0]
+    metric.update(torch.randn(4, DIM), torch.tensor([0, 1, 2, 3]))
+    assert metric.protocol_report()["queries"] == data.labels.shape[0] + 4
+    metric.reset()
+    metric.update(torch.randn(3, DIM), torch.tensor([0, 0, 1]))
+    assert metric.protocol_report()["queries"] == 3
+    other = EmbeddingRecallAtK(k=1)
+    other.update(torch.randn(2, DIM), torch.tensor([0, 1]))
+    metric.protocol_report()
+    metric.merge_state(other)
+    assert metric.protocol_report()["queries"] == 5
+
+
+def test_near_duplicate_is_checked() -> None:
+    for bad in (math.nan, math.inf, "0.9", True, [0.9]):
+        with pytest.raises(ValueError, match="`near_duplicate`"):
+            EmbeddingRecallAtK(near_duplicate=bad)  # type: ignore[call-overload]
+    assert EmbeddingRecallAtK(near_duplicate=1).near_duplicate == 1.0
+
+
+def test_empty_metric_reports_zeros() -> None:
+    metric = EmbeddingRecallAtK(k=1, near_duplicate=0.9)
+    assert metric.protocol_report() == {
+        "queries": 0,
+        "identical_positive": 0,
+        "identical_negative": 0,
+        "near_positive": 0,
+        "near_negative": 0,
+        "near_hits_at_1": 0,
+        "duplicate_gallery_items": 0,
+    }
+
+
+def test_collapsed_model_stays_n_log_n() -> None:
+    """Every embedding equal: the identical counts need no pairs (20,000 items)."""
+    num = 20_000
+    metric = EmbeddingRecallAtK(k=1)
+    metric.update(torch.ones(num, 8), torch.arange(num) % 100)
+    start = time.perf_counter()
+    report = metric.protocol_report()
+    elapsed = time.perf_counter() - start
+    assert report == {
+        "queries": num,
+        "identical_positive": num,
+        "identical_negative": num,
+        "duplicate_gallery_items": num - 1,
+    }
+    assert elapsed < 5.0, elapsed  # pairs would be 4e8 comparisons
+
+
+def test_bitwise_means_bitwise() -> None:
+    """-0.0 and 0.0 are equal numbers but not equal bits; copies in another dtype are
+    compared in the metric's dtype (float64 here)."""
+    metric = EmbeddingRecallAtK(k=1).double()
+    first = torch.tensor([[1.0, 0.0], [1.0, -0.0], [0.5, 0.25]], dtype=torch.float64)
+    metric.update(first, torch.tensor([0, 0, 1]))
+    report = metric.protocol_report()
+    assert isinstance(report, dict)
+    assert report["identical_positive"] == 0 and report["duplicate_gallery_items"] == 0
+    metric.update(first[2:].clone(), torch.tensor([1]))
+    report = metric.protocol_report()
+    assert report["identical_positive"] == 2 and report["duplicate_gallery_items"] == 1
+
+
+# ------------------------------------------------------------------ two processes
+
+
+def _interval_cases() -> dict[str, tuple[dict[str, Any], list[tuple[Any, ...]]]]:
+    """Metrics (kwargs) and their update batches, for one process or split over two."""
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(37, 9, generator=gen)
+    target = torch.randint(-1, 9, (37,), generator=gen)
+    preds = torch.randn(200, generator=gen)
+    flat_target = torch.randint(0, 2, (200,), generator=gen)
+    indexes = torch.randint(0, 23, (200,), generator=gen)
+    return {
+        "dense": ({"k": (1, 3)}, [(scores[i : i + 5], target[i : i + 5]) for i in range(0, 37, 5)]),
+        "dense_expected": (
+            {"k": 2, "ties": "expected"},
+            [((scores[i : i + 7] * 2).round(), target[i : i + 7]) for i in range(0, 37, 7)],
+        ),
+        "flat": (
+            {"k": (1, 2, 5)},
+            [
+                (preds[i : i + 30], flat_target[i : i + 30], indexes[i : i + 30])
+                for i in range(0, 200, 30)
+            ],
+        ),
+    }
+
+
+def _run_one(case: Case, batches: list[Batch]) -> tuple[Any, Any, Any]:
+    metric = metric_of(case)
+    feed(metric, batches)
+    on_demand = metric.protocol_report()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values = metric.compute()
+        interval = metric.confidence_interval(0.9)
+    return on_demand, metric.protocol_report(), (values, interval)
+
+
+def _interval_of(kwargs: dict[str, Any], batches: list[tuple[Any, ...]]) -> Any:
+    metric = RetrievalRecallAtK(**kwargs)
+    for batch in batches:
+        if len(batch) == 3:
+            metric.update(batch[0], batch[1], indexes=batch[2])
+        else:
+            metric.update(*batch)
+    return metric.confidence_interval(0.8)
+
+
+def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for case in CASES:
+        # Uneven shards: rank 0 takes the first batch only; a process may hold nothing
+        # of one role (the query/gallery cases).
+        batches = [b for i, b in enumerate(case.batches) if (i == 0) == (rank == 0)]
+        if len(case.batches) == 1:
+            whole = case.batches[0]
+            cut = whole.labels.shape[0] // 3
+            part = slice(0, cut) if rank == 0 else slice(cut, None)
+            batches = [
+                Batch(
+                    whole.embeddings[part],
+                    whole.labels[part],
+                    whole.role,
+                    None if whole.groups is None else whole.groups[part],
+                    None if whole.ids is None else whole.ids[part],
+                )
+            ]
+        results[case.name] = _run_one(case, batches)
+    for name, (kwargs, batches) in _interval_cases().items():
+        results["interval/" + name] = _interval_of(kwargs, batches[rank::world_size])
+    # Uneven updates after a compute(): only rank 1 adds data; the reports (on demand
+    # and from compute) follow on both processes, none waits for the other forever.
+    case = CASES[0]
+    metric = metric_of(case)
+    feed(metric, case.batches[rank::world_size])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metric.compute()
+        before = metric.protocol_report()
+        if rank == 1:
+            feed(metric, case.batches[:1])
+        after_update = metric.protocol_report()
+        metric.compute()
+        metric.confidence_interval()
+        after_compute = metric.protocol_report()
+    results["uneven"] = (before, after_update, after_compute)
+    return results
+
+
+def test_two_processes_equal_one_process() -> None:
+    """Two gloo processes: every report and interval equals the one-process result, on
+    every process (embedding cases: reports with and without compute, values and
+    intervals; dense, flat and embedding intervals)."""
+    results = run_distributed(_worker, world_size=2)
+    assert results[0].keys() == results[1].keys()
+    for case in CASES:
+        expected = brute_force(case)
+        single = _run_one(case, case.batches)
+        for result in results:
+            on_demand, after, (values, interval) = result[case.name]
+            assert on_demand == expected, case.name
+            assert after == expected, case.name
+            assert values == single[2][0], case.name
+            assert interval.keys() == single[2][1].keys()
+            for key in interval:
+                assert torch.equal(interval[key], single[2][1][key]), (case.name, key)
+    more = Case("more", [*CASES[0].batches, CASES[0].batches[0]], CASES[0].options)
+    for result in results:
+        before, after_update, after_compute = result["uneven"]
+        assert before == brute_force(CASES[0])
+        assert after_update == after_compute == brute_force(more)
+    for name, (kwargs, batches) in _interval_cases().items():
+        single = _interval_of(kwargs, batches)
+        for result in results:
+            got = result["interval/" + name]
+            if isinstance(single, Tensor):
+                assert torch.equal(got, single), name
+            else:
+                assert got.keys() == single.keys()
+                assert all(torch.equal(got[k], single[k]) for k in single), name
+
+
+def test_expected_ties_count_certain_near_hits_and_forward_keeps_no_report() -> None:
+    """``ties="expected"``: a near hit at 1 is a certain one (as ``"pessimistic"``);
+    ``forward``'s batch value neither stores a report nor warns."""
+    case = CASES[0]
+    pessimistic = metric_of(case)
+    feed(pessimistic, case.batches)
+    expected_ties = metric_of(Case("expected", case.batches, {**case.options, "ties": "expected"}))
+    feed(expected_ties, case.batches)
+    assert expected_ties.protocol_report() == pessimistic.protocol_report()
+    metric = metric_of(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in case.batches:
+            metric(b.embeddings, b.labels)
+    assert metric._report is None
+    assert metric.protocol_report() == brute_force(case)
+
+
+def test_interval_after_compute_reuses_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``confidence_interval()`` after ``compute()`` ranks again but does not audit again;
+    a report made on demand still lets ``compute()`` warn."""
+    import recall_at_k._audit
+
+    calls = []
+    original = recall_at_k._audit.protocol_reports
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(recall_at_k._audit, "protocol_reports", counting)
+    case = CASES[0]
+    metric = metric_of(case)
+    feed(metric, case.batches)
+    metric.protocol_report()
+    with pytest.warns(UserWarning, match="protocol_report"):
+        metric.compute()
+    metric.confidence_interval()
+    assert metric.protocol_report() == brute_force(case)
+    assert len(calls) == 1
