@@ -634,13 +634,13 @@ def test_plot_draws_one_curve_per_direction() -> None:
 
 def test_wide_label_blocks_take_the_dense_route(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    original = _embedding.dense_tie_counts
+    original = _embedding._dense_band
 
     def spy(*args: Any) -> Any:
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(_embedding, "dense_tie_counts", spy)
+    monkeypatch.setattr(_embedding, "_dense_band", spy)
     emb = torch.randn(30, 4, generator=_gen(17))
     batches = [Batch(emb, torch.arange(30) % 2)]  # two classes: blocks of half the gallery
     expected = reference_embedding_recall(batches, KS)

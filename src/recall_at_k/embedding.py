@@ -118,11 +118,18 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         {'i2t/recall@1': tensor(1.), 't2i/recall@1': tensor(0.7500)}
     """
 
-    __jit_ignored_attributes__: ClassVar[list[str]] = ["last_compute_num_queries_ranked"]
+    __jit_ignored_attributes__: ClassVar[list[str]] = [
+        "last_compute_num_queries_ranked",
+        "last_compute_rescored",
+    ]
 
     last_compute_num_queries_ranked: dict[str, int]
     """Queries this process ranked in the last ``compute``, per direction (its share under
     DDP, every query otherwise)."""
+    last_compute_rescored: dict[str, int]
+    """(query, gallery item) pairs this process re-scored canonically in the last
+    ``compute``, per direction: the items whose fast float32 score lay within the
+    certified rounding band around their query's best positive."""
 
     _route: Route = AUTO_ROUTE
     """How tiles are counted (a private switch for tests; every route is exact)."""
@@ -212,6 +219,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.exclude = exclude
         self.bidirectional = bool(bidirectional)
         self.last_compute_num_queries_ranked = {}
+        self.last_compute_rescored = {}
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
         self._gathered: _embedding.ProcessGroup | None = None
@@ -344,10 +352,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             if missing is not None and not self._in_forward:
                 raise ValueError(missing)
             directions.append(None if missing is not None else (queries, gallery))
-        histograms, ranked = _embedding.rank_shared(
+        histograms, ranked, rescored = _embedding.rank_shared(
             prepared, meta[:, _LABEL], meta[:, _GROUP], directions, options, self._route, group
         )
         self.last_compute_num_queries_ranked = dict(zip(self.directions, ranked, strict=False))
+        self.last_compute_rescored = dict(zip(self.directions, rescored, strict=False))
         return histograms
 
     def _check_groups(self, meta: Tensor) -> None:
