@@ -241,14 +241,15 @@ def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
     dtype = torch.promote_types(embeddings.dtype, torch.float32)
     if similarity != "cosine":
         return embeddings.to(dtype, copy=True)
-    wide = embeddings.to(torch.float64).T.contiguous()  # [D, N]
-    total = torch.zeros(wide.shape[1], dtype=torch.float64, device=wide.device)
+    columns = embeddings.T.contiguous()  # [D, N]
+    total = torch.zeros(columns.shape[1], dtype=torch.float64, device=columns.device)
     term = torch.empty_like(total)
-    for column in wide:
-        torch.mul(column, column, out=term)
+    for column in columns:
+        wide = column.to(torch.float64)
+        torch.mul(wide, wide, out=term)
         total.add_(term)
     total.sqrt_().clamp_min_(1e-12)
-    return wide.div_(total).T.to(dtype, memory_format=torch.contiguous_format)
+    return embeddings.to(torch.float64).div_(total.unsqueeze(1)).to(dtype)
 
 
 def canonical_scores(
@@ -577,6 +578,7 @@ def _scan(
     found: list[tuple[Tensor, Tensor, Tensor | None]],
     keep_values: bool,
     workspace: Workspace,
+    every_row: bool = False,
 ) -> None:
     """Add to ``greater`` (per row of ``scores``, a float dtype from
     :func:`recall_at_k._kernel.count_dtype`) the count of scores above ``hi``, and to
@@ -588,7 +590,9 @@ def _scan(
     the rows reaching ``lo`` (or holding a NaN) are copied and compared with ``lo``
     and ``hi`` (written as 0/1 into float buffers and summed, on CPU faster than a
     ``bool`` result, :func:`recall_at_k._kernel.count_dtype`), and only the rows whose
-    two counts differ, those with band items, are searched.
+    two counts differ, those with band items, are searched. With ``every_row`` (every
+    row holds its best positive, so reaches ``lo``), or when most rows reach ``lo``,
+    the block is compared whole instead.
     """
     num_rows, width = scores.shape
     sum_dtype = greater.dtype
@@ -596,30 +600,43 @@ def _scan(
     if scores.device.type == "cpu":
         step = max(1, CPU_COUNT_BLOCK_BYTES // max(1, width * scores.element_size()))
     for start in range(0, num_rows, step):
-        block, block_lo = scores, lo
+        block, block_lo, block_hi = scores, lo, hi
         if step < num_rows:
-            block, block_lo = scores[start : start + step], lo[start : start + step]
-        peak = block.amax(dim=1, keepdim=True)
-        rows = (peak < block_lo).logical_not_().view(-1).nonzero().view(-1)
-        if rows.numel() == 0:
-            continue
-        if start:
+            stop = start + step
+            block, block_lo, block_hi = scores[start:stop], lo[start:stop], hi[start:stop]
+        if every_row:
+            rows = None
+        else:
+            peak = block.amax(dim=1, keepdim=True)
+            rows = (peak < block_lo).logical_not_().view(-1).nonzero().view(-1)
+            if rows.numel() == 0:
+                continue
+            if 2 * rows.shape[0] > block.shape[0]:
+                rows = None  # most rows: compare them all rather than copy them
+        if rows is None:
+            marks = workspace.get("marks", tuple(block.shape), scores.dtype, scores.device)
+            reach = torch.ge(block, block_lo, out=marks).sum(dim=1, dtype=sum_dtype)
+            above = torch.gt(block, block_hi, out=marks).sum(dim=1, dtype=sum_dtype)
+            greater[start : start + block.shape[0]] += above
+            rows = (reach > above).nonzero().view(-1)
+            if rows.numel() == 0:
+                continue
             rows += start
-        candidates = workspace.get(
-            "candidates", (rows.shape[0], width), scores.dtype, scores.device
-        )
-        torch.index_select(scores, 0, rows, out=candidates)
-        marks = workspace.get("marks", (rows.shape[0], width), scores.dtype, scores.device)
-        row_lo, row_hi = lo.index_select(0, rows), hi.index_select(0, rows)
-        reach = torch.ge(candidates, row_lo, out=marks).sum(dim=1, dtype=sum_dtype)
-        above = candidates.gt_(row_hi).sum(dim=1, dtype=sum_dtype)
-        greater.index_add_(0, rows, above)
-        if torch.equal(reach, above):
-            continue
-        banded = reach > above
-        rows, row_lo, row_hi = rows[banded], row_lo[banded], row_hi[banded]
+        else:
+            rows += start
+            shape = (rows.shape[0], width)
+            candidates = workspace.get("candidates", shape, scores.dtype, scores.device)
+            torch.index_select(scores, 0, rows, out=candidates)
+            marks = workspace.get("marks", shape, scores.dtype, scores.device)
+            reach = torch.ge(candidates, lo.index_select(0, rows), out=marks)
+            reach = reach.sum(dim=1, dtype=sum_dtype)
+            above = candidates.gt_(hi.index_select(0, rows)).sum(dim=1, dtype=sum_dtype)
+            greater.index_add_(0, rows, above)
+            if torch.equal(reach, above):
+                continue
+            rows = rows[reach > above]
         candidates = scores.index_select(0, rows)
-        inside = (candidates >= row_lo) & (candidates <= row_hi)
+        inside = (candidates >= lo.index_select(0, rows)) & (candidates <= hi.index_select(0, rows))
         row, column = inside.nonzero(as_tuple=True)
         value = candidates[row, column] if keep_values else None
         found.append((rows[row], column + first, value))
@@ -691,7 +708,7 @@ def _block_band(
     total = scores.shape[1] if num_gallery is None else num_gallery
     greater = torch.zeros(scores.shape[0], dtype=count_dtype(total), device=scores.device)
     found: list[tuple[Tensor, Tensor, Tensor | None]] = []
-    _scan(scores, lo, hi, first, greater, found, callable(options.similarity), workspace)
+    _scan(scores, lo, hi, first, greater, found, callable(options.similarity), workspace, True)
     if options.exclude == "same_label_and_group":
         greater -= ((block > hi) & in_block).sum(dim=1)
     return _gather_band(greater, has_positive, found), lo, hi
@@ -779,7 +796,7 @@ def _dense_band(
     lo, hi = _band_edges(best, bound, has_positive)
     greater = torch.zeros(scores.shape[0], dtype=count_dtype(scores.shape[1]), device=scores.device)
     found: list[tuple[Tensor, Tensor, Tensor | None]] = []
-    _scan(scores, lo, hi, 0, greater, found, callable(options.similarity), workspace)
+    _scan(scores, lo, hi, 0, greater, found, callable(options.similarity), workspace, True)
     return _gather_band(greater, has_positive, found)
 
 
