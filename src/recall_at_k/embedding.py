@@ -67,7 +67,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     Embeddings are stored in the metric's dtype (``float32`` unless changed with
     ``set_dtype`` or a module cast), which every process agrees on when states are
-    gathered. The stored states grow with the data: O(items x D).
+    gathered. The stored states grow with the data: O(items x D). Items are ranked by a
+    canonical score, a fixed-order float64 sum over the stored float32 rows (cosine rows
+    normalised once each), so the result is identical for every ``chunk_bytes``, thread
+    count, number of processes and device; the float32 matrix product is the fast path,
+    and the items its rounding could misplace are re-scored (``last_compute_rescored``).
 
     Args:
         k: an int or a sequence of distinct ints, as for
