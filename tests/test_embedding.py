@@ -763,9 +763,12 @@ def test_compute_errors() -> None:
     nan = EmbeddingRecallAtK(similarity=lambda q, g: torch.full((q.shape[0], g.shape[0]), math.nan))
     nan.update(emb, labels)
     _raises(r"`similarity` returned NaN scores for 3 quer", nan.compute)
-    huge = EmbeddingRecallAtK(similarity="dot")
-    huge.update(torch.tensor([[1e20, 1e20], [1e20, -1e20], [1.0, 0.0]]), labels)
-    _raises(r"`similarity` returned NaN scores for 2 quer.*overflow", huge.compute)
+    # Scores past float32's range are ranked (in float64), not an error.
+    huge = EmbeddingRecallAtK(KS, similarity="dot")
+    huge_embeddings = torch.tensor([[1e20, 1e20], [1e20, -1e20], [1.0, 0.0]])
+    huge.update(huge_embeddings, labels)
+    expected = reference_embedding_recall([Batch(huge_embeddings, labels)], KS, similarity="dot")
+    assert {k: float(v) for k, v in huge.compute().items()} == pytest.approx(expected)
 
 
 def test_a_corrupted_state_is_reported() -> None:

@@ -28,7 +28,9 @@ from recall_at_k._kernel import Workspace
 
 TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
-ROUTES = ("auto", "panels", "tiles", "dense")
+# The automatic choice, CPU panels (of the default size, and of a few columns), whole
+# tiles through label blocks (as on a GPU), dense masks.
+ROUTES = (Route(), Route("panels"), Route("panels", 2**10), Route("tiles"), Route("dense"))
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -154,10 +156,10 @@ def _threads(count: int) -> Iterator[None]:
 
 
 def _metric(
-    batches: Sequence[Batch], route: str = "auto", **kwargs: Any
+    batches: Sequence[Batch], route: Route | str = "auto", **kwargs: Any
 ) -> tuple[dict[str, float], EmbeddingRecallAtK[Any]]:
     metric = EmbeddingRecallAtK(KS, **kwargs)
-    metric._route = Route(route)
+    metric._route = route if isinstance(route, Route) else Route(route)
     for batch in batches:
         metric.update(batch.embeddings, batch.labels, **batch.kwargs())
     return {key: float(value) for key, value in metric.compute().items()}, metric
@@ -376,3 +378,24 @@ def test_cosine_normalisation_is_per_row() -> None:
         assert torch.equal(_embedding.prepare(embeddings, "cosine"), whole)
     zero = _embedding.prepare(torch.zeros(2, 4), "cosine")
     assert torch.equal(zero, torch.zeros(2, 4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_cpu_and_cuda_agree_bit_for_bit(precision: str) -> None:  # pragma: no cover - GPU
+    """The same canonical ranking on both devices, TF32 products included (their wider
+    rounding bound only widens the band)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        for name in ("quantised24-cosine", "decimal-dot", "decimal-euclidean"):
+            embeddings, labels, similarity = DATA[name]
+            for ties in TIES:
+                metric = EmbeddingRecallAtK(KS, similarity=similarity, ties=ties)
+                cpu = _metric([Batch(embeddings, labels)], similarity=similarity, ties=ties)[0]
+                metric = metric.cuda()
+                metric.update(embeddings.cuda(), labels.cuda())
+                cuda = {key: float(value) for key, value in metric.compute().items()}
+                assert cuda == cpu, (name, ties, precision)
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -101,6 +101,9 @@ of the gallery; above it the dense masks are cheaper than gathering the blocks."
 CANONICAL_BATCH_BYTES = 4 * 2**20
 """Pairs are re-scored canonically in batches whose gathered float64 rows (each side)
 take about this many bytes."""
+CPU_STACK_BYTES = 4 * 2**20
+"""On CPU the panel rows that reach their band are copied, panel after panel, into a
+buffer of about this many bytes, then compared with the band's edges at once."""
 PENDING_PAIRS = 2**16
 """In-band pairs of successive tiles are re-scored together once this many wait (or at
 the end): one canonical pass over D for many tiles."""
@@ -249,7 +252,12 @@ def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
         torch.mul(wide, wide, out=term)
         total.add_(term)
     total.sqrt_().clamp_min_(1e-12)
-    return embeddings.to(torch.float64).div_(total.unsqueeze(1)).to(dtype)
+    out = torch.empty(embeddings.shape, dtype=dtype, device=embeddings.device)
+    step = max(1, CANONICAL_BATCH_BYTES // (8 * max(1, embeddings.shape[1])))
+    for start in range(0, embeddings.shape[0], step):
+        rows = embeddings[start : start + step].to(torch.float64)
+        out[start : start + step] = rows.div_(total[start : start + step].unsqueeze(1))
+    return out
 
 
 def canonical_scores(
@@ -358,6 +366,11 @@ def rank(
     rescored_total = torch.zeros((), dtype=torch.int64, device=device)
     if queries.rows.numel() == 0:
         return RankCounts(hist_total, query_total, nan_total, rescored_total)
+    overflow = embeddings.dtype == torch.float32 and not callable(options.similarity)
+    if overflow and may_produce_nan(embeddings, options.similarity):
+        # Float32 products could overflow: the fast path runs in float64 (exact
+        # copies; the canonical scores are the same).
+        embeddings = embeddings.to(torch.float64)
     gallery = _gallery(embeddings, labels, groups, gallery_side, options.similarity)
     num_gallery = gallery.embeddings.shape[0]
     share = _queries(labels, groups, queries, gallery)
@@ -453,8 +466,11 @@ def _gallery(
         neg_sq_norms = gallery_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
     max_norm = 0.0
     if gallery_embeddings.numel():
-        norms = torch.linalg.vector_norm(gallery_embeddings.to(torch.float64), dim=1)
-        max_norm = float(norms.max())
+        # In the embeddings' own dtype, then raised past its rounding (relative error
+        # at most gamma_{D+2}): an upper bound of the exact largest norm.
+        norms = torch.linalg.vector_norm(gallery_embeddings, dim=1)
+        unit = float(torch.finfo(gallery_embeddings.dtype).eps) / 2
+        max_norm = float(norms.max()) * (1 + 2 * _gamma(embeddings.shape[1] + 2, unit))
     bound = _bound_coefficient(similarity, embeddings.shape[1], embeddings.dtype, embeddings.device)
     block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
     block_starts = torch.cumsum(block_counts, dim=0) - block_counts
@@ -749,12 +765,83 @@ def _panel_band(
     ignore_outside = options.exclude == "same_group" or bool(self_outside.any())
     greater = band.greater
     found = [(band.rows, band.columns, band.values)]
+    widest_panel = max((stop - first for first, stop in panels), default=0)
+    stack = _Stack(band_lo, band_hi, greater, found, widest_panel, workspace)
     for first, stop in panels:
         scores = _product(queries, gallery, first, stop, options.similarity, workspace)
         if ignore_outside:
             _ignore_in_place(scores, tile, gallery, options.exclude, first)
-        _scan(scores, band_lo, band_hi, first, greater, found, False, workspace)
+        # The rows that reach lo (or hold an ignored item): one read of the panel.
+        peak = scores.amax(dim=1, keepdim=True)
+        rows = (peak < band_lo).logical_not_().view(-1).nonzero().view(-1)
+        if 2 * rows.shape[0] > num_rows:  # most rows: compare the whole panel
+            _scan(scores, band_lo, band_hi, first, greater, found, False, workspace, True)
+        elif rows.shape[0]:
+            stack.add(scores, rows, first)
+    stack.flush()
     return _gather_band(greater, band.has_positive, found)
+
+
+class _Stack:
+    """Copies of the panel rows that reach their band, from successive panels of one
+    tile and of one width, compared with the band's edges together (fewer, larger
+    operations than per panel)."""
+
+    def __init__(
+        self,
+        lo: Tensor,
+        hi: Tensor,
+        greater: Tensor,
+        found: list[tuple[Tensor, Tensor, Tensor | None]],
+        width: int,
+        workspace: Workspace,
+    ) -> None:
+        self.lo, self.hi, self.greater, self.found = lo, hi, greater, found
+        self.workspace = workspace
+        capacity = max(lo.shape[0], CPU_STACK_BYTES // max(1, width * lo.element_size()))
+        self.buffer = workspace.get("stack", (capacity, width), lo.dtype, lo.device)
+        self.used = 0
+        self.rows: list[Tensor] = []
+        self.firsts: list[int] = []
+
+    def add(self, scores: Tensor, rows: Tensor, first: int) -> None:
+        """Copy ``rows`` of a panel whose first gallery column is ``first`` (a narrower
+        panel is padded with -inf, which no band reaches)."""
+        count = rows.shape[0]
+        if self.used + count > self.buffer.shape[0]:
+            self.flush()
+        target = self.buffer[self.used : self.used + count]
+        if scores.shape[1] == target.shape[1]:
+            torch.index_select(scores, 0, rows, out=target)
+        else:
+            target[:, : scores.shape[1]] = scores.index_select(0, rows)
+            target[:, scores.shape[1] :] = -math.inf
+        self.used += count
+        self.rows.append(rows)
+        self.firsts.append(first)
+
+    def flush(self) -> None:
+        """What :func:`_scan` does, on every row copied so far."""
+        if not self.rows:
+            return
+        candidates = self.buffer[: self.used]
+        rows = torch.cat(self.rows)
+        counts = torch.tensor([r.shape[0] for r in self.rows], device=rows.device)
+        firsts = torch.tensor(self.firsts, device=rows.device).repeat_interleave(counts)
+        lo, hi = self.lo.index_select(0, rows), self.hi.index_select(0, rows)
+        marks = self.workspace.get("marks", tuple(candidates.shape), lo.dtype, lo.device)
+        dtype = self.greater.dtype
+        reach = torch.ge(candidates, lo, out=marks).sum(dim=1, dtype=dtype)
+        above = torch.gt(candidates, hi, out=marks).sum(dim=1, dtype=dtype)
+        self.greater.index_add_(0, rows, above)
+        if not torch.equal(reach, above):
+            banded = (reach > above).nonzero().view(-1)
+            inside = candidates.index_select(0, banded)
+            inside = (inside >= lo.index_select(0, banded)) & (inside <= hi.index_select(0, banded))
+            row, column = inside.nonzero(as_tuple=True)
+            self.found.append((rows[banded][row], firsts[banded][row] + column, None))
+        self.used = 0
+        self.rows, self.firsts = [], []
 
 
 def _ignore_in_place(
