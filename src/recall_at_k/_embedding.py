@@ -98,9 +98,11 @@ CPU_PANEL_BYTES = 2 * 2**20
 SPARSE_MAX_BLOCK_FRACTION = 0.25
 """A tile takes a label-block route while its widest label block is at most this share
 of the gallery; above it the dense masks are cheaper than gathering the blocks."""
-CANONICAL_BATCH_BYTES = 4 * 2**20
+CANONICAL_BATCH_BYTES = 16 * 2**20
 """Pairs are re-scored canonically in batches whose gathered float64 rows (each side)
 take about this many bytes."""
+PREPARE_CHUNK_BYTES = 64 * 2**10
+"""Rows are normalised in float64 this many bytes at a time (small temporaries)."""
 CPU_STACK_BYTES = 4 * 2**20
 """On CPU the panel rows that reach their band are copied, panel after panel, into a
 buffer of about this many bytes, then compared with the band's edges at once."""
@@ -248,12 +250,11 @@ def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
     total = torch.zeros(columns.shape[1], dtype=torch.float64, device=columns.device)
     term = torch.empty_like(total)
     for column in columns:
-        wide = column.to(torch.float64)
-        torch.mul(wide, wide, out=term)
-        total.add_(term)
+        term.copy_(column)  # exact
+        total.add_(term.mul_(term))
     total.sqrt_().clamp_min_(1e-12)
     out = torch.empty(embeddings.shape, dtype=dtype, device=embeddings.device)
-    step = max(1, CANONICAL_BATCH_BYTES // (8 * max(1, embeddings.shape[1])))
+    step = max(1, PREPARE_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
     for start in range(0, embeddings.shape[0], step):
         rows = embeddings[start : start + step].to(torch.float64)
         out[start : start + step] = rows.div_(total[start : start + step].unsqueeze(1))
@@ -261,7 +262,11 @@ def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
 
 
 def canonical_scores(
-    embeddings: Tensor, query_rows: Tensor, gallery_rows: Tensor, similarity: Similarity
+    embeddings: Tensor,
+    query_rows: Tensor,
+    gallery_rows: Tensor,
+    similarity: Similarity,
+    workspace: Workspace | None = None,
 ) -> Tensor:
     """The canonical float64 score of each pair ``(query_rows[i], gallery_rows[i])``.
 
@@ -270,14 +275,20 @@ def canonical_scores(
     could depend on shapes, threads or the device.
     """
     num, dim = query_rows.shape[0], embeddings.shape[1]
-    out = torch.empty(num, dtype=torch.float64, device=embeddings.device)
-    step = max(1, CANONICAL_BATCH_BYTES // (8 * max(1, dim)))
+    device, wide = embeddings.device, torch.float64
+    workspace = Workspace() if workspace is None else workspace
+    out = torch.empty(num, dtype=wide, device=device)
+    step = max(1, min(num, CANONICAL_BATCH_BYTES // (8 * max(1, dim))))
     for start in range(0, num, step):
-        q = embeddings.index_select(0, query_rows[start : start + step])
-        g = embeddings.index_select(0, gallery_rows[start : start + step])
-        q = q.to(torch.float64).T.contiguous()  # [D, m]
-        g = g.to(torch.float64).T.contiguous()
-        total = torch.zeros(q.shape[1], dtype=torch.float64, device=q.device)
+        count = min(step, num - start)
+        pair = workspace.get("canonical_rows", (count, dim), embeddings.dtype, device)
+        q = workspace.get("canonical_q", (dim, count), wide, device)
+        g = workspace.get("canonical_g", (dim, count), wide, device)
+        torch.index_select(embeddings, 0, query_rows[start : start + count], out=pair)
+        q.copy_(pair.T)  # [D, m], exact
+        torch.index_select(embeddings, 0, gallery_rows[start : start + count], out=pair)
+        g.copy_(pair.T)
+        total = torch.zeros(count, dtype=wide, device=device)
         term = torch.empty_like(total)
         for d in range(dim):
             if similarity == "euclidean":
@@ -286,7 +297,7 @@ def canonical_scores(
             else:
                 torch.mul(q[d], g[d], out=term)
             total.add_(term)
-        out[start : start + step] = total.neg_() if similarity == "euclidean" else total
+        out[start : start + count] = total.neg_() if similarity == "euclidean" else total
     return out
 
 
@@ -420,14 +431,14 @@ def rank(
             pending_pairs += band.rows.shape[0]
             if pending_pairs < PENDING_PAIRS and start + rows_per_tile < num_queries:
                 continue
-            counts, rescored = _decide(embeddings, gallery, pending, options)
+            counts, rescored = _decide(embeddings, gallery, pending, options, workspace)
             rescored_total += rescored
             pending, pending_pairs = [], 0
         hist, query_counts = _histogram(counts, options, grid)
         hist_total += hist
         query_total += query_counts
     if pending:
-        counts, rescored = _decide(embeddings, gallery, pending, options)
+        counts, rescored = _decide(embeddings, gallery, pending, options, workspace)
         rescored_total += rescored
         hist, query_counts = _histogram(counts, options, grid)
         hist_total += hist
@@ -494,7 +505,10 @@ def _gallery(
 
 def _bounds(queries: Tensor, gallery: _Gallery, similarity: Similarity) -> Tensor:
     """``[T, 1]`` float64: each query's bound ``B`` on ``|fast - canonical|``."""
-    norms: Tensor = torch.linalg.vector_norm(queries.to(torch.float64), dim=1, keepdim=True)
+    # In the queries' dtype, raised past its rounding: an upper bound of each norm.
+    unit = float(torch.finfo(queries.dtype).eps) / 2
+    norms: Tensor = torch.linalg.vector_norm(queries, dim=1, keepdim=True).to(torch.float64)
+    norms.mul_(1 + 2 * _gamma(queries.shape[1] + 2, unit))
     if similarity == "euclidean":
         norms = norms.add_(gallery.max_norm).square_().mul_(gallery.bound)
     else:
@@ -599,7 +613,8 @@ def _scan(
     """Add to ``greater`` (per row of ``scores``, a float dtype from
     :func:`recall_at_k._kernel.count_dtype`) the count of scores above ``hi``, and to
     ``found`` the positions (rows, gallery columns ``first + j``) with
-    ``lo <= score <= hi``; NaN, an ignored item, is neither.
+    ``lo <= score <= hi``; NaN, an ignored item, is neither. Overwrites ``scores``
+    unless ``keep_values``.
 
     The full-width work is one read: each row's largest score (NaN where the row holds
     an ignored item), in blocks of rows of about ``CPU_COUNT_BLOCK_BYTES`` on CPU. Only
@@ -632,12 +647,24 @@ def _scan(
         if rows is None:
             marks = workspace.get("marks", tuple(block.shape), scores.dtype, scores.device)
             reach = torch.ge(block, block_lo, out=marks).sum(dim=1, dtype=sum_dtype)
-            above = torch.gt(block, block_hi, out=marks).sum(dim=1, dtype=sum_dtype)
+            if keep_values:
+                upper = workspace.get("upper", tuple(block.shape), scores.dtype, scores.device)
+                above = torch.gt(block, block_hi, out=upper)
+            else:
+                above = block.gt_(block_hi)  # the scores are not read again
+            # marks: score >= lo and not above hi (no bool temporaries).
+            marks.sub_(above)
+            above = above.sum(dim=1, dtype=sum_dtype)
             greater[start : start + block.shape[0]] += above
-            rows = (reach > above).nonzero().view(-1)
-            if rows.numel() == 0:
+            if torch.equal(reach, above):
                 continue
-            rows += start
+            rows = (reach > above).nonzero().view(-1)
+            inside = marks if rows.shape[0] == block.shape[0] else marks.index_select(0, rows)
+            row, column = inside.nonzero(as_tuple=True)
+            if inside is not marks:
+                row = rows[row]
+            value = block[row, column] if keep_values else None
+            found.append((row + start, column + first, value))
         else:
             rows += start
             shape = (rows.shape[0], width)
@@ -651,11 +678,13 @@ def _scan(
             if torch.equal(reach, above):
                 continue
             rows = rows[reach > above]
-        candidates = scores.index_select(0, rows)
-        inside = (candidates >= lo.index_select(0, rows)) & (candidates <= hi.index_select(0, rows))
-        row, column = inside.nonzero(as_tuple=True)
-        value = candidates[row, column] if keep_values else None
-        found.append((rows[row], column + first, value))
+            candidates = scores.index_select(0, rows)
+            inside = (candidates >= lo.index_select(0, rows)) & (
+                candidates <= hi.index_select(0, rows)
+            )
+            row, column = inside.nonzero(as_tuple=True)
+            value = candidates[row, column] if keep_values else None
+            found.append((rows[row], column + first, value))
 
 
 def _gather_band(
@@ -814,7 +843,10 @@ class _Stack:
         if scores.shape[1] == target.shape[1]:
             torch.index_select(scores, 0, rows, out=target)
         else:
-            target[:, : scores.shape[1]] = scores.index_select(0, rows)
+            narrow = self.workspace.get(
+                "narrow", (count, scores.shape[1]), target.dtype, rows.device
+            )
+            target[:, : scores.shape[1]] = torch.index_select(scores, 0, rows, out=narrow)
             target[:, scores.shape[1] :] = -math.inf
         self.used += count
         self.rows.append(rows)
@@ -832,13 +864,13 @@ class _Stack:
         marks = self.workspace.get("marks", tuple(candidates.shape), lo.dtype, lo.device)
         dtype = self.greater.dtype
         reach = torch.ge(candidates, lo, out=marks).sum(dim=1, dtype=dtype)
-        above = torch.gt(candidates, hi, out=marks).sum(dim=1, dtype=dtype)
+        above = candidates.gt_(hi)
+        marks.sub_(above)  # score >= lo and not above hi
+        above = above.sum(dim=1, dtype=dtype)
         self.greater.index_add_(0, rows, above)
         if not torch.equal(reach, above):
             banded = (reach > above).nonzero().view(-1)
-            inside = candidates.index_select(0, banded)
-            inside = (inside >= lo.index_select(0, banded)) & (inside <= hi.index_select(0, banded))
-            row, column = inside.nonzero(as_tuple=True)
+            row, column = marks.index_select(0, banded).nonzero(as_tuple=True)
             self.found.append((rows[banded][row], firsts[banded][row] + column, None))
         self.used = 0
         self.rows, self.firsts = [], []
@@ -892,6 +924,7 @@ def _decide(
     gallery: _Gallery,
     tiles: list[tuple[_Queries, _Band]],
     options: RankOptions,
+    workspace: Workspace,
 ) -> tuple[TieCounts, Tensor]:
     """g_>, g_> + e and p of each query of ``tiles``, decided on canonical scores.
 
@@ -921,7 +954,7 @@ def _decide(
         scores = values.to(torch.float64)
     else:
         scores = canonical_scores(
-            embeddings, tile.rows[rows], gallery.rows[columns], options.similarity
+            embeddings, tile.rows[rows], gallery.rows[columns], options.similarity, workspace
         )
     num_rows = tile.rows.shape[0]
     best = torch.full((num_rows,), -math.inf, dtype=torch.float64, device=scores.device)
