@@ -98,7 +98,7 @@ CPU_PANEL_BYTES = 2 * 2**20
 SPARSE_MAX_BLOCK_FRACTION = 0.25
 """A tile takes a label-block route while its widest label block is at most this share
 of the gallery; above it the dense masks are cheaper than gathering the blocks."""
-CANONICAL_BATCH_BYTES = 16 * 2**20
+CANONICAL_BATCH_BYTES = 4 * 2**20
 """Pairs are re-scored canonically in batches whose gathered float64 rows (each side)
 take about this many bytes."""
 PREPARE_CHUNK_BYTES = 64 * 2**10
@@ -703,29 +703,37 @@ def _gather_band(
 
 
 def _block_best(
-    scores: Tensor, tile: _Queries, groups: Tensor, exclude: str
+    scores: Tensor, tile: _Queries, groups: Tensor, exclude: str, workspace: Workspace
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """s*_f ``[T, 1]``, whether a valid positive exists, and each query's label block
-    ``[T, widest]`` (its values, and which entries are in the block).
+    ``[T, widest]`` (its values -- for the label-and-group rule; otherwise -inf where
+    not a valid positive -- and which entries are in the block).
 
     ``groups`` are the groups of the columns of ``scores``; ``tile.block_start`` counts
-    in those columns.
+    in those columns. The block's buffers come from ``workspace``.
     """
     device = scores.device
     widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
+    shape = (scores.shape[0], widest)
+    if widest == 0:  # no query of the tile has an item of its label in the gallery
+        nothing = torch.zeros(shape, dtype=torch.bool, device=device)
+        best = torch.full((shape[0], 1), -math.inf, dtype=scores.dtype, device=device)
+        return best, nothing.any(dim=1), scores.new_empty(shape), nothing
     steps = torch.arange(widest, device=device)
     in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
     # Rows without a block (block_count 0) may start anywhere: keep them in range.
-    columns = (tile.block_start.unsqueeze(1) + steps.unsqueeze(0)).clamp_(
-        min=0, max=max(scores.shape[1] - 1, 0)
+    columns = workspace.get("block_columns", shape, torch.int64, device)
+    torch.add(tile.block_start.unsqueeze(1), steps.unsqueeze(0), out=columns)
+    columns.clamp_(min=0, max=max(scores.shape[1] - 1, 0))
+    block = torch.gather(
+        scores, 1, columns, out=workspace.get("block", shape, scores.dtype, device)
     )
-    block = scores.gather(1, columns)
     valid = in_block & ~torch.isnan(block)
     if exclude == "same_label_and_group":
         valid &= groups[columns] != tile.groups.unsqueeze(1)
-    best = torch.where(valid, block, float("-inf")).amax(dim=1, keepdim=True)
-    if widest == 0:
-        best = torch.full((scores.shape[0], 1), float("-inf"), dtype=scores.dtype, device=device)
+        best = torch.where(valid, block, float("-inf")).amax(dim=1, keepdim=True)
+    else:
+        best = block.masked_fill_(~valid, float("-inf")).amax(dim=1, keepdim=True)
     return best, valid.any(dim=1), block, in_block
 
 
@@ -748,7 +756,9 @@ def _block_band(
     scores above ``hi``, so the block's items above ``hi`` are label-and-group junk,
     taken off the count of negatives surely above s*.
     """
-    best, has_positive, block, in_block = _block_best(scores, tile, groups, options.exclude)
+    best, has_positive, block, in_block = _block_best(
+        scores, tile, groups, options.exclude, workspace
+    )
     lo, hi = _band_edges(best, bound, has_positive)
     total = scores.shape[1] if num_gallery is None else num_gallery
     greater = torch.zeros(scores.shape[0], dtype=count_dtype(total), device=scores.device)
