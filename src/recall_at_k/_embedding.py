@@ -101,8 +101,8 @@ of the gallery; above it the dense masks are cheaper than gathering the blocks."
 CANONICAL_BATCH_BYTES = 4 * 2**20
 """Pairs are re-scored canonically in batches whose gathered float64 rows (each side)
 take about this many bytes."""
-PREPARE_CHUNK_BYTES = 64 * 2**10
-"""Rows are normalised in float64 this many bytes at a time (small temporaries)."""
+PREPARE_CHUNK_BYTES = 2**20
+"""Rows are normalised in float64 this many bytes at a time (one reused buffer)."""
 CPU_STACK_BYTES = 4 * 2**20
 """On CPU the panel rows that reach their band are copied, panel after panel, into a
 buffer of about this many bytes, then compared with the band's edges at once."""
@@ -255,8 +255,11 @@ def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
     total.sqrt_().clamp_min_(1e-12)
     out = torch.empty(embeddings.shape, dtype=dtype, device=embeddings.device)
     step = max(1, PREPARE_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
+    step = max(1, min(step, embeddings.shape[0]))
+    wide = torch.empty((step, embeddings.shape[1]), dtype=torch.float64, device=out.device)
     for start in range(0, embeddings.shape[0], step):
-        rows = embeddings[start : start + step].to(torch.float64)
+        rows = wide[: min(step, embeddings.shape[0] - start)]
+        rows.copy_(embeddings[start : start + step])
         out[start : start + step] = rows.div_(total[start : start + step].unsqueeze(1))
     return out
 
@@ -278,6 +281,7 @@ def canonical_scores(
     device, wide = embeddings.device, torch.float64
     workspace = Workspace() if workspace is None else workspace
     out = torch.empty(num, dtype=wide, device=device)
+    exact_products = torch.finfo(embeddings.dtype).bits <= 32
     step = max(1, min(num, CANONICAL_BATCH_BYTES // (8 * max(1, dim))))
     for start in range(0, num, step):
         count = min(step, num - start)
@@ -293,10 +297,13 @@ def canonical_scores(
         for d in range(dim):
             if similarity == "euclidean":
                 torch.sub(q[d], g[d], out=term)
-                term.mul_(term)
+                total.add_(term.mul_(term))
+            elif exact_products:
+                # A float32 x float32 product is exact in float64, so a fused
+                # multiply-add rounds exactly like a multiply then an add.
+                total.addcmul_(q[d], g[d])
             else:
-                torch.mul(q[d], g[d], out=term)
-            total.add_(term)
+                total.add_(torch.mul(q[d], g[d], out=term))
         out[start : start + count] = total.neg_() if similarity == "euclidean" else total
     return out
 
