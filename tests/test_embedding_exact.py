@@ -59,13 +59,14 @@ DATA: dict[str, tuple[Tensor, Tensor, str]] = {
 LAYOUTS = ("leave-one-out", "query-gallery")
 
 
-def _batches(name: str, layout: str) -> list[Batch]:
-    embeddings, labels, _ = DATA[name]
+def _batches(name: str, layout: str, num: int = 150) -> list[Batch]:
+    embeddings, labels = DATA[name][0][:num], DATA[name][1][:num]
+    half, third = num // 2, num // 3
     if layout == "leave-one-out":
-        return [Batch(embeddings[:70], labels[:70]), Batch(embeddings[70:], labels[70:])]
+        return [Batch(embeddings[:half], labels[:half]), Batch(embeddings[half:], labels[half:])]
     return [
-        Batch(embeddings[:50], labels[:50], role="query"),
-        Batch(embeddings[50:], labels[50:], role="gallery"),
+        Batch(embeddings[:third], labels[:third], role="query"),
+        Batch(embeddings[third:], labels[third:], role="gallery"),
     ]
 
 
@@ -184,8 +185,8 @@ def test_equals_the_ranking_by_canonical_scores(name: str, ties: str, layout: st
 @pytest.mark.parametrize("name", sorted(DATA))
 def test_bit_identical_over_tiles_routes_and_threads(name: str, layout: str) -> None:
     similarity = DATA[name][2]
-    batches = _batches(name, layout)
-    num_gallery = 150 if layout == "leave-one-out" else 100
+    batches = _batches(name, layout, 90)
+    num_gallery = 90 if layout == "leave-one-out" else 60
     for ties in TIES:
         first = None
         for threads in (1, 2):
