@@ -22,7 +22,9 @@ and device):
   on the tile's shape).
 
 Embeddings stored in float64 (``set_dtype``) have inexact products; the fixed order and
-separate multiply and add still give one value per pair on every device.
+separate multiply and add still give one value per pair on every device. (For float32
+rows the canonical dot product uses a fused multiply-add per ``d``: the product being
+exact, it rounds exactly like a multiply then an add.)
 
 **Fast path and certificate.** The canonical scores are not what is computed for every
 pair: each tile (or panel) of scores is one float32 matrix product, the *fast* score.
@@ -49,21 +51,27 @@ own rounding: ``B = 2 (2 gamma32_{D+1} + 5 u32 + gamma64_{D+3}) (|q'| + max_g |g
 On CUDA with ``torch.get_float32_matmul_precision() != "highest"`` (TF32 or bfloat16
 products) the bound adds ``2 u_in + u_in^2`` per product for the inputs' unit roundoff
 ``u_in`` (2**-11 for ``"high"``, 2**-8 for ``"medium"``): the band is wider, the answer
-the same.
+the same. Where float32 products could overflow (``"dot"``/``"euclidean"`` on huge
+values) the fast path runs in float64; the canonical scores do not change.
+
+Counts are integers; ``ties="expected"`` adds per-query probabilities, each rounded to a
+multiple of ``2**-(52 - bit_length(N))`` (N the items), so that their float64 sums are
+exact, hence the same, however tiles, threads and processes group the queries.
 
 Per tile, a query's positives are read from a small block: the gallery's columns are its
 items sorted by label, which puts the items of each label in one run of adjacent
 columns, so a query's positives are the ``block_count`` columns from ``block_start`` on
 (a gather of adjacent values). Ignored items (the query itself, same-group items) are
-written as NaN into the tile, and NaN compares false with everything, so the full-width
-work per tile is one matrix product and two comparisons, with the band's edges. When a
-tile's label blocks are wide (few, large classes) the tile goes through full relevance
-and ignore masks instead; every route gives the same counts.
+written as NaN into the tile, and NaN compares false with everything. Beyond the matrix
+product, the full-width work is one read per panel (each row's largest score); only the
+rows that reach their band are compared with its edges. When a tile's label blocks are
+wide (few, large classes) the tile goes through full relevance and ignore masks
+instead; every route gives the same counts.
 
 On CPU the block route never holds a tile's full score rows: queries are ranked in label
 order, so a tile's label blocks form one run of columns, scored first; the remaining
-columns follow in panels that are compared with each query's band while they are still
-in the core's cache.
+columns follow in panels, each read while it is still in the core's cache; the rows of
+successive panels that reach their band are copied aside and compared together.
 """
 
 from __future__ import annotations
