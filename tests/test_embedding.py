@@ -331,3 +331,13 @@ def test_runs_on_the_embeddings_device() -> None:  # pragma: no cover - GPU mach
 
 
 # ---------------------------------------------------------------- errors
+
+
+def test_scores_past_the_float32_range_are_ranked() -> None:
+    """Dot products that overflow float32 are ranked (in float64), not an error."""
+    embeddings = torch.tensor([[1e20, 1e20], [1e20, -1e20], [1.0, 0.0]])
+    labels = torch.tensor([0, 1, 0])
+    metric = EmbeddingRecallAtK(KS, similarity="dot")
+    metric.update(embeddings, labels)
+    expected = reference_embedding_recall([Batch(embeddings, labels)], KS, similarity="dot")
+    assert {k: float(v) for k, v in metric.compute().items()} == pytest.approx(expected)

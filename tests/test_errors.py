@@ -556,14 +556,6 @@ case(
     )(),
     r"`similarity` returned NaN scores for 3 quer",
 )
-case(
-    "embedding-similarity-overflow",
-    lambda: _computed(
-        EmbeddingRecallAtK(similarity="dot"),
-        (torch.tensor([[1e20, 1e20], [1e20, -1e20], [1.0, 0.0]]), LABELS, "both"),
-    )(),
-    r"`similarity` returned NaN scores for 2 quer.*overflow",
-)
 
 
 def _corrupted() -> object:

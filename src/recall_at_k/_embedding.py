@@ -6,24 +6,77 @@ The metric (:class:`recall_at_k.EmbeddingRecallAtK`) and the one-shot function
 call :func:`rank` for each direction; under DDP the metric hands each process its share
 of the queries.
 
+**The score.** A query's gallery is ranked by one canonical score per pair, a function
+of the stored embeddings alone (the same for every tiling, thread count, process count
+and device):
+
+- embeddings are first brought to float32 (float64 stays float64); for ``"cosine"`` each
+  row ``x`` becomes ``n = fl32(x / sqrt(S))``, where ``S`` is the float64 sum of
+  ``x_d ** 2`` accumulated in the order ``d = 0 .. D-1`` (``sqrt(S)`` clamped to at least
+  1e-12), every operation elementwise, so a row's value never depends on its batch;
+- ``"cosine"`` and ``"dot"``: the float64 sum over ``d = 0 .. D-1``, in that order, of
+  ``q_d * g_d`` (a product of two float32 values is exact in float64);
+- ``"euclidean"``: minus the float64 sum over ``d = 0 .. D-1``, in that order, of
+  ``(q_d - g_d) ** 2`` (each difference and square rounded to float64);
+- a callable: its scores as returned, per tile (outside the guarantee: they may depend
+  on the tile's shape).
+
+Embeddings stored in float64 (``set_dtype``) have inexact products; the fixed order and
+separate multiply and add still give one value per pair on every device. (For float32
+rows the canonical dot product uses a fused multiply-add per ``d``: the product being
+exact, it rounds exactly like a multiply then an add.)
+
+**Fast path and certificate.** The canonical scores are not what is computed for every
+pair: each tile (or panel) of scores is one float32 matrix product, the *fast* score.
+For each query a bound ``B`` with ``|fast - canonical| <= B`` for every gallery item is
+known in advance (:func:`_bound_coefficient`): for a dot product of length D,
+``|fl(q.g) - q.g| <= gamma_D * sum_d |q_d g_d| <= gamma_D |q| |g|`` with
+``gamma_D = D u / (1 - D u)`` whatever the order or blocking of the sum, so
+``B = 2 (gamma32_D + gamma64_D) |q| max_g |g|`` (the factor 2 covers the norms' own
+rounding and the band's edges). With ``s*_f`` the best fast score of a query's valid
+positives, an item whose fast score exceeds ``s*_f + 2B`` is surely above the canonical
+``s*``, one below ``s*_f - 2B`` surely below; the items inside that band -- the positives
+near ``s*`` among them, the best always -- are re-scored canonically, and ``s*``, the
+ties and the order at ``s*`` are decided on those canonical scores. The result is thus
+exactly the ranking by canonical scores, and only the band costs more than the product.
+
+``"euclidean"`` is computed on vectors centred on the gallery's mean ``m``:
+``q' = fl(q - m)``, ``g' = fl(g - m)``, fast score ``2 q'.g' - |q'|^2 - |g'|^2``, so a
+common offset of every vector cancels before any product (no catastrophic cancellation).
+Its bound, over the centring's rounding (``|fl(a) - a| <= u |a|`` per coordinate, so the
+squared distance moves by at most ``u (2 + u) (|a| + |b|)^2``), the product and both
+squared norms (``gamma_{D+1}`` each), the two final additions and the canonical sum's
+own rounding: ``B = 2 (2 gamma32_{D+1} + 5 u32 + gamma64_{D+3}) (|q'| + max_g |g'|)^2``.
+
+On CUDA with ``torch.get_float32_matmul_precision() != "highest"`` (TF32 or bfloat16
+products) the bound adds ``2 u_in + u_in^2`` per product for the inputs' unit roundoff
+``u_in`` (2**-11 for ``"high"``, 2**-8 for ``"medium"``): the band is wider, the answer
+the same. Where float32 products could overflow (``"dot"``/``"euclidean"`` on huge
+values) the fast path runs in float64; the canonical scores do not change.
+
+Counts are integers; ``ties="expected"`` adds per-query probabilities, each rounded to a
+multiple of ``2**-(52 - bit_length(N))`` (N the items), so that their float64 sums are
+exact, hence the same, however tiles, threads and processes group the queries.
+
 Per tile, a query's positives are read from a small block: the gallery's columns are its
 items sorted by label, which puts the items of each label in one run of adjacent
 columns, so a query's positives are the ``block_count`` columns from ``block_start`` on
 (a gather of adjacent values). Ignored items (the query itself, same-group items) are
-written as NaN into the tile, and NaN compares false with everything, so the full-width
-work per tile is one matrix product and one comparison with the best positive's score.
-When a tile's label blocks are wide (few, large classes) the tile goes through the dense
-kernel with full relevance and ignore masks instead; every route gives the same counts.
+written as NaN into the tile, and NaN compares false with everything. Beyond the matrix
+product, the full-width work is one read per panel (each row's largest score); only the
+rows that reach their band are compared with its edges. When a tile's label blocks are
+wide (few, large classes) the tile goes through full relevance and ignore masks
+instead; every route gives the same counts.
 
 On CPU the block route never holds a tile's full score rows: queries are ranked in label
 order, so a tile's label blocks form one run of columns, scored first; the remaining
-columns follow in panels that are compared with each query's best positive while they
-are still in the core's cache. Every score is computed exactly once, so the value that
-sets a query's s* is the one its counts compare.
+columns follow in panels, each read while it is still in the core's cache; the rows of
+successive panels that reach their band are copied aside and compared together.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -39,8 +92,7 @@ from recall_at_k._checks import (
     check_tensors,
     describe,
 )
-from recall_at_k._dense import dense_tie_counts
-from recall_at_k._kernel import NeededCounts, TieCounts, Workspace, count_dtype
+from recall_at_k._kernel import TieCounts, Workspace, count_dtype
 from recall_at_k._types import SIMILARITIES, Similarity
 
 CPU_TILE_BYTES = 32 * 2**20
@@ -54,6 +106,19 @@ CPU_PANEL_BYTES = 2 * 2**20
 SPARSE_MAX_BLOCK_FRACTION = 0.25
 """A tile takes a label-block route while its widest label block is at most this share
 of the gallery; above it the dense masks are cheaper than gathering the blocks."""
+CANONICAL_BATCH_BYTES = 4 * 2**20
+"""Pairs are re-scored canonically in batches whose gathered float64 rows (each side)
+take about this many bytes."""
+PREPARE_CHUNK_BYTES = 2**20
+"""Rows are normalised in float64 this many bytes at a time (one reused buffer)."""
+CPU_STACK_BYTES = 4 * 2**20
+"""On CPU the panel rows that reach their band are copied, panel after panel, into a
+buffer of about this many bytes, then compared with the band's edges at once."""
+PENDING_PAIRS = 2**16
+"""In-band pairs of successive tiles are re-scored together once this many wait (or at
+the end): one canonical pass over D for many tiles."""
+SAFETY = 2.0
+"""Factor on the certified rounding bound (covers the float64 norms' own rounding)."""
 
 
 class Route(NamedTuple):
@@ -109,11 +174,13 @@ class RankOptions(NamedTuple):
 
 class RankCounts(NamedTuple):
     """A ranking's contribution: ``hist`` ``[max K]`` and int64 ``queries``
-    (with, without a valid positive), ``nan_queries`` (queries whose scores held NaN)."""
+    (with, without a valid positive), ``nan_queries`` (queries whose scores held NaN),
+    ``rescored`` (int64, the (query, item) pairs re-scored canonically)."""
 
     hist: Tensor
     queries: Tensor
     nan_queries: Tensor
+    rescored: Tensor
 
 
 class _Gallery(NamedTuple):
@@ -124,8 +191,12 @@ class _Gallery(NamedTuple):
     block of its score row.
     """
 
-    embeddings: Tensor  # [G, D] in column order
+    rows: Tensor  # [G] rows of the prepared embeddings, in column order
+    embeddings: Tensor  # [G, D] in column order (centred for "euclidean")
+    centre: Tensor | None  # [D] the mean subtracted, for "euclidean"
     neg_sq_norms: Tensor | None  # [1, G] negated squared norms, for "euclidean"
+    bound: float  # B / |q| ("dot", "cosine"), B / (|q| + max |g|)^2 ("euclidean")
+    max_norm: float  # max_g |g| (of the centred vectors for "euclidean")
     labels: Tensor  # [G], ascending
     groups: Tensor  # [G]
     block_labels: Tensor  # [C] distinct labels, ascending
@@ -133,6 +204,18 @@ class _Gallery(NamedTuple):
     block_counts: Tensor  # [C] the run's length
     identity_sorted: Tensor  # [G] identities, ascending
     identity_column: Tensor  # [G] column of each entry of ``identity_sorted``
+
+
+class _Band(NamedTuple):
+    """What one tile's scanning yields, per query of the tile."""
+
+    greater: (
+        Tensor  # [T] (a float count dtype) valid negatives surely above s* (fast score above hi)
+    )
+    has_positive: Tensor  # [T] bool
+    rows: Tensor  # [M] tile row of each in-band pair
+    columns: Tensor  # [M] gallery column of each in-band pair
+    values: Tensor | None  # [M] the pair's score, kept for a callable similarity
 
 
 class _Queries(NamedTuple):
@@ -178,14 +261,107 @@ def select(plays_role: Tensor, identity: Tensor) -> Side:
 def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
     """Embeddings in a float dtype of at least 32 bits; L2-normalised for ``"cosine"``.
 
-    Always a copy of its own (callers may write into it).
+    The cosine normalisation is computed once per row, elementwise and in a fixed order
+    (the float64 sum of squares over ``d = 0 .. D-1``), so a row's normalised value is
+    the same in every batch, process and device. Always a copy of its own (callers may
+    write into it).
     """
-    prepared = embeddings.to(torch.promote_types(embeddings.dtype, torch.float32), copy=True)
-    if similarity == "cosine":
-        # What F.normalize computes, without another copy of the embeddings.
-        norms = torch.linalg.vector_norm(prepared, dim=1, keepdim=True)
-        prepared.div_(norms.clamp_min_(1e-12))
-    return prepared
+    dtype = torch.promote_types(embeddings.dtype, torch.float32)
+    if similarity != "cosine":
+        return embeddings.to(dtype, copy=True)
+    columns = embeddings.T.contiguous()  # [D, N]
+    total = torch.zeros(columns.shape[1], dtype=torch.float64, device=columns.device)
+    term = torch.empty_like(total)
+    for column in columns:
+        term.copy_(column)  # exact
+        total.add_(term.mul_(term))
+    total.sqrt_().clamp_min_(1e-12)
+    out = torch.empty(embeddings.shape, dtype=dtype, device=embeddings.device)
+    step = max(1, PREPARE_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
+    step = max(1, min(step, embeddings.shape[0]))
+    wide = torch.empty((step, embeddings.shape[1]), dtype=torch.float64, device=out.device)
+    for start in range(0, embeddings.shape[0], step):
+        rows = wide[: min(step, embeddings.shape[0] - start)]
+        rows.copy_(embeddings[start : start + step])
+        out[start : start + step] = rows.div_(total[start : start + step].unsqueeze(1))
+    return out
+
+
+def canonical_scores(
+    embeddings: Tensor,
+    query_rows: Tensor,
+    gallery_rows: Tensor,
+    similarity: Similarity,
+    workspace: Workspace | None = None,
+) -> Tensor:
+    """The canonical float64 score of each pair ``(query_rows[i], gallery_rows[i])``.
+
+    The sum over ``d = 0 .. D-1`` in that order, one elementwise multiply (or difference
+    and square) and one add per ``d``: never a BLAS product or a reduction whose order
+    could depend on shapes, threads or the device.
+    """
+    num, dim = query_rows.shape[0], embeddings.shape[1]
+    device, wide = embeddings.device, torch.float64
+    workspace = Workspace() if workspace is None else workspace
+    out = torch.empty(num, dtype=wide, device=device)
+    exact_products = torch.finfo(embeddings.dtype).bits <= 32
+    step = max(1, min(num, CANONICAL_BATCH_BYTES // (8 * max(1, dim))))
+    for start in range(0, num, step):
+        count = min(step, num - start)
+        pair = workspace.get("canonical_rows", (count, dim), embeddings.dtype, device)
+        q = workspace.get("canonical_q", (dim, count), wide, device)
+        g = workspace.get("canonical_g", (dim, count), wide, device)
+        torch.index_select(embeddings, 0, query_rows[start : start + count], out=pair)
+        q.copy_(pair.T)  # [D, m], exact
+        torch.index_select(embeddings, 0, gallery_rows[start : start + count], out=pair)
+        g.copy_(pair.T)
+        total = torch.zeros(count, dtype=wide, device=device)
+        term = torch.empty_like(total)
+        for d in range(dim):
+            if similarity == "euclidean":
+                torch.sub(q[d], g[d], out=term)
+                total.add_(term.mul_(term))
+            elif exact_products:
+                # A float32 x float32 product is exact in float64, so a fused
+                # multiply-add rounds exactly like a multiply then an add.
+                total.addcmul_(q[d], g[d])
+            else:
+                total.add_(torch.mul(q[d], g[d], out=term))
+        out[start : start + count] = total.neg_() if similarity == "euclidean" else total
+    return out
+
+
+def _gamma(terms: int, unit: float) -> float:
+    """gamma_n = n u / (1 - n u), the relative bound of a sum of n rounded terms."""
+    if terms * unit >= 1:
+        return math.inf
+    return terms * unit / (1 - terms * unit)
+
+
+def _input_unit(dtype: torch.dtype, device: torch.device) -> float:
+    """The unit roundoff of a product's inputs when the matrix product rounds them
+    (TF32 or bfloat16 under ``torch.set_float32_matmul_precision``); 0 otherwise."""
+    if dtype != torch.float32 or device.type != "cuda":
+        return 0.0
+    precision = torch.get_float32_matmul_precision()
+    return {"highest": 0.0, "high": 2.0**-11}.get(precision, 2.0**-8)
+
+
+def _bound_coefficient(
+    similarity: Similarity, dim: int, dtype: torch.dtype, device: torch.device
+) -> float:
+    """``B`` per unit of ``|q| max |g|`` (dot, cosine) or ``(|q| + max |g|)^2``
+    (euclidean): the certified distance between a fast and a canonical score."""
+    if callable(similarity):
+        return 0.0
+    unit = float(torch.finfo(dtype).eps) / 2
+    unit64 = float(torch.finfo(torch.float64).eps) / 2
+    inputs = _input_unit(dtype, device)
+    rounded_inputs = 2 * inputs + inputs * inputs
+    if similarity == "euclidean":
+        fast = 2 * (_gamma(dim + 1, unit) + rounded_inputs) + 5 * unit
+        return SAFETY * (fast + _gamma(dim + 3, unit64))
+    return SAFETY * (_gamma(dim, unit) + rounded_inputs + _gamma(dim, unit64))
 
 
 def may_produce_nan(embeddings: Tensor, similarity: Similarity) -> bool:
@@ -228,8 +404,14 @@ def rank(
     hist_total = torch.zeros(options.max_k, dtype=hist_dtype, device=device)
     query_total = torch.zeros(2, dtype=torch.int64, device=device)
     nan_total = torch.zeros((), dtype=torch.int64, device=device)
+    rescored_total = torch.zeros((), dtype=torch.int64, device=device)
     if queries.rows.numel() == 0:
-        return RankCounts(hist_total, query_total, nan_total)
+        return RankCounts(hist_total, query_total, nan_total, rescored_total)
+    overflow = embeddings.dtype == torch.float32 and not callable(options.similarity)
+    if overflow and may_produce_nan(embeddings, options.similarity):
+        # Float32 products could overflow: the fast path runs in float64 (exact
+        # copies; the canonical scores are the same).
+        embeddings = embeddings.to(torch.float64)
     gallery = _gallery(embeddings, labels, groups, gallery_side, options.similarity)
     num_gallery = gallery.embeddings.shape[0]
     share = _queries(labels, groups, queries, gallery)
@@ -238,35 +420,71 @@ def rank(
         tile_bytes = min(tile_bytes, CPU_TILE_BYTES)
     itemsize = gallery.embeddings.element_size()
     rows_per_tile = max(1, tile_bytes // max(1, num_gallery * itemsize))
-    needed = _kernel.needed_counts(options.ties)
     panels_possible = (
         device.type == "cpu" and not callable(options.similarity) and not options.check_nan
     )
+    grid = _probability_grid(embeddings.shape[0])
     workspace = Workspace()
-    for start in range(0, share.rows.shape[0], rows_per_tile):
+    # Tiles whose in-band pairs wait to be re-scored together (one canonical pass).
+    pending: list[tuple[_Queries, _Band]] = []
+    pending_pairs = 0
+    num_queries = share.rows.shape[0]
+    for start in range(0, num_queries, rows_per_tile):
         tile = _Queries._make(t[start : start + rows_per_tile] for t in share)
         tile_embeddings = embeddings.index_select(0, tile.rows)
+        if gallery.centre is not None:
+            tile_embeddings.sub_(gallery.centre)
+        bound = _bounds(tile_embeddings, gallery, options.similarity)
         widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
         mode = tile_mode(route, widest, num_gallery, panels_possible)
-        if mode == "panels":
-            counts = _panel_counts(
-                tile_embeddings, tile, gallery, needed, widest, options, route, workspace
-            )
+        if widest == 0 and not options.check_nan:
+            # No query of the tile has an item of its label in the gallery.
+            counts = _kernel.no_positive_counts(tile.rows.shape[0], device)
         else:
-            scores = _scores(tile_embeddings, gallery, options.similarity, workspace)
-            if options.check_nan:
-                nan_total += torch.isnan(scores).any(dim=1).sum()
-            _ignore_in_place(scores, tile, gallery, options.exclude)
-            if mode == "dense":
-                counts = _dense_counts(scores, tile, gallery, needed, options.exclude)
+            if mode == "panels":
+                band = _panel_band(tile_embeddings, tile, gallery, bound, options, route, workspace)
             else:
-                counts = _block_counts(
-                    scores, tile, gallery.groups, needed, widest, options, workspace
-                )[0]
-        hist, query_counts = _kernel.rank_histogram(counts, options.ties, options.max_k)
+                scores = _scores(tile_embeddings, gallery, options.similarity, workspace)
+                if options.check_nan:
+                    nan_total += torch.isnan(scores).any(dim=1).sum()
+                _ignore_in_place(scores, tile, gallery, options.exclude)
+                if mode == "dense":
+                    band = _dense_band(scores, tile, gallery, bound, options, workspace)
+                else:
+                    band = _block_band(scores, tile, gallery.groups, bound, options, workspace)[0]
+            pending.append((tile, band))
+            pending_pairs += band.rows.shape[0]
+            if pending_pairs < PENDING_PAIRS and start + rows_per_tile < num_queries:
+                continue
+            counts, rescored = _decide(embeddings, gallery, pending, options, workspace)
+            rescored_total += rescored
+            pending, pending_pairs = [], 0
+        hist, query_counts = _histogram(counts, options, grid)
         hist_total += hist
         query_total += query_counts
-    return RankCounts(hist_total, query_total, nan_total)
+    if pending:
+        counts, rescored = _decide(embeddings, gallery, pending, options, workspace)
+        rescored_total += rescored
+        hist, query_counts = _histogram(counts, options, grid)
+        hist_total += hist
+        query_total += query_counts
+    return RankCounts(hist_total, query_total, nan_total, rescored_total)
+
+
+def _probability_grid(num_items: int) -> float:
+    """``2**k`` such that sums of up to ``num_items`` probabilities, each a multiple of
+    ``2**-k``, are exact in float64 in any order (tiles, threads, processes)."""
+    return 2.0 ** max(0, 52 - num_items.bit_length())
+
+
+def _histogram(counts: TieCounts, options: RankOptions, grid: float) -> tuple[Tensor, Tensor]:
+    """:func:`recall_at_k._kernel.rank_histogram`, with each query's ``"expected"``
+    probabilities rounded to a multiple of ``1 / grid`` (an error below ``N * 2**-53``
+    a query), so that their sums are the same however the queries are grouped."""
+    outcomes = _kernel.query_outcomes(counts, options.ties, options.max_k)
+    if outcomes.is_floating_point():
+        outcomes = outcomes.mul(grid).round_().div_(grid)
+    return _kernel.histogram_of(outcomes, options.max_k)
 
 
 def _gallery(
@@ -275,15 +493,31 @@ def _gallery(
     labels_sorted, label_order = torch.sort(labels[side.rows], stable=True)
     rows = side.rows[label_order]
     gallery_embeddings = embeddings[rows]
-    neg_sq_norms = None
+    centre = neg_sq_norms = None
     if similarity == "euclidean":
+        # Centred on the gallery's mean: a common offset of every vector cancels here,
+        # not in the product. Any centre is exact (the bound covers its rounding).
+        centre = gallery_embeddings.mean(dim=0)
+        gallery_embeddings.sub_(centre)
         neg_sq_norms = gallery_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
+    max_norm = 0.0
+    if gallery_embeddings.numel():
+        # In the embeddings' own dtype, then raised past its rounding (relative error
+        # at most gamma_{D+2}): an upper bound of the exact largest norm.
+        norms = torch.linalg.vector_norm(gallery_embeddings, dim=1)
+        unit = float(torch.finfo(gallery_embeddings.dtype).eps) / 2
+        max_norm = float(norms.max()) * (1 + 2 * _gamma(embeddings.shape[1] + 2, unit))
+    bound = _bound_coefficient(similarity, embeddings.shape[1], embeddings.dtype, embeddings.device)
     block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
     block_starts = torch.cumsum(block_counts, dim=0) - block_counts
     identity_sorted, identity_column = torch.sort(side.identity[label_order])
     return _Gallery(
+        rows,
         gallery_embeddings,
+        centre,
         neg_sq_norms,
+        bound,
+        max_norm,
         labels_sorted,
         groups[rows],
         block_labels,
@@ -292,6 +526,19 @@ def _gallery(
         identity_sorted,
         identity_column,
     )
+
+
+def _bounds(queries: Tensor, gallery: _Gallery, similarity: Similarity) -> Tensor:
+    """``[T, 1]`` float64: each query's bound ``B`` on ``|fast - canonical|``."""
+    # In the queries' dtype, raised past its rounding: an upper bound of each norm.
+    unit = float(torch.finfo(queries.dtype).eps) / 2
+    norms: Tensor = torch.linalg.vector_norm(queries, dim=1, keepdim=True).to(torch.float64)
+    norms.mul_(1 + 2 * _gamma(queries.shape[1] + 2, unit))
+    if similarity == "euclidean":
+        norms = norms.add_(gallery.max_norm).square_().mul_(gallery.bound)
+    else:
+        norms.mul_(gallery.max_norm * gallery.bound)
+    return norms
 
 
 def _queries(labels: Tensor, groups: Tensor, side: Side, gallery: _Gallery) -> _Queries:
@@ -343,14 +590,15 @@ def _product(
     similarity: Similarity,
     workspace: Workspace,
 ) -> Tensor:
-    """Scores ``[T, stop - first]`` of a tile against the gallery columns
-    ``first:stop``, in the workspace's tile buffer."""
+    """Fast scores ``[T, stop - first]`` of a tile against the gallery columns
+    ``first:stop``, in the workspace's tile buffer (for ``"euclidean"`` the queries
+    are centred like the gallery)."""
     num_rows, width = queries.shape[0], stop - first
     out = workspace.get("tile", (num_rows, width), queries.dtype, queries.device)
     gallery_t = gallery.embeddings[first:stop].T
     if similarity == "euclidean":
         assert gallery.neg_sq_norms is not None
-        # -(|q|^2 - 2 q.g + |g|^2)
+        # -(|q'|^2 - 2 q'.g' + |g'|^2)
         torch.addmm(gallery.neg_sq_norms[:, first:stop], queries, gallery_t, alpha=2, out=out)
         out.sub_(queries.square().sum(dim=1, keepdim=True))
     else:
@@ -358,36 +606,219 @@ def _product(
     return out
 
 
-def _panel_counts(
+def _band_edges(best: Tensor, bound: Tensor, has_positive: Tensor) -> tuple[Tensor, Tensor]:
+    """``[T, 1]`` edges ``lo <= s*_f - 2B`` and ``hi >= s*_f + 2B`` in the scores' dtype
+    (rounded outwards); +inf for a query without a valid positive (its counts are not
+    read)."""
+    wide = best.to(torch.float64)
+    twice = 2 * bound
+    lo_wide, hi_wide = wide - twice, wide + twice
+    lo, hi = lo_wide.to(best.dtype), hi_wide.to(best.dtype)
+    lo = torch.where(
+        lo.to(torch.float64) > lo_wide, torch.nextafter(lo, lo.new_tensor(-math.inf)), lo
+    )
+    hi = torch.where(
+        hi.to(torch.float64) < hi_wide, torch.nextafter(hi, hi.new_tensor(math.inf)), hi
+    )
+    missing = ~has_positive.unsqueeze(1)
+    return lo.masked_fill_(missing, math.inf), hi.masked_fill_(missing, math.inf)
+
+
+def _scan(
+    scores: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    first: int,
+    greater: Tensor,
+    found: list[tuple[Tensor, Tensor, Tensor | None]],
+    keep_values: bool,
+    workspace: Workspace,
+    every_row: bool = False,
+) -> None:
+    """Add to ``greater`` (per row of ``scores``, a float dtype from
+    :func:`recall_at_k._kernel.count_dtype`) the count of scores above ``hi``, and to
+    ``found`` the positions (rows, gallery columns ``first + j``) with
+    ``lo <= score <= hi``; NaN, an ignored item, is neither. Overwrites ``scores``
+    unless ``keep_values``.
+
+    The full-width work is one read: each row's largest score (NaN where the row holds
+    an ignored item), in blocks of rows of about ``CPU_COUNT_BLOCK_BYTES`` on CPU. Only
+    the rows reaching ``lo`` (or holding a NaN) are copied and compared with ``lo``
+    and ``hi`` (written as 0/1 into float buffers and summed, on CPU faster than a
+    ``bool`` result, :func:`recall_at_k._kernel.count_dtype`), and only the rows whose
+    two counts differ, those with band items, are searched. With ``every_row`` (every
+    row holds its best positive, so reaches ``lo``), or when most rows reach ``lo``,
+    the block is compared whole instead.
+    """
+    num_rows, width = scores.shape
+    sum_dtype = greater.dtype
+    step = num_rows
+    if scores.device.type == "cpu":
+        step = max(1, CPU_COUNT_BLOCK_BYTES // max(1, width * scores.element_size()))
+    for start in range(0, num_rows, step):
+        block, block_lo, block_hi = scores, lo, hi
+        if step < num_rows:
+            stop = start + step
+            block, block_lo, block_hi = scores[start:stop], lo[start:stop], hi[start:stop]
+        if every_row:
+            rows = None
+        else:
+            peak = block.amax(dim=1, keepdim=True)
+            rows = (peak < block_lo).logical_not_().view(-1).nonzero().view(-1)
+            if rows.numel() == 0:
+                continue
+            if 2 * rows.shape[0] > block.shape[0]:
+                rows = None  # most rows: compare them all rather than copy them
+        if rows is None:
+            marks = workspace.get("marks", tuple(block.shape), scores.dtype, scores.device)
+            reach = torch.ge(block, block_lo, out=marks).sum(dim=1, dtype=sum_dtype)
+            if keep_values:
+                upper = workspace.get("upper", tuple(block.shape), scores.dtype, scores.device)
+                above = torch.gt(block, block_hi, out=upper)
+            else:
+                above = block.gt_(block_hi)  # the scores are not read again
+            # marks: score >= lo and not above hi (no bool temporaries).
+            marks.sub_(above)
+            above = above.sum(dim=1, dtype=sum_dtype)
+            greater[start : start + block.shape[0]] += above
+            if torch.equal(reach, above):
+                continue
+            rows = (reach > above).nonzero().view(-1)
+            inside = marks if rows.shape[0] == block.shape[0] else marks.index_select(0, rows)
+            row, column = inside.nonzero(as_tuple=True)
+            if inside is not marks:
+                row = rows[row]
+            value = block[row, column] if keep_values else None
+            found.append((row + start, column + first, value))
+        else:
+            rows += start
+            shape = (rows.shape[0], width)
+            candidates = workspace.get("candidates", shape, scores.dtype, scores.device)
+            torch.index_select(scores, 0, rows, out=candidates)
+            marks = workspace.get("marks", shape, scores.dtype, scores.device)
+            reach = torch.ge(candidates, lo.index_select(0, rows), out=marks)
+            reach = reach.sum(dim=1, dtype=sum_dtype)
+            above = candidates.gt_(hi.index_select(0, rows)).sum(dim=1, dtype=sum_dtype)
+            greater.index_add_(0, rows, above)
+            if torch.equal(reach, above):
+                continue
+            rows = rows[reach > above]
+            candidates = scores.index_select(0, rows)
+            inside = (candidates >= lo.index_select(0, rows)) & (
+                candidates <= hi.index_select(0, rows)
+            )
+            row, column = inside.nonzero(as_tuple=True)
+            value = candidates[row, column] if keep_values else None
+            found.append((rows[row], column + first, value))
+
+
+def _gather_band(
+    greater: Tensor, has_positive: Tensor, found: list[tuple[Tensor, Tensor, Tensor | None]]
+) -> _Band:
+    device = greater.device
+    if not found:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return _Band(greater, has_positive, empty, empty, None)
+    values = None
+    if found[0][2] is not None:
+        values = torch.cat([v for _, _, v in found if v is not None])
+    rows = torch.cat([r for r, _, _ in found])
+    columns = torch.cat([c for _, c, _ in found])
+    return _Band(greater, has_positive, rows, columns, values)
+
+
+def _block_best(
+    scores: Tensor, tile: _Queries, groups: Tensor, exclude: str, workspace: Workspace
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """s*_f ``[T, 1]``, whether a valid positive exists, and each query's label block
+    ``[T, widest]`` (its values -- for the label-and-group rule; otherwise -inf where
+    not a valid positive -- and which entries are in the block).
+
+    ``groups`` are the groups of the columns of ``scores``; ``tile.block_start`` counts
+    in those columns. The block's buffers come from ``workspace``.
+    """
+    device = scores.device
+    widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
+    shape = (scores.shape[0], widest)
+    if widest == 0:  # no query of the tile has an item of its label in the gallery
+        nothing = torch.zeros(shape, dtype=torch.bool, device=device)
+        best = torch.full((shape[0], 1), -math.inf, dtype=scores.dtype, device=device)
+        return best, nothing.any(dim=1), scores.new_empty(shape), nothing
+    steps = torch.arange(widest, device=device)
+    in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
+    # Rows without a block (block_count 0) may start anywhere: keep them in range.
+    columns = workspace.get("block_columns", shape, torch.int64, device)
+    torch.add(tile.block_start.unsqueeze(1), steps.unsqueeze(0), out=columns)
+    columns.clamp_(min=0, max=max(scores.shape[1] - 1, 0))
+    block = torch.gather(
+        scores, 1, columns, out=workspace.get("block", shape, scores.dtype, device)
+    )
+    valid = in_block & ~torch.isnan(block)
+    if exclude == "same_label_and_group":
+        valid &= groups[columns] != tile.groups.unsqueeze(1)
+        best = torch.where(valid, block, float("-inf")).amax(dim=1, keepdim=True)
+    else:
+        best = block.masked_fill_(~valid, float("-inf")).amax(dim=1, keepdim=True)
+    return best, valid.any(dim=1), block, in_block
+
+
+def _block_band(
+    scores: Tensor,
+    tile: _Queries,
+    groups: Tensor,
+    bound: Tensor,
+    options: RankOptions,
+    workspace: Workspace,
+    first: int = 0,
+    num_gallery: int | None = None,
+) -> tuple[_Band, Tensor, Tensor]:
+    """The band of a tile (or of the columns ``first:`` holding every label block of
+    it, ``num_gallery`` columns in all) whose positives are read from their label
+    blocks; also the edges ``lo, hi``.
+
+    ``scores`` already holds NaN where an item is ignored (the query itself, same-group
+    items). Every item sharing the query's label lies in its block; no valid positive
+    scores above ``hi``, so the block's items above ``hi`` are label-and-group junk,
+    taken off the count of negatives surely above s*.
+    """
+    best, has_positive, block, in_block = _block_best(
+        scores, tile, groups, options.exclude, workspace
+    )
+    lo, hi = _band_edges(best, bound, has_positive)
+    total = scores.shape[1] if num_gallery is None else num_gallery
+    greater = torch.zeros(scores.shape[0], dtype=count_dtype(total), device=scores.device)
+    found: list[tuple[Tensor, Tensor, Tensor | None]] = []
+    _scan(scores, lo, hi, first, greater, found, callable(options.similarity), workspace, True)
+    if options.exclude == "same_label_and_group":
+        greater -= ((block > hi) & in_block).sum(dim=1)
+    return _gather_band(greater, has_positive, found), lo, hi
+
+
+def _panel_band(
     queries: Tensor,
     tile: _Queries,
     gallery: _Gallery,
-    needed: NeededCounts,
-    widest: int,
+    bound: Tensor,
     options: RankOptions,
     route: Route,
     workspace: Workspace,
-) -> TieCounts:
-    """:func:`_block_counts` of a tile whose scores never exist all at once (CPU).
+) -> _Band:
+    """:func:`_block_band` of a tile whose scores never exist all at once (CPU).
 
     The tile's queries are in label order, so their label blocks together are one
-    run of columns ``[lo, hi)``: those scores come first, give each query's s*, p
-    and its block's share of the counts; the other columns follow in panels of
-    about ``route.panel_bytes``, each counted against s* while still in cache. Every
-    score is computed once, so the positive that sets s* is counted with that same
-    value.
+    run of columns ``[lo, hi)``: those scores come first and give each query's s*_f and
+    band; the other columns follow in panels of about ``route.panel_bytes``, each
+    scanned while still in cache.
     """
     num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
-    if widest == 0:  # no query of the tile has an item of its label in the gallery
-        return _kernel.no_positive_counts(num_rows, queries.device)
     present = tile.block_count > 0
     lo = int(torch.where(present, tile.block_start, num_gallery).min())
     hi = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
     scores = _product(queries, gallery, lo, hi, options.similarity, workspace)
     _ignore_in_place(scores, tile, gallery, options.exclude, lo)
     block_tile = tile._replace(block_start=tile.block_start - lo)
-    counts, best = _block_counts(
-        scores, block_tile, gallery.groups[lo:hi], needed, widest, options, workspace
+    band, band_lo, band_hi = _block_band(
+        scores, block_tile, gallery.groups[lo:hi], bound, options, workspace, lo, num_gallery
     )
     width = max(1, route.panel_bytes // (num_rows * queries.element_size()))
     panels = [(a, min(a + width, lo)) for a in range(0, lo, width)]
@@ -396,16 +827,88 @@ def _panel_counts(
     # shared by items of different labels, ignores anything outside [lo, hi).
     self_outside = (tile.self_column >= 0) & ((tile.self_column < lo) | (tile.self_column >= hi))
     ignore_outside = options.exclude == "same_group" or bool(self_outside.any())
+    greater = band.greater
+    found = [(band.rows, band.columns, band.values)]
+    widest_panel = max((stop - first for first, stop in panels), default=0)
+    stack = _Stack(band_lo, band_hi, greater, found, widest_panel, workspace)
     for first, stop in panels:
         scores = _product(queries, gallery, first, stop, options.similarity, workspace)
         if ignore_outside:
             _ignore_in_place(scores, tile, gallery, options.exclude, first)
-        panel_gt, panel_ge = _row_counts(scores, best, needed, workspace)
-        if counts.greater is not None and panel_gt is not None:
-            counts.greater.add_(panel_gt)
-        if counts.at_or_above is not None and panel_ge is not None:
-            counts.at_or_above.add_(panel_ge)
-    return counts
+        # The rows that reach lo (or hold an ignored item): one read of the panel.
+        peak = scores.amax(dim=1, keepdim=True)
+        rows = (peak < band_lo).logical_not_().view(-1).nonzero().view(-1)
+        if 2 * rows.shape[0] > num_rows:  # most rows: compare the whole panel
+            _scan(scores, band_lo, band_hi, first, greater, found, False, workspace, True)
+        elif rows.shape[0]:
+            stack.add(scores, rows, first)
+    stack.flush()
+    return _gather_band(greater, band.has_positive, found)
+
+
+class _Stack:
+    """Copies of the panel rows that reach their band, from successive panels of one
+    tile and of one width, compared with the band's edges together (fewer, larger
+    operations than per panel)."""
+
+    def __init__(
+        self,
+        lo: Tensor,
+        hi: Tensor,
+        greater: Tensor,
+        found: list[tuple[Tensor, Tensor, Tensor | None]],
+        width: int,
+        workspace: Workspace,
+    ) -> None:
+        self.lo, self.hi, self.greater, self.found = lo, hi, greater, found
+        self.workspace = workspace
+        capacity = max(lo.shape[0], CPU_STACK_BYTES // max(1, width * lo.element_size()))
+        self.buffer = workspace.get("stack", (capacity, width), lo.dtype, lo.device)
+        self.used = 0
+        self.rows: list[Tensor] = []
+        self.firsts: list[int] = []
+
+    def add(self, scores: Tensor, rows: Tensor, first: int) -> None:
+        """Copy ``rows`` of a panel whose first gallery column is ``first`` (a narrower
+        panel is padded with -inf, which no band reaches)."""
+        count = rows.shape[0]
+        if self.used + count > self.buffer.shape[0]:
+            self.flush()
+        target = self.buffer[self.used : self.used + count]
+        if scores.shape[1] == target.shape[1]:
+            torch.index_select(scores, 0, rows, out=target)
+        else:
+            narrow = self.workspace.get(
+                "narrow", (count, scores.shape[1]), target.dtype, rows.device
+            )
+            target[:, : scores.shape[1]] = torch.index_select(scores, 0, rows, out=narrow)
+            target[:, scores.shape[1] :] = -math.inf
+        self.used += count
+        self.rows.append(rows)
+        self.firsts.append(first)
+
+    def flush(self) -> None:
+        """What :func:`_scan` does, on every row copied so far."""
+        if not self.rows:
+            return
+        candidates = self.buffer[: self.used]
+        rows = torch.cat(self.rows)
+        counts = torch.tensor([r.shape[0] for r in self.rows], device=rows.device)
+        firsts = torch.tensor(self.firsts, device=rows.device).repeat_interleave(counts)
+        lo, hi = self.lo.index_select(0, rows), self.hi.index_select(0, rows)
+        marks = self.workspace.get("marks", tuple(candidates.shape), lo.dtype, lo.device)
+        dtype = self.greater.dtype
+        reach = torch.ge(candidates, lo, out=marks).sum(dim=1, dtype=dtype)
+        above = candidates.gt_(hi)
+        marks.sub_(above)  # score >= lo and not above hi
+        above = above.sum(dim=1, dtype=dtype)
+        self.greater.index_add_(0, rows, above)
+        if not torch.equal(reach, above):
+            banded = (reach > above).nonzero().view(-1)
+            row, column = marks.index_select(0, banded).nonzero(as_tuple=True)
+            self.found.append((rows[banded][row], firsts[banded][row] + column, None))
+        self.used = 0
+        self.rows, self.firsts = [], []
 
 
 def _ignore_in_place(
@@ -427,97 +930,81 @@ def _ignore_in_place(
         scores.masked_fill_(same_group, float("nan"))
 
 
-def _dense_counts(
-    scores: Tensor, tile: _Queries, gallery: _Gallery, needed: NeededCounts, exclude: str
-) -> TieCounts:
-    """The dense kernel on full relevance and ignore masks (wide label blocks)."""
-    target = tile.labels.unsqueeze(1) == gallery.labels.unsqueeze(0)
-    ignore = torch.isnan(scores)
-    scores.masked_fill_(ignore, 0.0)
-    if exclude == "same_label_and_group":
-        ignore |= target & (tile.groups.unsqueeze(1) == gallery.groups.unsqueeze(0))
-    return dense_tie_counts(scores, target, ignore, needed)
-
-
-def _row_counts(
-    scores: Tensor, threshold: Tensor, needed: NeededCounts, workspace: Workspace
-) -> tuple[Tensor | None, Tensor | None]:
-    """Row-wise counts of ``scores > threshold`` and ``scores >= threshold``.
-
-    Overwrites ``scores``: each comparison writes 0/1 into the float tile itself (NaN
-    compares false), which needs no second tile of memory and, on CPU, is faster than a
-    ``bool`` result (:func:`recall_at_k._kernel.count_dtype`). On CPU the rows go in
-    blocks of about ``CPU_COUNT_BLOCK_BYTES``, so that each block's sum reads what its
-    comparison has just written from the core's cache.
-    """
-    num_rows, num_gallery = scores.shape
-    sum_dtype = count_dtype(num_gallery)
-    step = num_rows
-    if scores.device.type == "cpu":
-        step = max(1, CPU_COUNT_BLOCK_BYTES // max(1, num_gallery * scores.element_size()))
-    device = scores.device
-    greater = torch.empty(num_rows, dtype=torch.int64, device=device) if needed.greater else None
-    at_or_above = (
-        torch.empty(num_rows, dtype=torch.int64, device=device) if needed.at_or_above else None
-    )
-    spare = None
-    if greater is not None and at_or_above is not None:
-        spare = workspace.get("spare", (min(step, num_rows), num_gallery), scores.dtype, device)
-    for start in range(0, num_rows, step):
-        block = scores[start : start + step]
-        bound = threshold[start : start + step]
-        if greater is not None:
-            above = block if spare is None else spare[: block.shape[0]]
-            torch.gt(block, bound, out=above)
-            greater[start : start + step] = above.sum(dim=1, dtype=sum_dtype)
-        if at_or_above is not None:
-            block.ge_(bound)
-            at_or_above[start : start + step] = block.sum(dim=1, dtype=sum_dtype)
-    return greater, at_or_above
-
-
-def _block_counts(
+def _dense_band(
     scores: Tensor,
     tile: _Queries,
-    groups: Tensor,
-    needed: NeededCounts,
-    widest: int,
+    gallery: _Gallery,
+    bound: Tensor,
+    options: RankOptions,
+    workspace: Workspace,
+) -> _Band:
+    """The band of a tile read through full relevance and ignore masks (wide label
+    blocks): the junk is written as NaN too, so nothing above ``hi`` is a positive."""
+    target = tile.labels.unsqueeze(1) == gallery.labels.unsqueeze(0)
+    if options.exclude == "same_label_and_group":
+        junk = target & (tile.groups.unsqueeze(1) == gallery.groups.unsqueeze(0))
+        scores.masked_fill_(junk, math.nan)
+    valid = target & ~torch.isnan(scores)
+    best = torch.where(valid, scores, float("-inf")).amax(dim=1, keepdim=True)
+    has_positive = valid.any(dim=1)
+    lo, hi = _band_edges(best, bound, has_positive)
+    greater = torch.zeros(scores.shape[0], dtype=count_dtype(scores.shape[1]), device=scores.device)
+    found: list[tuple[Tensor, Tensor, Tensor | None]] = []
+    _scan(scores, lo, hi, 0, greater, found, callable(options.similarity), workspace, True)
+    return _gather_band(greater, has_positive, found)
+
+
+def _decide(
+    embeddings: Tensor,
+    gallery: _Gallery,
+    tiles: list[tuple[_Queries, _Band]],
     options: RankOptions,
     workspace: Workspace,
 ) -> tuple[TieCounts, Tensor]:
-    """g_>, g_> + e and p of a tile whose positives are read from their label blocks.
+    """g_>, g_> + e and p of each query of ``tiles``, decided on canonical scores.
 
-    ``scores`` already holds NaN where an item is ignored (the query itself, same-group
-    items). Every item sharing the query's label lies in its block, so the valid
-    negatives at or above s* are all items at or above s* minus the block's items at or
-    above s* (ignored junk of the label-and-group rule included: it is in the block).
-    ``groups`` are the groups of the columns of ``scores``; ``tile.block_start`` counts
-    in those columns. Returns the counts and s* (``[T, 1]``).
+    The in-band pairs are re-scored canonically (a callable's scores are kept as they
+    are): s* is the best canonical score of the in-band valid positives (the positive
+    with the best fast score is always among them, and every positive outside the band
+    scores below it), p counts those equal to it, and the in-band valid negatives add to
+    g_> (canonical score above s*) or to e (equal). Label-and-group junk is dropped.
+    Returns the counts of the tiles' queries, in order, and the pairs re-scored.
     """
-    device = scores.device
-    if widest == 0:  # no query of the tile has an item of its label in the gallery
-        best = torch.full((scores.shape[0], 1), float("-inf"), device=device)
-        return _kernel.no_positive_counts(scores.shape[0], device), best
-    steps = torch.arange(widest, device=device)
-    in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
-    # Rows without a block (block_count 0) may start anywhere: keep them in range.
-    columns = (tile.block_start.unsqueeze(1) + steps.unsqueeze(0)).clamp_(
-        min=0, max=max(scores.shape[1] - 1, 0)
-    )
-    block = scores.gather(1, columns)
-    valid = in_block & ~torch.isnan(block)
+    tile = _Queries._make(torch.cat(fields) for fields in zip(*(t for t, _ in tiles), strict=True))
+    offsets = [0]
+    for part, _ in tiles[:-1]:
+        offsets.append(offsets[-1] + part.rows.shape[0])
+    bands = [band for _, band in tiles]
+    rows = torch.cat([band.rows + offset for band, offset in zip(bands, offsets, strict=True)])
+    columns = torch.cat([band.columns for band in bands])
+    values = None
+    if bands[0].values is not None:
+        values = torch.cat([band.values for band in bands if band.values is not None])
+    positive = gallery.labels[columns] == tile.labels[rows]
     if options.exclude == "same_label_and_group":
-        valid &= groups[columns] != tile.groups.unsqueeze(1)
-    best = torch.where(valid, block, float("-inf")).amax(dim=1, keepdim=True)
-    has_positive = valid.any(dim=1)
-    block_at_or_above = block >= best  # NaN compares false
-    tied = (block_at_or_above & valid).sum(dim=1)
-    greater, at_or_above = _row_counts(scores, best, needed, workspace)
-    if greater is not None:
-        greater -= ((block > best) & in_block).sum(dim=1)
-    if at_or_above is not None:
-        at_or_above -= (block_at_or_above & in_block).sum(dim=1)
-    return TieCounts(greater, at_or_above, tied, has_positive), best
+        keep = ~positive | (gallery.groups[columns] != tile.groups[rows])
+        rows, columns, positive = rows[keep], columns[keep], positive[keep]
+        values = None if values is None else values[keep]
+    if values is not None:
+        scores = values.to(torch.float64)
+    else:
+        scores = canonical_scores(
+            embeddings, tile.rows[rows], gallery.rows[columns], options.similarity, workspace
+        )
+    num_rows = tile.rows.shape[0]
+    best = torch.full((num_rows,), -math.inf, dtype=torch.float64, device=scores.device)
+    best.scatter_reduce_(0, rows[positive], scores[positive], reduce="amax")
+    at = best[rows]
+    tied = torch.zeros(num_rows, dtype=torch.int64, device=scores.device)
+    tied.index_add_(0, rows, (positive & (scores == at)).to(torch.int64))
+    negative = ~positive
+    greater = torch.cat([band.greater.to(torch.int64) for band in bands])
+    greater.index_add_(0, rows, (negative & (scores > at)).to(torch.int64))
+    at_or_above = greater.clone()
+    at_or_above.index_add_(0, rows, (negative & (scores == at)).to(torch.int64))
+    has_positive = torch.cat([band.has_positive for band in bands])
+    rescored = torch.tensor(rows.shape[0], dtype=torch.int64, device=scores.device)
+    return TieCounts(greater, at_or_above, tied, has_positive), rescored
 
 
 # ------------------------------------------------------------------------- checks
@@ -583,7 +1070,7 @@ def rank_shared(
     options: RankOptions,
     route: Route,
     shared: ProcessGroup | None,
-) -> tuple[list[tuple[Tensor, Tensor] | None], list[int]]:
+) -> tuple[list[tuple[Tensor, Tensor] | None], list[int], list[int]]:
     """Rank every direction's (queries, gallery), sharing the queries among processes.
 
     With ``shared`` (states gathered: every process holds every item) each process ranks
@@ -593,8 +1080,9 @@ def rank_shared(
     same sides as the one before (leave-one-out, both ways) is not ranked twice.
 
     Returns:
-        The summed ``(hist, queries)`` per direction, and the number of queries this
-        process ranked per direction.
+        The summed ``(hist, queries)`` per direction, the number of queries this process
+        ranked per direction, and the (query, item) pairs it re-scored canonically per
+        direction.
     """
     world, me, group = 1, 0, None
     if shared is not None and dist.is_available() and dist.is_initialized():
@@ -602,16 +1090,19 @@ def rank_shared(
         world, me = dist.get_world_size(group), dist.get_rank(group)
     results: list[RankCounts | None] = []
     ranked: list[int] = []
+    rescored: list[int] = []
     failure: Exception | None = None
     for index, sides in enumerate(directions):
         if sides is None:
             results.append(None)
             ranked.append(0)
+            rescored.append(0)
             continue
         before = directions[index - 1] if index else None
         if before is not None and same_sides(before, sides):
             results.append(results[-1])
             ranked.append(ranked[-1])
+            rescored.append(rescored[-1])
             continue
         queries, gallery = sides
         num = queries.rows.shape[0]
@@ -629,7 +1120,8 @@ def rank_shared(
             counts = rank(embeddings, labels, groups, nothing, gallery, options, route)
         results.append(counts)
         ranked.append(hi - lo)
-    return sum_over_processes(results, world, group, failure), ranked
+        rescored.append(int(counts.rescored))
+    return sum_over_processes(results, world, group, failure), ranked, rescored
 
 
 def sum_over_processes(

@@ -68,7 +68,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     Embeddings are stored in the metric's dtype (``float32`` unless changed with
     ``set_dtype`` or a module cast), which every process agrees on when states are
-    gathered. The stored states grow with the data: O(items x D).
+    gathered. The stored states grow with the data: O(items x D). Items are ranked by a
+    canonical score, a fixed-order float64 sum over the stored float32 rows (cosine rows
+    normalised once each), so the result is identical for every ``chunk_bytes``, thread
+    count, number of processes and device; the float32 matrix product is the fast path,
+    and the items its rounding could misplace are re-scored (``last_compute_rescored``).
 
     Args:
         k: an int or a sequence of distinct ints, as for
@@ -126,11 +130,16 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         "last_compute_num_queries_ranked",
         "near_duplicate",
         "_report",
+        "last_compute_rescored",
     ]
 
     last_compute_num_queries_ranked: dict[str, int]
     """Queries this process ranked in the last ``compute``, per direction (its share under
     DDP, every query otherwise)."""
+    last_compute_rescored: dict[str, int]
+    """(query, gallery item) pairs this process re-scored canonically in the last
+    ``compute``, per direction: the items whose fast float32 score lay within the
+    certified rounding band around their query's best positive."""
 
     _route: Route = AUTO_ROUTE
     """How tiles are counted (a private switch for tests; every route is exact)."""
@@ -230,6 +239,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._report: list[dict[str, int]] | None = None
         self._report_gathered = False  # whether the report counted gathered states
         self._audit_warned = False
+        self.last_compute_rescored = {}
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
         self._gathered: _embedding.ProcessGroup | None = None
@@ -354,10 +364,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         prepared = _embedding.prepare(embeddings, self.similarity)
         directions = self._directions(meta)
         group = self._gathered  # shard across processes only when states are gathered
-        histograms, ranked = _embedding.rank_shared(
+        histograms, ranked, rescored = _embedding.rank_shared(
             prepared, meta[:, _LABEL], meta[:, _GROUP], directions, options, self._route, group
         )
         self.last_compute_num_queries_ranked = dict(zip(self.directions, ranked, strict=False))
+        self.last_compute_rescored = dict(zip(self.directions, rescored, strict=False))
         counted = _audit.counted_queries(histograms, self.empty_target_action)
         self._audit((embeddings, meta), prepared, directions, counted)
         return histograms
