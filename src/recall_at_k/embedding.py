@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 import torch
 from torch import Tensor
 
-from recall_at_k import _audit, _embedding
+from recall_at_k import _audit, _embedding, _items
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
 from recall_at_k._embedding import AUTO_ROUTE, Route, Side
@@ -32,13 +32,6 @@ from recall_at_k._types import (
 )
 
 __all__ = ["EmbeddingRecallAtK"]
-
-# Per-item metadata, one int64 row per item: label, group, id, flags, embedding width.
-_LABEL, _GROUP, _ID, _FLAGS, _WIDTH = range(5)
-_META_COLUMNS = 5
-_IS_QUERY, _IS_GALLERY, _HAS_GROUP, _HAS_ID = 1, 2, 4, 8
-_ROLE_FLAGS = {"query": _IS_QUERY, "gallery": _IS_GALLERY, "both": _IS_QUERY | _IS_GALLERY}
-_ROLE_NAMES = {flags: role for role, flags in _ROLE_FLAGS.items()}
 
 
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
@@ -247,7 +240,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         # without data sends an empty block of the same layout; the width is in the
         # metadata.
         self._add_list_state("embedding_values", ListLayout((), None))
-        self._add_list_state("embedding_meta", ListLayout((_META_COLUMNS,), torch.int64))
+        self._add_list_state("embedding_meta", ListLayout((_items.META_COLUMNS,), torch.int64))
 
     # ------------------------------------------------------------------ update
 
@@ -284,35 +277,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             )
         values = cast(list[Tensor], self.embedding_values)
         meta_blocks = cast(list[Tensor], self.embedding_meta)
-        width = embeddings.shape[1]
-        first = next((block for block in meta_blocks if block.numel()), None)
-        if first is not None and int(first[0, _WIDTH]) != width:
-            first_role = _ROLE_NAMES[int(first[0, _FLAGS]) & (_IS_QUERY | _IS_GALLERY)]
-            raise ValueError(
-                f"`embeddings` of role {role!r} have width {width}, but earlier embeddings"
-                f" (role {first_role!r}) have width {int(first[0, _WIDTH])}; queries and"
-                " gallery must come from one embedding space"
-            )
+        _items.check_width(meta_blocks, embeddings.shape[1], role)
         if self.validate_args:
             _embedding.check_finite(embeddings)
-        batch = embeddings.shape[0]
-        flags = _ROLE_FLAGS[role]
-        flags |= _HAS_GROUP if groups is not None else 0
-        flags |= _HAS_ID if ids is not None else 0
-        zeros = torch.zeros(batch, dtype=torch.int64, device=embeddings.device)
-        meta = torch.stack(
-            [
-                labels.to(torch.int64),
-                groups.to(torch.int64) if groups is not None else zeros,
-                ids.to(torch.int64) if ids is not None else zeros,
-                torch.full_like(zeros, flags),
-                torch.full_like(zeros, width),
-            ],
-            dim=1,
-        )
         # A copy of our own: the caller may reuse its tensor.
         values.append(embeddings.detach().to(self.dtype, copy=True).reshape(-1))
-        meta_blocks.append(meta)
+        meta_blocks.append(_items.metadata(labels, groups, ids, role, embeddings.shape[1]))
 
     # ------------------------------------------------------------------ sync hooks
 
@@ -365,7 +335,13 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         directions = self._directions(meta)
         group = self._gathered  # shard across processes only when states are gathered
         histograms, ranked, rescored = _embedding.rank_shared(
-            prepared, meta[:, _LABEL], meta[:, _GROUP], directions, options, self._route, group
+            prepared,
+            meta[:, _items.LABEL],
+            meta[:, _items.GROUP],
+            directions,
+            options,
+            self._route,
+            group,
         )
         self.last_compute_num_queries_ranked = dict(zip(self.directions, ranked, strict=False))
         self.last_compute_rescored = dict(zip(self.directions, rescored, strict=False))
@@ -376,14 +352,16 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def _directions(self, meta: Tensor) -> list[tuple[Side, Side] | None]:
         """Each direction's (queries, gallery), None for one that cannot be ranked
         (an error outside ``forward``)."""
-        self._check_groups(meta)
-        identity = _embedding.identities(meta[:, _ID], (meta[:, _FLAGS] & _HAS_ID) != 0)
-        roles = [(_IS_QUERY, _IS_GALLERY), (_IS_GALLERY, _IS_QUERY)][: len(self._prefixes)]
+        _items.check_groups(meta, self.exclude)
+        flags = meta[:, _items.FLAGS]
+        identity = _embedding.identities(meta[:, _items.ID], (flags & _items.HAS_ID) != 0)
+        roles = [(_items.IS_QUERY, _items.IS_GALLERY), (_items.IS_GALLERY, _items.IS_QUERY)]
         directions: list[tuple[Side, Side] | None] = []
-        for index, (query_flag, gallery_flag) in enumerate(roles):
-            queries = _embedding.select((meta[:, _FLAGS] & query_flag) != 0, identity)
-            gallery = _embedding.select((meta[:, _FLAGS] & gallery_flag) != 0, identity)
-            missing = self._missing(index, queries, gallery)
+        for index, (query_flag, gallery_flag) in enumerate(roles[: len(self._prefixes)]):
+            queries = _embedding.select((flags & query_flag) != 0, identity)
+            gallery = _embedding.select((flags & gallery_flag) != 0, identity)
+            name = self.directions[index]
+            missing = _items.missing_side(name, index, queries.rows, gallery.rows)
             if missing is not None and not self._in_forward:
                 raise ValueError(missing)
             directions.append(None if missing is not None else (queries, gallery))
@@ -455,61 +433,5 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         super().merge_state(incoming_state)
         self._report = None
 
-    def _check_groups(self, meta: Tensor) -> None:
-        """Every item has a group when ``exclude`` reads them (``merge_state`` of items
-        added without ``groups`` would otherwise pass unnoticed)."""
-        if self.exclude == "none":
-            return
-        missing = int(((meta[:, _FLAGS] & _HAS_GROUP) == 0).sum())
-        if missing:
-            raise ValueError(
-                f"`groups` are required with exclude={self.exclude!r}, but {missing} stored"
-                " item(s) have none (merged from a metric updated without `groups`?)"
-            )
-
-    def _missing(self, index: int, queries: Side, gallery: Side) -> str | None:
-        """The error message when a direction has no queries or no gallery."""
-        name = self.directions[index]
-        query_role, gallery_role = ("query", "gallery") if index == 0 else ("gallery", "query")
-        arrow = "query -> gallery" if index == 0 else "gallery -> query"
-        sides = ((queries, "queries", query_role), (gallery, "gallery", gallery_role))
-        for side, what, role in sides:
-            if side.rows.numel() == 0:
-                return (
-                    f"`role`: direction {name!r} ({arrow}) has no {what} at compute(): add"
-                    f" embeddings with role={role!r} or role='both' first"
-                )
-        return None
-
     def _stored(self) -> tuple[Tensor, Tensor]:
-        """The (possibly gathered) embeddings ``[N, D]`` and metadata ``[N, 5]``."""
-        values = _blocks(self.embedding_values)
-        metas = [m.reshape(-1, _META_COLUMNS) for m in _blocks(self.embedding_meta)]
-        if not metas:
-            return torch.zeros(0, 0, dtype=self.dtype), torch.zeros(
-                0, _META_COLUMNS, dtype=torch.int64
-            )
-        meta = torch.cat(metas).to(torch.int64)
-        flat = torch.cat(values)
-        meta = meta.to(flat.device)
-        num = meta.shape[0]
-        widths = meta[:, _WIDTH]
-        width_min, width_max = (int(v) for v in torch.aminmax(widths))
-        if width_min != width_max:
-            raise ValueError(
-                "`embeddings` must all have one width: got widths"
-                f" {sorted(set(widths.tolist()))} across query and gallery"
-                " embeddings (on this or another process)"
-            )
-        if flat.numel() != num * width_min:
-            raise ValueError(
-                f"`embeddings`: the state holds {flat.numel()} values for {num} items of"
-                f" width {width_min}; it was corrupted"
-            )
-        return flat.reshape(num, width_min), meta
-
-
-def _blocks(state: Any) -> list[Tensor]:
-    """The non-empty blocks of a cat state (a list, or one tensor once gathered)."""
-    blocks = [state] if isinstance(state, Tensor) else list(state)
-    return [block for block in blocks if block.numel()]
+        return _items.stored(self.embedding_values, self.embedding_meta, self.dtype)

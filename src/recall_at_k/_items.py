@@ -1,0 +1,108 @@
+"""How ``EmbeddingRecallAtK`` stores its items: flat embedding values and one int64
+metadata row per item (label, group, id, role flags, embedding width); and the checks
+that only the whole stored data can make (one width, groups where ``exclude`` reads them).
+
+Embeddings are stored flattened (1-D) so that a process without data sends an empty
+block of the same layout; the width lives in the metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LABEL, GROUP, ID, FLAGS, WIDTH = range(5)
+META_COLUMNS = 5
+IS_QUERY, IS_GALLERY, HAS_GROUP, HAS_ID = 1, 2, 4, 8
+ROLE_FLAGS = {"query": IS_QUERY, "gallery": IS_GALLERY, "both": IS_QUERY | IS_GALLERY}
+_ROLE_NAMES = {flags: role for role, flags in ROLE_FLAGS.items()}
+
+
+def metadata(
+    labels: Tensor, groups: Tensor | None, ids: Tensor | None, role: str, width: int
+) -> Tensor:
+    """int64 ``[B, META_COLUMNS]`` rows of one batch of items."""
+    flags = ROLE_FLAGS[role]
+    flags |= HAS_GROUP if groups is not None else 0
+    flags |= HAS_ID if ids is not None else 0
+    zeros = torch.zeros(labels.shape[0], dtype=torch.int64, device=labels.device)
+    columns = [
+        labels.to(torch.int64),
+        groups.to(torch.int64) if groups is not None else zeros,
+        ids.to(torch.int64) if ids is not None else zeros,
+        torch.full_like(zeros, flags),
+        torch.full_like(zeros, width),
+    ]
+    return torch.stack(columns, dim=1)
+
+
+def check_width(meta_blocks: list[Tensor], width: int, role: str) -> None:
+    """A new batch of ``role`` has the width of the items stored before it."""
+    first = next((block for block in meta_blocks if block.numel()), None)
+    if first is not None and int(first[0, WIDTH]) != width:
+        first_role = _ROLE_NAMES[int(first[0, FLAGS]) & (IS_QUERY | IS_GALLERY)]
+        raise ValueError(
+            f"`embeddings` of role {role!r} have width {width}, but earlier embeddings"
+            f" (role {first_role!r}) have width {int(first[0, WIDTH])}; queries and"
+            " gallery must come from one embedding space"
+        )
+
+
+def blocks(state: Any) -> list[Tensor]:
+    """The non-empty blocks of a cat state (a list, or one tensor once gathered)."""
+    parts = [state] if isinstance(state, Tensor) else list(state)
+    return [block for block in parts if block.numel()]
+
+
+def stored(values_state: Any, meta_state: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The (possibly gathered) embeddings ``[N, D]`` and metadata ``[N, META_COLUMNS]``."""
+    values = blocks(values_state)
+    metas = [m.reshape(-1, META_COLUMNS) for m in blocks(meta_state)]
+    if not metas:
+        empty_meta = torch.zeros(0, META_COLUMNS, dtype=torch.int64)
+        return torch.zeros(0, 0, dtype=dtype), empty_meta
+    flat = torch.cat(values)
+    meta = torch.cat(metas).to(torch.int64).to(flat.device)
+    num = meta.shape[0]
+    widths = meta[:, WIDTH]
+    width_min, width_max = (int(v) for v in torch.aminmax(widths))
+    if width_min != width_max:
+        raise ValueError(
+            "`embeddings` must all have one width: got widths"
+            f" {sorted(set(widths.tolist()))} across query and gallery"
+            " embeddings (on this or another process)"
+        )
+    if flat.numel() != num * width_min:
+        raise ValueError(
+            f"`embeddings`: the state holds {flat.numel()} values for {num} items of"
+            f" width {width_min}; it was corrupted"
+        )
+    return flat.reshape(num, width_min), meta
+
+
+def check_groups(meta: Tensor, exclude: str) -> None:
+    """Every item has a group when ``exclude`` reads them (``merge_state`` of items
+    added without ``groups`` would otherwise pass unnoticed)."""
+    if exclude == "none":
+        return
+    missing = int(((meta[:, FLAGS] & HAS_GROUP) == 0).sum())
+    if missing:
+        raise ValueError(
+            f"`groups` are required with exclude={exclude!r}, but {missing} stored"
+            " item(s) have none (merged from a metric updated without `groups`?)"
+        )
+
+
+def missing_side(name: str, index: int, queries: Tensor, gallery: Tensor) -> str | None:
+    """The error message when direction ``index`` has no queries or no gallery rows."""
+    query_role, gallery_role = ("query", "gallery") if index == 0 else ("gallery", "query")
+    arrow = "query -> gallery" if index == 0 else "gallery -> query"
+    for rows, what, role in ((queries, "queries", query_role), (gallery, "gallery", gallery_role)):
+        if rows.numel() == 0:
+            return (
+                f"`role`: direction {name!r} ({arrow}) has no {what} at compute(): add"
+                f" embeddings with role={role!r} or role='both' first"
+            )
+    return None
