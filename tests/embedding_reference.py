@@ -49,6 +49,16 @@ class Batch:
     def kwargs(self) -> dict[str, object]:
         return {"role": self.role, "groups": self.groups, "ids": self.ids}
 
+    def take(self, rows: slice | Tensor) -> Batch:
+        """The same call restricted to ``rows`` of every tensor."""
+        return Batch(
+            self.embeddings[rows],
+            self.labels[rows],
+            self.role,
+            None if self.groups is None else self.groups[rows],
+            None if self.ids is None else self.ids[rows],
+        )
+
 
 def items_of(batches: Sequence[Batch]) -> list[Item]:
     items: list[Item] = []

@@ -263,6 +263,16 @@ def _storage_bytes(root: object) -> tuple[int, int]:
     return sum(storages.values()), state
 
 
+def _assert_holds_only_its_state(metric: Metric) -> None:
+    """After ``compute()`` and after ``reset()``: the state and at most SCRATCH_BOUND."""
+    for step in ("compute", "reset"):
+        getattr(metric, step)()
+        held, state = _storage_bytes(metric)
+        assert held <= state + SCRATCH_BOUND, (
+            f"after {step}(): {held} bytes for a {state}-byte state"
+        )
+
+
 SCRATCH_BOUND = 64 * 2**10
 
 
@@ -277,12 +287,7 @@ def test_scratch_memory_is_released_at_compute_and_reset(target_form: str) -> No
         mask = torch.rand(2048, 2000, generator=gen) < 0.01
         metric.update(scores, mask, ignore=torch.rand(2048, 2000, generator=gen) < 0.01)
     del scores
-    metric.compute()
-    held, state = _storage_bytes(metric)
-    assert held <= state + SCRATCH_BOUND, f"after compute(): {held} bytes for a {state}-byte state"
-    metric.reset()
-    held, state = _storage_bytes(metric)
-    assert held <= state + SCRATCH_BOUND, f"after reset(): {held} bytes for a {state}-byte state"
+    _assert_holds_only_its_state(metric)
 
 
 def test_embedding_metric_holds_only_its_state_after_compute_and_reset() -> None:
@@ -291,12 +296,7 @@ def test_embedding_metric_holds_only_its_state_after_compute_and_reset() -> None
     metric.update(
         torch.randn(1500, 32, generator=gen), torch.randint(0, 50, (1500,), generator=gen)
     )
-    metric.compute()
-    held, state = _storage_bytes(metric)
-    assert held <= state + SCRATCH_BOUND, f"after compute(): {held} bytes for a {state}-byte state"
-    metric.reset()
-    held, state = _storage_bytes(metric)
-    assert held <= state + SCRATCH_BOUND, f"after reset(): {held} bytes for a {state}-byte state"
+    _assert_holds_only_its_state(metric)
 
 
 # ---------------------------------------------------------------- 4: dtype casts keep counts

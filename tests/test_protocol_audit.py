@@ -160,19 +160,9 @@ def planted(seed: int, num: int = 48, classes: int = 6, groups: int = 3) -> Batc
 
 def split(batch: Batch, parts: int) -> list[Batch]:
     size = math.ceil(batch.labels.shape[0] / parts)
-    out = []
-    for start in range(0, batch.labels.shape[0], size):
-        rows = slice(start, start + size)
-        out.append(
-            Batch(
-                batch.embeddings[rows],
-                batch.labels[rows],
-                batch.role,
-                None if batch.groups is None else batch.groups[rows],
-                None if batch.ids is None else batch.ids[rows],
-            )
-        )
-    return out
+    return [
+        batch.take(slice(start, start + size)) for start in range(0, batch.labels.shape[0], size)
+    ]
 
 
 def cases() -> list[Case]:
@@ -538,15 +528,7 @@ def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
             whole = case.batches[0]
             cut = whole.labels.shape[0] // 3
             part = slice(0, cut) if rank == 0 else slice(cut, None)
-            batches = [
-                Batch(
-                    whole.embeddings[part],
-                    whole.labels[part],
-                    whole.role,
-                    None if whole.groups is None else whole.groups[part],
-                    None if whole.ids is None else whole.ids[part],
-                )
-            ]
+            batches = [whole.take(part)]
         results[case.name] = _run_one(case, batches)
     for name, (kwargs, batches) in _interval_cases().items():
         results["interval/" + name] = _interval_of(kwargs, batches[rank::world_size])

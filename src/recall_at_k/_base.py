@@ -135,11 +135,17 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         ``sync_on_compute=False``, ``compute()``, ``sync()``, ``compute()`` would
         otherwise return the local value twice.
         """
-        available = distributed_available or self.distributed_available_fn
-        if should_sync and callable(available) and available():
+        if self._will_sync(should_sync, distributed_available):
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         _forget_computed(self)
+
+    def _will_sync(
+        self, should_sync: bool, distributed_available: Callable[..., Any] | None
+    ) -> bool:
+        """Whether ``sync(should_sync=..., distributed_available=...)`` gathers states."""
+        available = distributed_available or self.distributed_available_fn
+        return bool(should_sync and callable(available) and available())
 
     def merge_state(self, incoming_state: Any) -> None:
         """torchmetrics' ``merge_state``, then forget a result computed before it (the

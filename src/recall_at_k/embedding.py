@@ -295,8 +295,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ) -> None:
         """The base ``sync``, recording whether the states are now gathered: ``compute``
         shards the queries across processes only then."""
-        available = distributed_available or self.distributed_available_fn
-        will_sync = bool(should_sync and callable(available) and available())
+        will_sync = self._will_sync(should_sync, distributed_available)
         self._gathered = None
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         if will_sync:
