@@ -106,6 +106,34 @@ def score(q: Item, g: Item, similarity: str | Callable[[Tensor, Tensor], Tensor]
     return float(a @ b) / (norm_a * norm_b)
 
 
+def fl32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+
+
+def prepared_row(vector: Sequence[float], similarity: str) -> list[float]:
+    """The stored float32 row as the score sees it: for cosine, fl32(x / sqrt(S)) with S
+    the float64 sum of squares in order."""
+    if similarity != "cosine":
+        return list(vector)
+    total = 0.0
+    for value in vector:
+        total += value * value
+    norm = max(math.sqrt(total), 1e-12)
+    return [fl32(value / norm) for value in vector]
+
+
+def canonical_score(q: Sequence[float], g: Sequence[float], similarity: str) -> float:
+    """The float64 sum over d in order of q_d g_d, or of (q_d - g_d)^2, negated."""
+    total = 0.0
+    if similarity == "euclidean":
+        for a, b in zip(q, g, strict=True):
+            total += (a - b) * (a - b)
+        return -total
+    for a, b in zip(q, g, strict=True):
+        total += a * b
+    return total
+
+
 def ignored(q: Item, g: Item, exclude: str) -> bool:
     if q.position == g.position:
         return True

@@ -34,13 +34,16 @@ from recall_at_k._embedding import Route
 # One value below a single row of scores (one query a tile), a few rows, everything.
 CHUNKS = (8, 1000, 256 * 2**20)
 # Every way of counting a tile: the automatic choice, dense masks, whole tiles through
-# label blocks (as on a GPU), and CPU panels of the default size and of one column.
+# label blocks (as on a GPU), CPU panels of the default size and of one column, and the
+# symmetric blocks of leave-one-out (of a few rows; and giving up after the first one).
 ROUTES = (
     Route(),
     Route("dense"),
     Route("tiles"),
     Route("panels"),
     Route("panels", panel_bytes=1),
+    Route("symmetric", block_bytes=100),
+    Route("symmetric", block_bytes=400, pending_pairs=0),
 )
 
 

@@ -17,7 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from embedding_reference import Batch, ignored, items_of, members, reference_embedding_recall
+from embedding_reference import (
+    Batch,
+    canonical_score,
+    ignored,
+    items_of,
+    members,
+    prepared_row,
+    reference_embedding_recall,
+)
 from helpers import run_distributed
 from reference import reference_recall
 from torch import Tensor
@@ -29,8 +37,17 @@ from recall_at_k._kernel import Workspace
 TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
 # The automatic choice, CPU panels (of the default size, and of a few columns), whole
-# tiles through label blocks (as on a GPU), dense masks.
-ROUTES = (Route(), Route("panels"), Route("panels", 2**10), Route("tiles"), Route("dense"))
+# tiles through label blocks (as on a GPU), dense masks, the symmetric blocks of
+# leave-one-out (of 16 rows; and giving up after the first block of 32).
+ROUTES = (
+    Route(),
+    Route("panels"),
+    Route("panels", 2**10),
+    Route("tiles"),
+    Route("dense"),
+    Route("symmetric", block_bytes=2**10),
+    Route("symmetric", block_bytes=2**12, pending_pairs=0),
+)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -73,41 +90,13 @@ def _batches(name: str, layout: str, num: int = 150) -> list[Batch]:
 # ------------------------------------------------------------------ the reference
 
 
-def _fl32(value: float) -> float:
-    return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
-
-
-def _prepared(vector: Sequence[float], similarity: str) -> list[float]:
-    """The stored float32 row as the score sees it: for cosine, fl32(x / sqrt(S)) with S
-    the float64 sum of squares in order."""
-    if similarity != "cosine":
-        return list(vector)
-    total = 0.0
-    for value in vector:
-        total += value * value
-    norm = max(math.sqrt(total), 1e-12)
-    return [_fl32(value / norm) for value in vector]
-
-
-def canonical_score(q: Sequence[float], g: Sequence[float], similarity: str) -> float:
-    """The float64 sum over d in order of q_d g_d, or of (q_d - g_d)^2, negated."""
-    total = 0.0
-    if similarity == "euclidean":
-        for a, b in zip(q, g, strict=True):
-            total += (a - b) * (a - b)
-        return -total
-    for a, b in zip(q, g, strict=True):
-        total += a * b
-    return total
-
-
 @functools.cache
 def canonical_reference(name: str, layout: str, ties: str) -> dict[str, float]:
     _, _, similarity = DATA[name]
     items = items_of(_batches(name, layout))
     queries = members(items, ("query", "both"))
     gallery = members(items, ("gallery", "both"))
-    rows = {item.position: _prepared(item.embedding, similarity) for item in items}
+    rows = {item.position: prepared_row(item.embedding, similarity) for item in items}
     scores = [
         [canonical_score(rows[q.position], rows[g.position], similarity) for g in gallery]
         for q in queries

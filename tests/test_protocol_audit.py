@@ -2,8 +2,10 @@
 
 The brute force is a literal double loop over (query, gallery item) pairs that applies
 the ignore rules one by one (the query's own sample, ``exclude``, ids repeated within a
-role) and compares embeddings bit for bit with ``torch.equal``. The data plant exact
-copies and near copies (of the same and of another label) among random embeddings.
+role), compares embeddings bit for bit with ``torch.equal`` and scores pairs with the
+canonical score written literally (``embedding_reference.canonical_score``). The data
+plant exact copies and near copies (of the same and of another label) among random
+embeddings, and quantised embeddings whose scores equal the threshold exactly.
 
 The one two-process spawn of the audit and interval tests lives here too.
 """
@@ -17,11 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from embedding_reference import Batch
+from embedding_reference import Batch, canonical_score, prepared_row
 from helpers import run_distributed
 from torch import Tensor
 
-from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, _audit
+from recall_at_k._embedding import Route
 
 DIM = 16
 
@@ -43,12 +46,11 @@ def dot(queries: Tensor, gallery: Tensor) -> Tensor:
 
 
 def _score(query: Tensor, item: Tensor, similarity: Any) -> float:
-    q, g = query.double(), item.double()
-    if similarity == "cosine":
-        return float(q @ g / (q.norm() * g.norm()))
-    if similarity == "dot" or similarity is dot:
-        return float(q @ g)
-    return -float(((q - g) ** 2).sum())
+    """The metric's canonical score (a callable's: in float64)."""
+    if callable(similarity):
+        return float(query.double() @ item.double())
+    q, g = (prepared_row(row.tolist(), similarity) for row in (query, item))
+    return canonical_score(q, g, similarity)
 
 
 def brute_force(case: Case) -> dict[str, Any]:
@@ -165,6 +167,43 @@ def split(batch: Batch, parts: int) -> list[Batch]:
     ]
 
 
+def threshold_cases() -> list[Case]:
+    """Scores exactly at the threshold, decided on canonical scores: quantised embeddings
+    (integer dot products, and cosines) and 1-decimal ones (whose float32 products round),
+    the threshold set to the canonical score of one of their pairs."""
+    gen = torch.Generator().manual_seed(5)
+    quantised = torch.randint(-1, 2, (60, 8), generator=gen).float()
+    decimal = torch.randn(60, DIM, generator=gen).round(decimals=1)
+    labels = torch.arange(60) % 5
+
+    def at_pair(embeddings: Tensor, similarity: str) -> float:
+        """The canonical score of the highest pair whose float32 score rounds
+        below it (so that a decision on float32 scores would miss it); with exact
+        float32 scores (integers), the pair at the 97th percentile."""
+        rows = [prepared_row(row.tolist(), similarity) for row in embeddings]
+        pairs = []
+        for i in range(len(rows)):
+            for j in range(i):
+                q, g = torch.tensor(rows[i]), torch.tensor(rows[j])
+                fast = float(-((q - g) ** 2).sum() if similarity == "euclidean" else q @ g)
+                pairs.append((canonical_score(rows[i], rows[j], similarity), fast))
+        pairs.sort(reverse=True)
+        below = [score for score, fast in pairs[: len(pairs) // 10] if fast < score]
+        return below[0] if below else pairs[int(0.03 * len(pairs))][0]
+
+    out = []
+    for name, embeddings, similarity, ties in (
+        ("quantised_dot", quantised, "dot", "pessimistic"),
+        ("quantised_cosine", quantised, "cosine", "optimistic"),
+        ("decimal_dot", decimal, "dot", "expected"),
+        ("decimal_euclidean", decimal, "euclidean", "pessimistic"),
+    ):
+        options = {"similarity": similarity, "ties": ties}
+        options["near_duplicate"] = at_pair(embeddings, similarity)
+        out.append(Case(f"at_threshold_{name}", [Batch(embeddings, labels)], options))
+    return out
+
+
 def cases() -> list[Case]:
     data = planted(0)
     n = data.labels.shape[0]
@@ -244,6 +283,7 @@ def cases() -> list[Case]:
         Case("loo_bidirectional", [data], {**near, "bidirectional": True}),
         Case("loo_dot_no_near", [data], {"similarity": "dot"}),
         Case("loo_callable", split(data, 2), {"similarity": dot, "near_duplicate": 12.0}),
+        *threshold_cases(),
         # A threshold no score reaches: the near items are the identical ones.
         Case("loo_dot_unreachable", [data], {"similarity": "dot", "near_duplicate": 1e6}),
         Case("loo_euclidean", [data], {"similarity": "euclidean", "near_duplicate": -1e-2}),
@@ -321,14 +361,30 @@ def test_report_does_not_depend_on_tiles_or_batches(case: Case) -> None:
     assert small.protocol_report() == brute_force(case)
 
 
-@pytest.mark.parametrize("case", TILE_CASES, ids=[c.name for c in TILE_CASES])
-def test_near_pass_in_narrow_panels(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Panels of one or two columns around each tile's label blocks: the same report."""
-    import recall_at_k._audit
+# Every route the ranking takes: the automatic choice, the symmetric blocks of
+# leave-one-out (of a few rows; and giving up after the first block), CPU panels of a
+# few columns, whole tiles, dense masks.
+ROUTES = (
+    Route(),
+    Route("symmetric", block_bytes=100),
+    Route("symmetric", block_bytes=400, pending_pairs=0),
+    Route("panels", panel_bytes=8),
+    Route("tiles"),
+    Route("dense"),
+)
 
-    monkeypatch.setattr(recall_at_k._audit, "CPU_PANEL_BYTES", 8)
+
+@pytest.mark.parametrize("route", ROUTES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_near_counts_on_every_route(case: Case, route: Route) -> None:
+    """The near counts come from the ranking's own tiles, on every route, in tiles of a
+    few queries: the same report."""
     metric = metric_of(case, chunk_bytes=700)
+    metric._route = route
     feed(metric, case.batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metric.compute()
     assert metric.protocol_report() == brute_force(case)
 
 
@@ -624,3 +680,26 @@ def test_interval_after_compute_reuses_the_report(monkeypatch: pytest.MonkeyPatc
     metric.confidence_interval()
     assert metric.protocol_report() == brute_force(case)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "hashes",
+    [None, lambda words: torch.zeros(words.shape[0], dtype=torch.int64), lambda w: w[:, 0].long()],
+    ids=["hashed", "every_hash_equal", "first_word_only"],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_bitwise_classes_are_exact_whatever_the_hash(dtype: torch.dtype, hashes: Any) -> None:
+    """Rows share a class exactly when their bits are equal: with the real hash, and with
+    hashes that collide (all equal, or equal on the first word only) -- the exact
+    fallback. -0.0 and 0.0 differ."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(-2, 3, (300, 3), generator=gen).to(dtype) / 2
+    rows[7] = torch.tensor([-0.0, 0.0, 0.0]).to(dtype)
+    rows[8] = torch.tensor([0.0, 0.0, 0.0]).to(dtype)
+    classes = _audit.bitwise_classes(rows, hashes)
+    bits = rows.view(torch.int16)
+    same_bits = (bits.unsqueeze(0) == bits.unsqueeze(1)).all(dim=2)
+    assert torch.equal(classes.unsqueeze(0) == classes.unsqueeze(1), same_bits)
+    assert classes[7] != classes[8]
+    distinct = set(classes.tolist())
+    assert sorted(distinct) == list(range(len(distinct)))  # classes 0..C-1

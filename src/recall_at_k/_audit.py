@@ -8,8 +8,8 @@ What :meth:`~recall_at_k.EmbeddingRecallAtK.protocol_report` counts, per directi
 - ``duplicate_gallery_items``: gallery items bitwise-equal to an earlier gallery item
   (gallery items are distinct samples: ids repeated within a role count once);
 - with a ``near_duplicate`` threshold, ``near_positive`` / ``near_negative`` (a
-  non-ignored gallery item scored at or above it; identical items count too, even where
-  rounding scores them below it) and
+  non-ignored gallery item whose score -- the canonical score of the ranking -- is at or
+  above it; identical items count too, even where they score below it) and
   ``near_hits_at_1`` (queries whose rank-1 hit scores at or above it).
 
 The identical and duplicate counts need no scores: one sort of the embeddings' bit
@@ -18,36 +18,20 @@ patterns gives each item the class of its bitwise-equal rows, and composite keys
 per query. Everything is O(N log N) sorts and O(N) gathers, whatever the data (every
 embedding equal included): no loop over queries, no pairs.
 
-The near counts need a score per (query, gallery item). :func:`near_counts` computes
-them in a separate pass over tiles of at most ``chunk_bytes`` of scores (never the
-whole query x gallery matrix); it is not (yet) part of the ranking's own tiles, so it
-costs about one more ranking, and its scores are its own product's (which may differ
-from the ranking's in the last bit: a score within rounding of the threshold or of s*
-may be counted differently than the ranking would).
+The near counts need a score per (query, gallery item): the ranking counts them in its
+own tiles (:func:`recall_at_k._embedding.rank` with ``near_duplicate``), decided on the
+same canonical scores as the ranking, with the identical items found here passed in as
+known near items. This module turns them into the report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from recall_at_k._types import Similarity
-
-CPU_TILE_BYTES = 32 * 2**20
-"""On CPU, a near-duplicate tile holds at most this many bytes of scores."""
-CPU_PANEL_BYTES = 2 * 2**20
-"""On CPU, a tile's columns outside its label blocks are scored in panels of this size."""
-
-_BITS = {
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-    torch.float32: torch.int32,
-    torch.float64: torch.int64,
-}
 
 
 class Codes(NamedTuple):
@@ -70,18 +54,71 @@ class DirectionAudit(NamedTuple):
     identical_negative: Tensor
     duplicate_gallery_items: int
 
+    def known(self) -> Tensor:
+        """bool ``[2, Q]``: queries whose near positive / near negative is certain (an
+        identical item), whatever its score (``rank``'s ``known``)."""
+        return torch.stack([self.identical_positive, self.identical_negative])
 
-def bitwise_classes(embeddings: Tensor) -> Tensor:
+
+def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """int64 ``[N]``: rows with the same bit pattern share a class (``0..C-1``).
 
     Bitwise equality is stricter than ``==``: ``-0.0`` and ``0.0`` differ, and so do
     NaN payloads (embeddings are finite when ``validate_args=True``).
+
+    Each row's bits, read as 16-bit words, get a 62-bit hash (two sums of the words
+    times fixed coefficients, modulo a prime: integers, exact in any order); rows are
+    sorted by hash and the neighbours that share one are compared bit for bit. Equal
+    hashes of different rows (chance about ``N^2 / 2^62``) fall back to an exact sort
+    of the rows (``torch.unique(dim=0)``, several times slower). O(N log N + N D).
+    ``hashes``: the row hash (tests pass colliding ones).
     """
     num, width = embeddings.shape
     if num == 0 or width == 0:
         return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
-    bits = embeddings.contiguous().view(_BITS[embeddings.dtype])
-    return cast(Tensor, torch.unique(bits, dim=0, return_inverse=True)[1])
+    words = embeddings.contiguous().view(torch.int16)  # [N, W], every float dtype
+    keys = (_row_hashes if hashes is None else hashes)(words)
+    sorted_keys, order = torch.sort(keys)
+    same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
+    if same.numel():
+        first, second = words[order[same]], words[order[same + 1]]
+        if not bool(torch.equal(first, second)):  # a collision: exact, slower
+            return cast(Tensor, torch.unique(words, dim=0, return_inverse=True)[1])
+    classes = torch.empty_like(order)
+    classes[order] = torch.unique_consecutive(sorted_keys, return_inverse=True)[1]
+    return classes
+
+
+_HASH_PRIME = 2**21 - 9
+_HASH_ROW_BYTES = 4 * 2**20
+"""Rows are hashed this many bytes of float64 words at a time."""
+_HASH_MAX_TERMS = 2**15
+"""Words summed before a reduction modulo the prime: each term is an integer below
+2^37, so a sum of up to 2^16 of them is exact in float64, in any order."""
+
+
+def _row_hashes(words: Tensor) -> Tensor:
+    """int64 ``[N]`` in ``[0, 2^63)``: equal rows of int16 ``words`` get equal values.
+
+    Three sums of the words (shifted to ``[0, 2^16)``) times fixed coefficients below a
+    prime ``p`` of 21 bits, each modulo ``p``: a matrix product in float64 whose every
+    partial sum is an integer below 2^53, hence exact whatever the blocking or device.
+    """
+    num, width = words.shape
+    device, wide = words.device, torch.float64
+    generator = torch.Generator().manual_seed(20261203)
+    coefficients = torch.randint(1, _HASH_PRIME, (width, 3), generator=generator)
+    coefficients = coefficients.to(device=device, dtype=wide)
+    hashes = torch.zeros((num, 3), dtype=wide, device=device)
+    step = max(1, min(num, _HASH_ROW_BYTES // (8 * width)))
+    for start in range(0, num, step):
+        rows = words[start : start + step].to(wide).add_(2**15)  # [0, 2^16)
+        target = hashes[start : start + step]
+        for first in range(0, width, _HASH_MAX_TERMS):
+            stop = first + _HASH_MAX_TERMS
+            target.addmm_(rows[:, first:stop], coefficients[first:stop]).remainder_(_HASH_PRIME)
+    keys = hashes.to(torch.int64)
+    return (keys[:, 0] * _HASH_PRIME + keys[:, 1]) * _HASH_PRIME + keys[:, 2]
 
 
 def _code(values: Tensor) -> Tensor:
@@ -177,7 +214,7 @@ def audit_direction(
     )
 
 
-# ------------------------------------------------------------------ near-duplicates
+# ------------------------------------------------------------------ options
 
 
 class AuditOptions(NamedTuple):
@@ -185,10 +222,7 @@ class AuditOptions(NamedTuple):
 
     exclude: str
     empty_target_action: str
-    near_duplicate: float | None  # the threshold; None: no near-duplicate pass
-    similarity: Similarity
-    ties: str
-    chunk_bytes: int
+    near_duplicate: float | None  # the threshold; None: no near-duplicate counts
     names: tuple[str, ...] = ("",)  # the direction names ("" for one direction)
 
 
@@ -198,154 +232,45 @@ def options_of(metric: Any) -> AuditOptions:
         metric.exclude,
         metric.empty_target_action,
         metric.near_duplicate,
-        metric.similarity,
-        metric.ties,
-        metric.chunk_bytes,
         tuple(metric.directions) if metric.bidirectional else ("",),
     )
 
 
-def near_counts(
-    prepared: Tensor,
-    labels: Tensor,
-    groups: Tensor,
-    queries: tuple[Tensor, Tensor],
-    gallery: tuple[Tensor, Tensor],
-    options: AuditOptions,
-) -> Tensor:
-    """bool ``[3, Q]``: whether each query has a near positive, a near negative, a near
-    hit at 1.
+Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]
 
-    A separate pass over tiles of queries (at most ``chunk_bytes`` of scores, and on
-    CPU ``CPU_TILE_BYTES``): a query's near items are
-    its non-ignored gallery items scored at or above ``options.near_duplicate``; its
-    rank-1 hit is near when it is a hit at rank 1 (no valid negative scored above its
-    best valid positive s*, nor equal to it unless ``ties="optimistic"``: a certain hit
-    under ``"expected"``) and s* is at or above the threshold. Only queries
-    ``compute()`` counts are counted.
 
-    As in the ranking, the gallery's columns are sorted by label, so a query's
-    positives (and the label-and-group junk) are one block of columns, read with a
-    gather; the full-width work is the product and one row maximum (the best negative:
-    the block set to -inf). On CPU the queries go in label order, so a tile's blocks
-    form one run of columns, scored first; the other columns follow in panels of about
-    ``CPU_PANEL_BYTES``, reduced while still in the core's cache.
+def audit_directions(
+    stored: tuple[Tensor, Tensor], directions: Sequence[Sides | None], options: AuditOptions
+) -> list[DirectionAudit | None]:
+    """:func:`audit_direction` of each direction (None where it is None; a direction with
+    the same sides as the one before is audited once).
 
     Args:
-        prepared: embeddings from :func:`recall_at_k._embedding.prepare` (normalised for
-            ``"cosine"``), every item.
-        labels: int64 ``[N]``; groups: int64 ``[N]``.
-        queries: ``(rows, identity)`` of the queries this process counts.
-        gallery: ``(rows, identity)`` of the whole gallery.
-        options: threshold, similarity, exclusion, ties, empty-target rule, tile size.
+        stored: the stored embeddings ``[N, D]`` (bit patterns compared as stored) and
+            metadata ``[N, >= 2]`` (label, group first).
+        directions: ``((query rows, identity), (gallery rows, identity))`` per
+            direction, or None for a direction without queries or gallery.
+        options: the metric's options.
     """
-    assert options.near_duplicate is not None
-    threshold = options.near_duplicate
-    device = prepared.device
-    found = torch.zeros(3, queries[0].shape[0], dtype=torch.bool, device=device)
-    if queries[0].numel() == 0 or gallery[0].numel() == 0:
-        return found
-    # The gallery in label order, the queries too (a tile's blocks are then one run of
-    # columns); each query's block of columns and its own column.
-    g_labels, order = torch.sort(labels[gallery[0]], stable=True)
-    g_rows, g_identity = gallery[0][order], gallery[1][order]
-    g_embeddings, g_groups = prepared[g_rows], groups[g_rows]
-    num_gallery = g_rows.shape[0]
-    q_labels, q_order = torch.sort(labels[queries[0]], stable=True)
-    q_rows, q_identity = queries[0][q_order], queries[1][q_order]
-    q_groups = groups[q_rows]
-    block_labels, block_counts = torch.unique_consecutive(g_labels, return_counts=True)
-    block_starts = torch.cumsum(block_counts, dim=0) - block_counts
-    block = torch.searchsorted(block_labels, q_labels).clamp(max=block_labels.shape[0] - 1)
-    q_start = block_starts[block]
-    q_count = torch.where(block_labels[block] == q_labels, block_counts[block], 0)
-    identity_sorted, identity_column = torch.sort(g_identity)
-    position = torch.searchsorted(identity_sorted, q_identity).clamp(max=num_gallery - 1)
-    is_self = identity_sorted[position] == q_identity
-    self_column = torch.where(is_self, identity_column[position], -1)
-    g_neg_sq = None
-    if options.similarity == "euclidean":
-        g_neg_sq = g_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
-    counts_all = options.empty_target_action not in ("skip", "error")
-    budget = options.chunk_bytes
-    panels = device.type == "cpu" and not callable(options.similarity)
-    if device.type == "cpu":
-        budget = min(budget, CPU_TILE_BYTES)
-    rows_per_tile = max(1, budget // max(1, num_gallery * prepared.element_size()))
-
-    def scored(tile: slice, first: int, stop: int) -> Tensor:
-        """Scores of the tile's queries against columns ``first:stop``, -inf where
-        ignored (the query itself, its group under "same_group")."""
-        queries_tile = prepared[q_rows[tile]]
-        if callable(options.similarity):
-            out = options.similarity(queries_tile, g_embeddings).detach().clone()
-        elif g_neg_sq is not None:
-            out = torch.addmm(
-                g_neg_sq[:, first:stop], queries_tile, g_embeddings[first:stop].T, alpha=2
-            )
-            out.sub_(queries_tile.square().sum(dim=1, keepdim=True))
-        else:
-            out = queries_tile @ g_embeddings[first:stop].T
-        own = self_column[tile] - first
-        inside = (self_column[tile] >= 0) & (own >= 0) & (own < stop - first)
-        out[torch.arange(own.shape[0], device=device)[inside], own[inside]] = float("-inf")
-        if options.exclude == "same_group":
-            same = q_groups[tile].unsqueeze(1) == g_groups[first:stop].unsqueeze(0)
-            out.masked_fill_(same, float("-inf"))
-        return out
-
-    for start in range(0, q_rows.shape[0], rows_per_tile):
-        tile = slice(start, start + rows_per_tile)
-        count = q_count[tile]
-        lo, hi = 0, num_gallery
-        if panels:  # first the run of columns holding every block of the tile
-            present = count > 0
-            lo = int(torch.where(present, q_start[tile], num_gallery).min())
-            hi = max(lo, int(torch.where(present, q_start[tile] + count, 0).max()))
-        scores = scored(tile, lo, hi)
-        # The block: steps past a query's count repeat its block's columns (so every
-        # column written below is in the block), and a query without a block reads one
-        # column that it writes back unchanged.
-        steps = torch.arange(max(1, int(count.max())), device=device)
-        in_block = steps.unsqueeze(0) < count.unsqueeze(1)
-        columns = q_start[tile].unsqueeze(1) + steps % count.clamp(min=1).unsqueeze(1)
-        local = (columns - lo).clamp_(0, max(hi - lo - 1, 0))
-        block_scores = scores.gather(1, local) if hi > lo else local.to(prepared.dtype)
-        # Valid positives from the rules, not from the scores (a score may be -inf).
-        valid = in_block & (columns != self_column[tile].unsqueeze(1))
-        if options.exclude != "none":
-            valid &= g_groups[columns.clamp(max=num_gallery - 1)] != q_groups[tile].unsqueeze(1)
-        best = torch.where(valid, block_scores, float("-inf")).amax(dim=1)
-        has_positive = valid.any(dim=1)
-        near_positive = (valid & (block_scores >= threshold)).any(dim=1)
-        # The best negative: the block set to -inf, the rest of the row as it is (an
-        # ignored item is -inf and so never reaches the threshold, or s* above it).
-        if hi > lo:
-            has_block = (count > 0).unsqueeze(1)
-            scores.scatter_(1, local, torch.where(has_block, float("-inf"), block_scores))
-            best_negative = scores.amax(dim=1)
-        else:
-            best_negative = torch.full_like(best, float("-inf"))
-        # The other columns, in panels reduced while still in the core's cache.
-        width = max(1, CPU_PANEL_BYTES // (max(1, count.shape[0]) * prepared.element_size()))
-        outside = [(a, min(a + width, lo)) for a in range(0, lo, width)]
-        outside += [(a, min(a + width, num_gallery)) for a in range(hi, num_gallery, width)]
-        for first, stop in outside:
-            best_negative = torch.maximum(best_negative, scored(tile, first, stop).amax(dim=1))
-        beaten = best_negative > best if options.ties == "optimistic" else best_negative >= best
-        counted = torch.ones_like(has_positive) if counts_all else has_positive
-        near_hit = has_positive & ~beaten & (best >= threshold)
-        flags = torch.stack([near_positive, best_negative >= threshold, near_hit]) & counted
-        found[:, q_order[tile]] = flags
-    return found
-
-
-def shard(num: int, group: Any | None) -> slice:
-    """This process's contiguous share of ``num`` queries (all without ``group``)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return slice(0, num)
-    world, me = dist.get_world_size(group.group), dist.get_rank(group.group)
-    return slice(num * me // world, num * (me + 1) // world)
+    if all(sides is None for sides in directions):
+        return [None for _ in directions]
+    keys = codes(stored[0], stored[1][:, 0], stored[1][:, 1])
+    audits: list[DirectionAudit | None] = []
+    previous: Sides | None = None
+    for sides in directions:
+        if sides is None:
+            audits.append(None)
+            continue
+        if previous is not None and all(
+            torch.equal(a[0], b[0]) for a, b in zip(previous, sides, strict=True)
+        ):
+            audits.append(audits[-1])
+            continue
+        previous = sides
+        audits.append(
+            audit_direction(keys, sides[0], sides[1], options.exclude, options.empty_target_action)
+        )
+    return audits
 
 
 def stale_anywhere(metric: Any, stale: bool) -> bool:
@@ -357,15 +282,6 @@ def stale_anywhere(metric: Any, stale: bool) -> bool:
     flag = torch.tensor([int(stale)], dtype=torch.int64, device=metric.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=metric.process_group)
     return bool(flag)
-
-
-def sum_shares(counts: Tensor, group: Any | None) -> Tensor:
-    """``counts`` summed over the processes of ``group`` (unchanged without one)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return counts
-    if dist.get_world_size(group.group) > 1:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group.group)
-    return counts
 
 
 # ------------------------------------------------------------------ report, warning
@@ -385,9 +301,6 @@ def check_near_duplicate(value: object) -> float | None:
     return float(value)
 
 
-Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
 def counted_queries(
     histograms: Sequence[tuple[Tensor, Tensor] | None], empty_target_action: str
 ) -> list[int | None]:
@@ -398,70 +311,51 @@ def counted_queries(
 
 
 def protocol_reports(
-    stored: tuple[Tensor, Tensor],
-    prepared: Tensor | None,
-    directions: Sequence[Sides | None],
+    audits: Sequence[DirectionAudit | None],
+    near: Sequence[Tensor | None],
     counted: Sequence[int | None],
     options: AuditOptions,
-    group: Any | None,
 ) -> list[dict[str, int]]:
-    """The report of each direction, identical on every process.
+    """The report of each direction (identical on every process: its parts are).
 
     Args:
-        stored: the stored embeddings ``[N, D]`` (bit patterns compared as stored) and
-            metadata ``[N, >= 2]`` (label, group first).
-        prepared: the embeddings as scored (needed for the near-duplicate pass).
-        directions: ``((query rows, identity), (gallery rows, identity))`` per
-            direction, or None for a direction without queries or gallery.
+        audits: each direction's :func:`audit_direction`, or None for a direction
+            without queries or gallery.
+        near: each direction's near-duplicate counts from the ranking
+            (:data:`recall_at_k._embedding.NEAR_COUNTS`, summed over processes), or
+            None (no threshold, or not ranked).
         counted: the counted queries of each direction as ``compute()`` found them, or
             None to count them here (by the same rule).
         options: the metric's options.
-        group: the process group to share the near pass over (None: all queries here).
     """
-    embeddings, labels, groups = stored[0], stored[1][:, 0], stored[1][:, 1]
-    near = options.near_duplicate is not None and prepared is not None
-    keys = codes(embeddings, labels, groups)
     reports: list[dict[str, int]] = []
-    previous: Sides | None = None
-    for sides, queries in zip(directions, counted, strict=False):
-        if sides is None:
-            reports.append(empty_report(options.near_duplicate is not None))
+    with_near = options.near_duplicate is not None
+    for audit, near_counts, queries in zip(audits, near, counted, strict=True):
+        if audit is None:
+            reports.append(empty_report(with_near))
             continue
-        if previous is not None and all(
-            torch.equal(a[0], b[0]) for a, b in zip(previous, sides, strict=True)
-        ):
-            reports.append(dict(reports[-1]))
-            continue
-        previous = sides
-        audit = audit_direction(
-            keys, sides[0], sides[1], options.exclude, options.empty_target_action
-        )
-        found = None
-        if near and prepared is not None:
-            # The near pass on this process's share; identical items count as near.
-            share = shard(sides[0][0].shape[0], group)
-            queries_share = (sides[0][0][share], sides[0][1][share])
-            flags = near_counts(prepared, labels, groups, queries_share, sides[1], options)
-            flags[0] |= audit.identical_positive[share]
-            flags[1] |= audit.identical_negative[share]
-            found = sum_shares(flags.sum(dim=1), group)
         queries = int(audit.counted.sum()) if queries is None else queries
-        reports.append(report(queries, audit, found))
+        found = near_counts if with_near else None
+        reports.append(report(queries, audit, found, options.empty_target_action))
     return reports
 
 
-def report(queries: int, audit: DirectionAudit, near: Tensor | None) -> dict[str, int]:
-    """One direction's report, its keys in the documented order."""
+def report(
+    queries: int, audit: DirectionAudit, near: Tensor | None, empty_target_action: str
+) -> dict[str, int]:
+    """One direction's report, its keys in the documented order (``near``: the ranking's
+    near counts, zeros where it could not count them)."""
     result = {
         "queries": queries,
         "identical_positive": int(audit.identical_positive.sum()),
         "identical_negative": int(audit.identical_negative.sum()),
     }
     if near is not None:
-        near_positive, near_negative, near_hits = (int(v) for v in near.tolist())
-        result["near_positive"] = near_positive
-        result["near_negative"] = near_negative
-        result["near_hits_at_1"] = near_hits
+        positive, negative, negative_alone, hits = (int(v) for v in near.tolist())
+        result["near_positive"] = positive
+        counts_all = empty_target_action not in ("skip", "error")
+        result["near_negative"] = negative + (negative_alone if counts_all else 0)
+        result["near_hits_at_1"] = hits
     result["duplicate_gallery_items"] = audit.duplicate_gallery_items
     return result
 

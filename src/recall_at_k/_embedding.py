@@ -72,6 +72,17 @@ On CPU the block route never holds a tile's full score rows: queries are ranked 
 order, so a tile's label blocks form one run of columns, scored first; the remaining
 columns follow in panels, each read while it is still in the core's cache; the rows of
 successive panels that reach their band are copied aside and compared together.
+
+Leave-one-out on CPU (the queries are the gallery) takes the symmetric route
+(:func:`_symmetric`): each query's band first, from its label block; then the product in
+square blocks ``(I, J)``, ``J >= I``, each scanned by rows (block I's queries) and by
+columns (block J's): every score is computed once for both of its items.
+
+**Near-duplicate counts** (the protocol audit's, with a threshold ``t``) are made in the
+same tiles: each row's largest score (read anyway) is compared with ``t - B``; the rare
+rows that reach it are compared with ``t - B`` and ``t + B``, items above ``t + B`` are
+surely near, those in between re-scored canonically with the band's pairs. A positive is
+near when s* is (decided canonically anyway).
 """
 
 from __future__ import annotations
@@ -117,6 +128,15 @@ buffer of about this many bytes, then compared with the band's edges at once."""
 PENDING_PAIRS = 2**16
 """In-band pairs of successive tiles are re-scored together once this many wait (or at
 the end): one canonical pass over D for many tiles."""
+SYMMETRIC_BLOCK_BYTES = 4 * 2**20
+"""Leave-one-out on CPU: scores are computed in square blocks of about this many bytes,
+each block once for the queries of its rows and those of its columns."""
+SYMMETRIC_MIN_ROWS = 64
+"""The symmetric route is taken (``"auto"``) when its blocks have at least this many rows
+(or hold every item): smaller blocks cost more than they save."""
+SYMMETRIC_PENDING_PAIRS = 2**22
+"""The symmetric route keeps the in-band pairs found for queries of later blocks; when
+more than this many wait, the remaining queries are ranked by the other routes."""
 SAFETY = 2.0
 """Factor on the certified rounding bound (covers the float64 norms' own rounding)."""
 
@@ -124,15 +144,20 @@ SAFETY = 2.0
 class Route(NamedTuple):
     """How tiles are counted; every route gives the same counts.
 
-    ``"auto"`` chooses per tile: on CPU (built-in similarity, no NaN check) panels of
-    columns, elsewhere whole tiles, and dense masks when the tile's widest label block
-    exceeds ``SPARSE_MAX_BLOCK_FRACTION`` of the gallery. Tests force the others:
+    ``"auto"`` chooses: on CPU (built-in similarity, no NaN check) the symmetric route
+    for leave-one-out (:func:`_symmetric`, where label blocks are narrow and its blocks
+    have ``SYMMETRIC_MIN_ROWS`` rows), then per tile panels of columns, elsewhere whole
+    tiles, and dense masks when the tile's widest label block exceeds
+    ``SPARSE_MAX_BLOCK_FRACTION`` of the gallery. Tests force the others:
+    ``"symmetric"`` (wherever it can run, blocks of any size; the rest as ``"auto"``),
     ``"panels"`` (CPU only; falls back to ``"tiles"`` where panels cannot be used),
     ``"tiles"`` (whole tiles through label blocks, as on a GPU) and ``"dense"``.
     """
 
-    mode: Literal["auto", "panels", "tiles", "dense"] = "auto"
+    mode: Literal["auto", "symmetric", "panels", "tiles", "dense"] = "auto"
     panel_bytes: int = CPU_PANEL_BYTES
+    block_bytes: int = SYMMETRIC_BLOCK_BYTES
+    pending_pairs: int = SYMMETRIC_PENDING_PAIRS
 
 
 AUTO_ROUTE = Route()
@@ -141,13 +166,16 @@ AUTO_ROUTE = Route()
 def tile_mode(
     route: Route, widest: int, num_gallery: int, panels_possible: bool
 ) -> Literal["panels", "tiles", "dense"]:
-    """How one tile is counted: the route's mode, or for ``"auto"`` dense masks when the
-    tile's widest label block (``widest`` gallery items) exceeds
-    ``SPARSE_MAX_BLOCK_FRACTION`` of the gallery, else panels where possible, else tiles."""
-    mode = route.mode
-    if mode == "auto":
+    """How one tile is counted: the route's mode, or for ``"auto"`` (and the tiles that
+    ``"symmetric"`` leaves) dense masks when the tile's widest label block (``widest``
+    gallery items) exceeds ``SPARSE_MAX_BLOCK_FRACTION`` of the gallery, else panels
+    where possible, else tiles."""
+    mode: Literal["panels", "tiles", "dense"]
+    if route.mode == "auto" or route.mode == "symmetric":
         narrow = widest <= SPARSE_MAX_BLOCK_FRACTION * num_gallery
         mode = ("panels" if panels_possible else "tiles") if narrow else "dense"
+    else:
+        mode = route.mode
     if mode == "panels" and not panels_possible:
         mode = "tiles"
     return mode
@@ -170,17 +198,30 @@ class RankOptions(NamedTuple):
     max_k: int
     chunk_bytes: int
     check_nan: bool
+    near_duplicate: float | None = None  # a threshold: count the near items (the audit)
 
 
 class RankCounts(NamedTuple):
     """A ranking's contribution: ``hist`` ``[max K]`` and int64 ``queries``
     (with, without a valid positive), ``nan_queries`` (queries whose scores held NaN),
-    ``rescored`` (int64, the (query, item) pairs re-scored canonically)."""
+    ``rescored`` (int64, the (query, item) pairs re-scored canonically) and ``near``
+    (int64 ``[4]``, zeros without ``near_duplicate``; see :data:`NEAR_COUNTS`)."""
 
     hist: Tensor
     queries: Tensor
     nan_queries: Tensor
     rescored: Tensor
+    near: Tensor
+
+
+NEAR_COUNTS = (
+    "near_positive",  # queries with a valid positive whose s* is at or above the threshold
+    "near_negative_with_positive",  # ... with a valid negative at or above it
+    "near_negative_without_positive",  # queries without a valid positive, with such a negative
+    "near_hits_at_1",  # queries whose rank-1 hit (certain: no negative at s*) is at or above it
+)
+"""What ``RankCounts.near`` counts, in order, on canonical scores (queries flagged in
+``known`` count as near positive / near negative too)."""
 
 
 class _Gallery(NamedTuple):
@@ -206,6 +247,18 @@ class _Gallery(NamedTuple):
     identity_column: Tensor  # [G] column of each entry of ``identity_sorted``
 
 
+class _Pairs(NamedTuple):
+    """(query, item) pairs to decide on canonical scores."""
+
+    rows: Tensor  # [M] tile row of each pair
+    columns: Tensor  # [M] gallery column of each pair
+    values: Tensor | None  # [M] the pair's score, kept for a callable similarity
+
+
+Found = list[tuple[Tensor, Tensor, Tensor | None]]
+"""Pairs found by a scan, a part per scanned block: (tile rows, gallery columns, values)."""
+
+
 class _Band(NamedTuple):
     """What one tile's scanning yields, per query of the tile."""
 
@@ -213,9 +266,9 @@ class _Band(NamedTuple):
         Tensor  # [T] (a float count dtype) valid negatives surely above s* (fast score above hi)
     )
     has_positive: Tensor  # [T] bool
-    rows: Tensor  # [M] tile row of each in-band pair
-    columns: Tensor  # [M] gallery column of each in-band pair
-    values: Tensor | None  # [M] the pair's score, kept for a callable similarity
+    pairs: _Pairs  # the in-band pairs: fast score within 2B of s*_f
+    near_sure: Tensor | None  # [T] items surely at or above the near threshold (no positive)
+    near_pairs: _Pairs | None  # items whose fast score lies within B of the threshold
 
 
 class _Queries(NamedTuple):
@@ -227,6 +280,7 @@ class _Queries(NamedTuple):
     block_start: Tensor  # [Q] first column of the query's label run
     block_count: Tensor  # [Q] its length (0: no item of that label in the gallery)
     self_column: Tensor  # [Q] column of the query itself in the gallery, -1 if absent
+    position: Tensor  # [Q] the query's index in the side it came from
 
 
 # ---------------------------------------------------------------- items and roles
@@ -387,6 +441,7 @@ def rank(
     gallery_side: Side,
     options: RankOptions,
     route: Route = AUTO_ROUTE,
+    known: Tensor | None = None,
 ) -> RankCounts:
     """Rank ``queries`` against ``gallery_side`` in tiles; the summed rank histogram.
 
@@ -396,17 +451,16 @@ def rank(
         groups: int64 ``[N]``, read by ``options.exclude``.
         queries: the queries (all, or this process's share).
         gallery_side: the gallery (all of it on every process).
-        options: similarity, exclusion, tie policy, largest K, tile size, NaN check.
+        options: similarity, exclusion, tie policy, largest K, tile size, NaN check,
+            near-duplicate threshold.
         route: how tiles are counted (tests choose; every route gives the same counts).
+        known: bool ``[2, Q]`` (in the order of ``queries``): queries known to have a
+            near positive / a near negative whatever their scores (the audit's identical
+            items); read only with ``options.near_duplicate``.
     """
     device = embeddings.device
-    hist_dtype = torch.float64 if options.ties == "expected" else torch.int64
-    hist_total = torch.zeros(options.max_k, dtype=hist_dtype, device=device)
-    query_total = torch.zeros(2, dtype=torch.int64, device=device)
-    nan_total = torch.zeros((), dtype=torch.int64, device=device)
-    rescored_total = torch.zeros((), dtype=torch.int64, device=device)
     if queries.rows.numel() == 0:
-        return RankCounts(hist_total, query_total, nan_total, rescored_total)
+        return _Tally(embeddings, None, options, None).result()
     overflow = embeddings.dtype == torch.float32 and not callable(options.similarity)
     if overflow and may_produce_nan(embeddings, options.similarity):
         # Float32 products could overflow: the fast path runs in float64 (exact
@@ -415,6 +469,7 @@ def rank(
     gallery = _gallery(embeddings, labels, groups, gallery_side, options.similarity)
     num_gallery = gallery.embeddings.shape[0]
     share = _queries(labels, groups, queries, gallery)
+    tally = _Tally(embeddings, gallery, options, known)
     tile_bytes = options.chunk_bytes
     if device.type == "cpu":
         tile_bytes = min(tile_bytes, CPU_TILE_BYTES)
@@ -423,52 +478,267 @@ def rank(
     panels_possible = (
         device.type == "cpu" and not callable(options.similarity) and not options.check_nan
     )
-    grid = _probability_grid(embeddings.shape[0])
-    workspace = Workspace()
-    # Tiles whose in-band pairs wait to be re-scored together (one canonical pass).
-    pending: list[tuple[_Queries, _Band]] = []
-    pending_pairs = 0
+    near = options.near_duplicate is not None
+    done = 0
+    if panels_possible and _symmetric_possible(share, gallery, route):
+        done = _symmetric(gallery, share, options, route, tile_bytes, tally)
     num_queries = share.rows.shape[0]
-    for start in range(0, num_queries, rows_per_tile):
+    for start in range(done, num_queries, rows_per_tile):
         tile = _Queries._make(t[start : start + rows_per_tile] for t in share)
         tile_embeddings = embeddings.index_select(0, tile.rows)
         if gallery.centre is not None:
             tile_embeddings.sub_(gallery.centre)
         bound = _bounds(tile_embeddings, gallery, options.similarity)
         widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
-        mode = tile_mode(route, widest, num_gallery, panels_possible)
-        if widest == 0 and not options.check_nan:
+        mode = tile_mode(route, widest, num_gallery, panels_possible and widest > 0)
+        if widest == 0 and not options.check_nan and not near:
             # No query of the tile has an item of its label in the gallery.
-            counts = _kernel.no_positive_counts(tile.rows.shape[0], device)
+            tally.add_counts(_kernel.no_positive_counts(tile.rows.shape[0], device))
+            continue
+        if mode == "panels":
+            workspace = tally.workspace
+            band = _panel_band(tile_embeddings, tile, gallery, bound, options, route, workspace)
         else:
-            if mode == "panels":
-                band = _panel_band(tile_embeddings, tile, gallery, bound, options, route, workspace)
+            scores = _scores(tile_embeddings, gallery, options.similarity, tally.workspace)
+            if options.check_nan:
+                tally.nan += torch.isnan(scores).any(dim=1).sum()
+            _ignore_in_place(scores, tile, gallery, options.exclude)
+            if mode == "dense":
+                band = _dense_band(scores, tile, gallery, bound, options, tally.workspace)
             else:
-                scores = _scores(tile_embeddings, gallery, options.similarity, workspace)
-                if options.check_nan:
-                    nan_total += torch.isnan(scores).any(dim=1).sum()
-                _ignore_in_place(scores, tile, gallery, options.exclude)
-                if mode == "dense":
-                    band = _dense_band(scores, tile, gallery, bound, options, workspace)
-                else:
-                    band = _block_band(scores, tile, gallery.groups, bound, options, workspace)[0]
-            pending.append((tile, band))
-            pending_pairs += band.rows.shape[0]
-            if pending_pairs < PENDING_PAIRS and start + rows_per_tile < num_queries:
-                continue
-            counts, rescored = _decide(embeddings, gallery, pending, options, workspace)
-            rescored_total += rescored
-            pending, pending_pairs = [], 0
-        hist, query_counts = _histogram(counts, options, grid)
-        hist_total += hist
-        query_total += query_counts
-    if pending:
-        counts, rescored = _decide(embeddings, gallery, pending, options, workspace)
-        rescored_total += rescored
-        hist, query_counts = _histogram(counts, options, grid)
-        hist_total += hist
-        query_total += query_counts
-    return RankCounts(hist_total, query_total, nan_total, rescored_total)
+                band = _block_band(
+                    scores, tile, gallery.groups, gallery.labels, bound, options, tally.workspace
+                )
+        tally.add_band(tile, band)
+    return tally.result()
+
+
+def _symmetric_possible(share: _Queries, gallery: _Gallery, route: Route) -> bool:
+    """Whether the queries are the gallery's items, in its order, each ignoring only
+    itself by identity (leave-one-out), with narrow label blocks (``"auto"``)."""
+    if route.mode not in ("auto", "symmetric"):
+        return False
+    rows = share.rows
+    if rows.shape != gallery.rows.shape or not torch.equal(rows, gallery.rows):
+        return False
+    own = torch.arange(rows.shape[0], device=rows.device)
+    if not torch.equal(share.self_column, own):
+        return False
+    widest = int(share.block_count.max()) if rows.numel() else 0
+    return route.mode == "symmetric" or widest <= SPARSE_MAX_BLOCK_FRACTION * rows.shape[0]
+
+
+def _symmetric(
+    gallery: _Gallery,
+    share: _Queries,
+    options: RankOptions,
+    route: Route,
+    tile_bytes: int,
+    tally: _Tally,
+) -> int:
+    """Rank leave-one-out queries (the gallery's own items, in its order) computing each
+    score once for both of its items: the product in square blocks ``(I, J)``,
+    ``J >= I``, whose rows are queries of block I and whose columns, read down, are
+    queries of block J. Returns the number of queries ranked (the first ones): all, or
+    fewer when more than ``route.pending_pairs`` in-band pairs wait for later blocks
+    (or none when the blocks would be too small); :func:`rank` ranks the rest.
+
+    First each query's s*_f and band edges, from its label block (as in
+    :func:`_block_scan`); then the blocks, each scanned by rows and by columns with
+    those edges. A score of a block may differ in its last bits from the same pair's
+    score in the label block's product; both are within B of the canonical score, so
+    the band (2B around s*_f) is still certain. Label-and-group junk and same-group
+    items are written as -inf in the blocks, like the query itself (the diagonal).
+    """
+    num = gallery.embeddings.shape[0]
+    embeddings = gallery.embeddings  # the queries, centred like the gallery
+    size = math.isqrt(max(1, min(route.block_bytes, tile_bytes) // embeddings.element_size()))
+    if route.mode == "auto" and size < min(SYMMETRIC_MIN_ROWS, num):
+        return 0
+    size = max(1, size)
+    starts = list(range(0, num, size))
+    workspace, device, dtype = tally.workspace, embeddings.device, embeddings.dtype
+    bound = _bounds(embeddings, gallery, options.similarity)
+    greater = torch.zeros(num, dtype=count_dtype(num), device=device)
+    has_positive = torch.zeros(num, dtype=torch.bool, device=device)
+    lo = torch.full((num, 1), math.inf, dtype=dtype, device=device)
+    hi = torch.full((num, 1), math.inf, dtype=dtype, device=device)
+    for start in starts:
+        tile = _Queries._make(t[start : start + size] for t in share)
+        present = tile.block_count > 0
+        if not bool(present.any()):
+            continue
+        first = int(torch.where(present, tile.block_start, num).min())
+        stop = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
+        scores = _product(
+            embeddings[start : start + size], gallery, first, stop, options.similarity, workspace
+        )
+        _ignore_in_place(scores, tile, gallery, options.exclude, first)
+        block_tile = tile._replace(block_start=tile.block_start - first)
+        best, found_positive, _, _ = _block_best(
+            scores, block_tile, gallery.groups[first:stop], options.exclude, workspace
+        )
+        edges = _band_edges(best, bound[start : start + size], found_positive)
+        lo[start : start + size], hi[start : start + size] = edges
+        has_positive[start : start + size] = found_positive
+    # Above -inf, which the blocks write where an item is ignored (scores are finite).
+    lo.clamp_(min=torch.finfo(dtype).min)
+    near = _near_scan(options.near_duplicate, bound, lo, num)
+    found: list[Found] = [[] for _ in starts]
+    near_found: list[Found] = [[] for _ in starts]
+    for index, start in enumerate(starts):
+        rows = slice(start, min(start + size, num))
+        for later, column in enumerate(starts[index:], start=index):
+            columns = slice(column, min(column + size, num))
+            scores = _product(
+                embeddings[rows], gallery, column, columns.stop, options.similarity, workspace
+            )
+            _ignore_in_block(scores, gallery, options.exclude, rows, columns)
+            if later > index:  # read down: the column's queries against the rows' items
+                down = scores.T
+                peak = down.amax(dim=1, keepdim=True)
+                if near is not None:
+                    labels = gallery.labels[columns], gallery.labels[rows]
+                    _near_block(down, peak, _near_part(near, columns, near_found[later]),
+                                labels, start, False)  # fmt: skip
+                _scan_down(scores, peak, lo[columns], hi[columns], start, greater[columns],
+                           found[later])  # fmt: skip
+            peak = scores.amax(dim=1, keepdim=True)
+            if near is not None:
+                labels = gallery.labels[rows], gallery.labels[columns]
+                _near_block(scores, peak, _near_part(near, rows, near_found[index]),
+                            labels, column, False)  # fmt: skip
+            _scan(scores, lo[rows], hi[rows], column, greater[rows], found[index],
+                  False, workspace, peak=peak)  # fmt: skip
+        tile = _Queries._make(t[rows] for t in share)
+        near_pairs = None if near is None else _pairs(near_found[index], device)
+        band = _Band(
+            greater[rows],
+            has_positive[rows],
+            _pairs(found[index], device),
+            None if near is None else near.sure[rows],
+            near_pairs,
+        )
+        found[index], near_found[index] = [], []
+        tally.add_band(tile, band)
+        waiting = sum(part[0].shape[0] for parts in found + near_found for part in parts)
+        if waiting > route.pending_pairs:
+            return min(num, start + size)
+    return num
+
+
+def _scan_down(
+    scores: Tensor,
+    peak: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    first: int,
+    greater: Tensor,
+    found: Found,
+) -> None:
+    """:func:`_scan` of the columns of ``scores`` (each column a query, its rows items
+    ``first:``), whose largest scores are ``peak`` ``[C, 1]``; ``scores`` is kept. Only
+    the columns that reach ``lo`` are gathered, in the scores' memory order."""
+    columns = (peak < lo).logical_not_().view(-1).nonzero().view(-1)
+    if columns.numel() == 0:
+        return
+    candidates = scores.index_select(1, columns)  # [R, c]
+    column_lo = lo.index_select(0, columns).view(1, -1)
+    column_hi = hi.index_select(0, columns).view(1, -1)
+    above = torch.gt(candidates, column_hi)
+    greater.index_add_(0, columns, above.sum(dim=0, dtype=greater.dtype))
+    inside = torch.ge(candidates, column_lo).logical_and_(above.logical_not_())
+    row, column = inside.nonzero(as_tuple=True)
+    if row.numel():
+        found.append((columns[column], row + first, None))
+
+
+def _near_part(near: _Near, rows: slice, found: Found) -> _Near:
+    """The near-duplicate scan of the queries ``rows`` (views of ``near``'s tensors)."""
+    return _Near(near.lo[rows], near.hi[rows], near.sure[rows], found)
+
+
+def _ignore_in_block(
+    scores: Tensor, gallery: _Gallery, exclude: str, rows: slice, columns: slice
+) -> None:
+    """Write -inf over the ignored items of a block of leave-one-out scores (queries
+    ``rows`` against items ``columns``, both gallery positions): the query itself, its
+    group under ``"same_group"``, its label and group under ``"same_label_and_group"``.
+
+    -inf, below every band's ``lo`` (finite or +inf) and the threshold's, is never
+    counted or found -- like NaN elsewhere, but it leaves each row's largest score
+    meaningful (a NaN there would send every row to the comparisons)."""
+    if rows == columns:
+        scores.diagonal().fill_(-math.inf)
+    if exclude == "none":
+        return
+    same = gallery.groups[rows].unsqueeze(1) == gallery.groups[columns].unsqueeze(0)
+    if exclude == "same_label_and_group":
+        same &= gallery.labels[rows].unsqueeze(1) == gallery.labels[columns].unsqueeze(0)
+    scores.masked_fill_(same, -math.inf)
+
+
+class _Tally:
+    """What :func:`rank` adds up, tile after tile: each tile's counts once its in-band
+    pairs are decided (the pairs of successive tiles wait, up to ``PENDING_PAIRS``, to
+    be re-scored in one canonical pass)."""
+
+    def __init__(
+        self,
+        embeddings: Tensor,
+        gallery: _Gallery | None,
+        options: RankOptions,
+        known: Tensor | None,
+    ) -> None:
+        device = embeddings.device
+        hist_dtype = torch.float64 if options.ties == "expected" else torch.int64
+        self.hist = torch.zeros(options.max_k, dtype=hist_dtype, device=device)
+        self.queries = torch.zeros(2, dtype=torch.int64, device=device)
+        self.nan = torch.zeros((), dtype=torch.int64, device=device)
+        self.rescored = torch.zeros((), dtype=torch.int64, device=device)
+        self.near = torch.zeros(len(NEAR_COUNTS), dtype=torch.int64, device=device)
+        self.embeddings, self.gallery, self.options, self.known = (
+            embeddings,
+            gallery,
+            options,
+            known,
+        )
+        self.grid = _probability_grid(embeddings.shape[0])
+        self.workspace = Workspace()
+        self.pending: list[tuple[_Queries, _Band]] = []
+        self.pending_pairs = 0
+
+    def add_counts(self, counts: TieCounts) -> None:
+        """A tile counted without pairs to decide."""
+        hist, query_counts = _histogram(counts, self.options, self.grid)
+        self.hist += hist
+        self.queries += query_counts
+
+    def add_band(self, tile: _Queries, band: _Band) -> None:
+        """A scanned tile; decided with the pending ones once enough pairs wait."""
+        self.pending.append((tile, band))
+        self.pending_pairs += band.pairs.rows.shape[0]
+        if band.near_pairs is not None:
+            self.pending_pairs += band.near_pairs.rows.shape[0]
+        if self.pending_pairs >= PENDING_PAIRS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Decide the pending tiles."""
+        if not self.pending:
+            return
+        assert self.gallery is not None
+        decided = _decide(
+            self.embeddings, self.gallery, self.pending, self.options, self.known, self.workspace
+        )
+        self.rescored += decided.rescored
+        self.near += decided.near
+        self.add_counts(decided.counts)
+        self.pending, self.pending_pairs = [], 0
+
+    def result(self) -> RankCounts:
+        self.flush()
+        return RankCounts(self.hist, self.queries, self.nan, self.rescored, self.near)
 
 
 def _probability_grid(num_items: int) -> float:
@@ -556,7 +826,7 @@ def _queries(labels: Tensor, groups: Tensor, side: Side, gallery: _Gallery) -> _
     is_self = gallery.identity_sorted[position] == side.identity
     self_column = torch.where(is_self, gallery.identity_column[position], -1)
     return _Queries(
-        side.rows, query_labels, groups[side.rows], block_start, block_count, self_column
+        side.rows, query_labels, groups[side.rows], block_start, block_count, self_column, order
     )
 
 
@@ -606,20 +876,25 @@ def _product(
     return out
 
 
-def _band_edges(best: Tensor, bound: Tensor, has_positive: Tensor) -> tuple[Tensor, Tensor]:
-    """``[T, 1]`` edges ``lo <= s*_f - 2B`` and ``hi >= s*_f + 2B`` in the scores' dtype
-    (rounded outwards); +inf for a query without a valid positive (its counts are not
-    read)."""
-    wide = best.to(torch.float64)
-    twice = 2 * bound
-    lo_wide, hi_wide = wide - twice, wide + twice
-    lo, hi = lo_wide.to(best.dtype), hi_wide.to(best.dtype)
+def _edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``lo <= centre - half`` and ``hi >= centre + half`` (float64 ``[T, 1]``) in
+    ``dtype``, rounded outwards."""
+    lo_wide, hi_wide = centre - half, centre + half
+    lo, hi = lo_wide.to(dtype), hi_wide.to(dtype)
     lo = torch.where(
         lo.to(torch.float64) > lo_wide, torch.nextafter(lo, lo.new_tensor(-math.inf)), lo
     )
     hi = torch.where(
         hi.to(torch.float64) < hi_wide, torch.nextafter(hi, hi.new_tensor(math.inf)), hi
     )
+    return lo, hi
+
+
+def _band_edges(best: Tensor, bound: Tensor, has_positive: Tensor) -> tuple[Tensor, Tensor]:
+    """``[T, 1]`` edges ``lo <= s*_f - 2B`` and ``hi >= s*_f + 2B`` in the scores' dtype
+    (rounded outwards); +inf for a query without a valid positive (its counts are not
+    read)."""
+    lo, hi = _edges(best.to(torch.float64), 2 * bound, best.dtype)
     missing = ~has_positive.unsqueeze(1)
     return lo.masked_fill_(missing, math.inf), hi.masked_fill_(missing, math.inf)
 
@@ -630,16 +905,19 @@ def _scan(
     hi: Tensor,
     first: int,
     greater: Tensor,
-    found: list[tuple[Tensor, Tensor, Tensor | None]],
+    found: Found,
     keep_values: bool,
     workspace: Workspace,
     every_row: bool = False,
+    peak: Tensor | None = None,
+    preserve: bool = False,
 ) -> None:
     """Add to ``greater`` (per row of ``scores``, a float dtype from
     :func:`recall_at_k._kernel.count_dtype`) the count of scores above ``hi``, and to
     ``found`` the positions (rows, gallery columns ``first + j``) with
     ``lo <= score <= hi``; NaN, an ignored item, is neither. Overwrites ``scores``
-    unless ``keep_values``.
+    unless ``keep_values`` or ``preserve``. ``peak``: each row's largest score, where
+    the caller has it already.
 
     The full-width work is one read: each row's largest score (NaN where the row holds
     an ignored item), in blocks of rows of about ``CPU_COUNT_BLOCK_BYTES`` on CPU. Only
@@ -656,15 +934,17 @@ def _scan(
     if scores.device.type == "cpu":
         step = max(1, CPU_COUNT_BLOCK_BYTES // max(1, width * scores.element_size()))
     for start in range(0, num_rows, step):
-        block, block_lo, block_hi = scores, lo, hi
+        block, block_lo, block_hi, block_peak = scores, lo, hi, peak
         if step < num_rows:
             stop = start + step
             block, block_lo, block_hi = scores[start:stop], lo[start:stop], hi[start:stop]
+            block_peak = None if peak is None else peak[start:stop]
         if every_row:
             rows = None
         else:
-            peak = block.amax(dim=1, keepdim=True)
-            rows = (peak < block_lo).logical_not_().view(-1).nonzero().view(-1)
+            if block_peak is None:
+                block_peak = block.amax(dim=1, keepdim=True)
+            rows = (block_peak < block_lo).logical_not_().view(-1).nonzero().view(-1)
             if rows.numel() == 0:
                 continue
             if 2 * rows.shape[0] > block.shape[0]:
@@ -672,7 +952,7 @@ def _scan(
         if rows is None:
             marks = workspace.get("marks", tuple(block.shape), scores.dtype, scores.device)
             reach = torch.ge(block, block_lo, out=marks).sum(dim=1, dtype=sum_dtype)
-            if keep_values:
+            if keep_values or preserve:
                 upper = workspace.get("upper", tuple(block.shape), scores.dtype, scores.device)
                 above = torch.gt(block, block_hi, out=upper)
             else:
@@ -712,19 +992,85 @@ def _scan(
             found.append((rows[row], column + first, value))
 
 
-def _gather_band(
-    greater: Tensor, has_positive: Tensor, found: list[tuple[Tensor, Tensor, Tensor | None]]
-) -> _Band:
-    device = greater.device
+def _pairs(found: Found, device: torch.device) -> _Pairs:
+    """The pairs of a scan's parts, in one tensor each."""
     if not found:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return _Band(greater, has_positive, empty, empty, None)
+        return _Pairs(empty, empty, None)
     values = None
     if found[0][2] is not None:
         values = torch.cat([v for _, _, v in found if v is not None])
     rows = torch.cat([r for r, _, _ in found])
     columns = torch.cat([c for _, c, _ in found])
-    return _Band(greater, has_positive, rows, columns, values)
+    return _Pairs(rows, columns, values)
+
+
+class _Near(NamedTuple):
+    """A tile's near-duplicate scan: the threshold's edges ``[T, 1]`` (``t - B``,
+    ``t + B`` rounded outwards), the count of items surely at or above it, the pairs
+    within the edges."""
+
+    lo: Tensor
+    hi: Tensor
+    sure: Tensor
+    found: Found
+
+
+def _near_scan(threshold: float | None, bound: Tensor, like: Tensor, total: int) -> _Near | None:
+    """The empty near-duplicate scan of a tile (None without a threshold): ``like`` gives
+    the scores' dtype and the tile's rows, ``total`` the gallery's size."""
+    if threshold is None:
+        return None
+    centre = torch.full_like(bound, threshold)
+    lo, hi = _edges(centre, bound, like.dtype)
+    sure = torch.zeros(like.shape[0], dtype=count_dtype(total), device=like.device)
+    return _Near(lo, hi, sure, [])
+
+
+def _near_block(
+    scores: Tensor,
+    peak: Tensor | None,
+    near: _Near,
+    labels: tuple[Tensor, Tensor],
+    first: int,
+    keep_values: bool,
+) -> None:
+    """Add a block of scores (columns ``first:``) to a near-duplicate scan: per row, the
+    items of another label scored above ``near.hi`` (surely at or above the threshold)
+    to ``near.sure``, those within the edges to ``near.found``. ``peak``: each row's
+    largest score (or None); ``labels``: those of the rows and of the columns.
+
+    Only the rows whose largest score reaches ``near.lo`` are copied (a positive is near
+    when s* is; its label's items are set aside here); NaN, an ignored item, is neither.
+    """
+    if peak is None:  # NaN (an ignored item) taken as -inf: never near
+        peak = torch.where(scores.isnan(), -math.inf, scores).amax(dim=1, keepdim=True)
+    rows = (peak < near.lo).logical_not_().view(-1).nonzero().view(-1)
+    if rows.numel() == 0:
+        return
+    if scores.stride(0) == 1 and scores.stride(1) != 1:  # a transposed block: gather its rows
+        candidates = scores.T.index_select(1, rows).T  # column by column in memory order
+    else:
+        candidates = scores.index_select(0, rows)
+    same_label = labels[0].index_select(0, rows).unsqueeze(1) == labels[1].unsqueeze(0)
+    candidates.masked_fill_(same_label, math.nan)
+    lo, hi = near.lo.index_select(0, rows), near.hi.index_select(0, rows)
+    near.sure.index_add_(0, rows, (candidates > hi).sum(dim=1, dtype=near.sure.dtype))
+    row, column = ((candidates >= lo) & (candidates <= hi)).nonzero(as_tuple=True)
+    if row.numel():
+        value = candidates[row, column] if keep_values else None
+        near.found.append((rows[row], column + first, value))
+
+
+def _gather_band(
+    greater: Tensor, has_positive: Tensor, found: Found, near: _Near | None = None
+) -> _Band:
+    device = greater.device
+    if near is None:
+        return _Band(greater, has_positive, _pairs(found, device), None, None)
+    return _Band(
+        greater, has_positive, _pairs(found, device), near.sure, _pairs(near.found, device)
+    )
 
 
 def _block_best(
@@ -762,24 +1108,40 @@ def _block_best(
     return best, valid.any(dim=1), block, in_block
 
 
-def _block_band(
+class _TileScan(NamedTuple):
+    """A tile's scan in progress: the counts and pairs so far, the band's edges."""
+
+    greater: Tensor  # [T] valid negatives surely above s* so far
+    has_positive: Tensor  # [T] bool
+    found: Found  # in-band pairs so far
+    lo: Tensor  # [T, 1] the band's edges
+    hi: Tensor
+    near: _Near | None  # the near-duplicate scan so far
+
+    def band(self) -> _Band:
+        return _gather_band(self.greater, self.has_positive, self.found, self.near)
+
+
+def _block_scan(
     scores: Tensor,
     tile: _Queries,
     groups: Tensor,
+    column_labels: Tensor,
     bound: Tensor,
     options: RankOptions,
     workspace: Workspace,
     first: int = 0,
     num_gallery: int | None = None,
-) -> tuple[_Band, Tensor, Tensor]:
-    """The band of a tile (or of the columns ``first:`` holding every label block of
+) -> _TileScan:
+    """The scan of a tile (or of the columns ``first:`` holding every label block of
     it, ``num_gallery`` columns in all) whose positives are read from their label
-    blocks; also the edges ``lo, hi``.
+    blocks.
 
     ``scores`` already holds NaN where an item is ignored (the query itself, same-group
     items). Every item sharing the query's label lies in its block; no valid positive
     scores above ``hi``, so the block's items above ``hi`` are label-and-group junk,
-    taken off the count of negatives surely above s*.
+    taken off the count of negatives surely above s*. ``groups`` and ``column_labels``
+    are those of the columns. The near-duplicate scan (with a threshold) comes first.
     """
     best, has_positive, block, in_block = _block_best(
         scores, tile, groups, options.exclude, workspace
@@ -787,11 +1149,29 @@ def _block_band(
     lo, hi = _band_edges(best, bound, has_positive)
     total = scores.shape[1] if num_gallery is None else num_gallery
     greater = torch.zeros(scores.shape[0], dtype=count_dtype(total), device=scores.device)
-    found: list[tuple[Tensor, Tensor, Tensor | None]] = []
-    _scan(scores, lo, hi, first, greater, found, callable(options.similarity), workspace, True)
+    found: Found = []
+    keep = callable(options.similarity)
+    near = _near_scan(options.near_duplicate, bound, scores, total)
+    if near is not None:
+        labels = tile.labels, column_labels
+        _near_block(scores, None, near, labels, first, keep)
+    _scan(scores, lo, hi, first, greater, found, keep, workspace, True)
     if options.exclude == "same_label_and_group":
         greater -= ((block > hi) & in_block).sum(dim=1)
-    return _gather_band(greater, has_positive, found), lo, hi
+    return _TileScan(greater, has_positive, found, lo, hi, near)
+
+
+def _block_band(
+    scores: Tensor,
+    tile: _Queries,
+    groups: Tensor,
+    labels: Tensor,
+    bound: Tensor,
+    options: RankOptions,
+    workspace: Workspace,
+) -> _Band:
+    """The band of a whole tile whose positives are read from their label blocks."""
+    return _block_scan(scores, tile, groups, labels, bound, options, workspace).band()
 
 
 def _panel_band(
@@ -817,8 +1197,16 @@ def _panel_band(
     scores = _product(queries, gallery, lo, hi, options.similarity, workspace)
     _ignore_in_place(scores, tile, gallery, options.exclude, lo)
     block_tile = tile._replace(block_start=tile.block_start - lo)
-    band, band_lo, band_hi = _block_band(
-        scores, block_tile, gallery.groups[lo:hi], bound, options, workspace, lo, num_gallery
+    scan = _block_scan(
+        scores,
+        block_tile,
+        gallery.groups[lo:hi],
+        gallery.labels[lo:hi],
+        bound,
+        options,
+        workspace,
+        lo,
+        num_gallery,
     )
     width = max(1, route.panel_bytes // (num_rows * queries.element_size()))
     panels = [(a, min(a + width, lo)) for a in range(0, lo, width)]
@@ -827,23 +1215,33 @@ def _panel_band(
     # shared by items of different labels, ignores anything outside [lo, hi).
     self_outside = (tile.self_column >= 0) & ((tile.self_column < lo) | (tile.self_column >= hi))
     ignore_outside = options.exclude == "same_group" or bool(self_outside.any())
-    greater = band.greater
-    found = [(band.rows, band.columns, band.values)]
     widest_panel = max((stop - first for first, stop in panels), default=0)
-    stack = _Stack(band_lo, band_hi, greater, found, widest_panel, workspace)
+    stack = _Stack(scan.lo, scan.hi, scan.greater, scan.found, widest_panel, workspace)
     for first, stop in panels:
         scores = _product(queries, gallery, first, stop, options.similarity, workspace)
         if ignore_outside:
             _ignore_in_place(scores, tile, gallery, options.exclude, first)
         # The rows that reach lo (or hold an ignored item): one read of the panel.
         peak = scores.amax(dim=1, keepdim=True)
-        rows = (peak < band_lo).logical_not_().view(-1).nonzero().view(-1)
-        if 2 * rows.shape[0] > num_rows:  # most rows: compare the whole panel
-            _scan(scores, band_lo, band_hi, first, greater, found, False, workspace, True)
-        elif rows.shape[0]:
-            stack.add(scores, rows, first)
+        if scan.near is not None:
+            labels = tile.labels, gallery.labels[first:stop]
+            _near_block(scores, peak, scan.near, labels, first, False)
+        _panel_rows(scores, peak, first, scan, stack, workspace)
     stack.flush()
-    return _gather_band(greater, band.has_positive, found)
+    return scan.band()
+
+
+def _panel_rows(
+    scores: Tensor, peak: Tensor, first: int, scan: _TileScan, stack: _Stack, workspace: Workspace
+) -> None:
+    """Scan a panel of scores (columns ``first:``; no positive among them) whose rows'
+    largest scores are ``peak`` for the band: the rows that reach it go to ``stack``,
+    or the whole panel when most do (overwriting it)."""
+    rows = (peak < scan.lo).logical_not_().view(-1).nonzero().view(-1)
+    if 2 * rows.shape[0] > scores.shape[0]:  # most rows: compare the whole panel
+        _scan(scores, scan.lo, scan.hi, first, scan.greater, scan.found, False, workspace, True)
+    elif rows.shape[0]:
+        stack.add(scores, rows, first)
 
 
 class _Stack:
@@ -856,7 +1254,7 @@ class _Stack:
         lo: Tensor,
         hi: Tensor,
         greater: Tensor,
-        found: list[tuple[Tensor, Tensor, Tensor | None]],
+        found: Found,
         width: int,
         workspace: Workspace,
     ) -> None:
@@ -949,9 +1347,22 @@ def _dense_band(
     has_positive = valid.any(dim=1)
     lo, hi = _band_edges(best, bound, has_positive)
     greater = torch.zeros(scores.shape[0], dtype=count_dtype(scores.shape[1]), device=scores.device)
-    found: list[tuple[Tensor, Tensor, Tensor | None]] = []
-    _scan(scores, lo, hi, 0, greater, found, callable(options.similarity), workspace, True)
-    return _gather_band(greater, has_positive, found)
+    found: Found = []
+    keep = callable(options.similarity)
+    near = _near_scan(options.near_duplicate, bound, scores, scores.shape[1])
+    if near is not None:
+        _near_block(scores, None, near, (tile.labels, gallery.labels), 0, keep)
+    _scan(scores, lo, hi, 0, greater, found, keep, workspace, True)
+    return _gather_band(greater, has_positive, found, near)
+
+
+class _Decided(NamedTuple):
+    """The counts of decided tiles: ``g_>``, ``g_> + e``, ``p`` per query, the pairs
+    re-scored, and the near-duplicate counts (:data:`NEAR_COUNTS`)."""
+
+    counts: TieCounts
+    rescored: Tensor
+    near: Tensor
 
 
 def _decide(
@@ -959,8 +1370,9 @@ def _decide(
     gallery: _Gallery,
     tiles: list[tuple[_Queries, _Band]],
     options: RankOptions,
+    known: Tensor | None,
     workspace: Workspace,
-) -> tuple[TieCounts, Tensor]:
+) -> _Decided:
     """g_>, g_> + e and p of each query of ``tiles``, decided on canonical scores.
 
     The in-band pairs are re-scored canonically (a callable's scores are kept as they
@@ -968,29 +1380,52 @@ def _decide(
     with the best fast score is always among them, and every positive outside the band
     scores below it), p counts those equal to it, and the in-band valid negatives add to
     g_> (canonical score above s*) or to e (equal). Label-and-group junk is dropped.
-    Returns the counts of the tiles' queries, in order, and the pairs re-scored.
+
+    With a near-duplicate threshold t: a query has a near positive when s* >= t, a near
+    negative when an item was surely at or above t (fast score above t + B) or one
+    within B of t has a canonical score >= t (the pairs of the tile's label blocks,
+    positives and junk, are dropped), a near hit at 1 when s* >= t and no negative
+    scores at s* or above (above, under ``"optimistic"``).
     """
     tile = _Queries._make(torch.cat(fields) for fields in zip(*(t for t, _ in tiles), strict=True))
     offsets = [0]
     for part, _ in tiles[:-1]:
         offsets.append(offsets[-1] + part.rows.shape[0])
     bands = [band for _, band in tiles]
-    rows = torch.cat([band.rows + offset for band, offset in zip(bands, offsets, strict=True)])
-    columns = torch.cat([band.columns for band in bands])
-    values = None
-    if bands[0].values is not None:
-        values = torch.cat([band.values for band in bands if band.values is not None])
+    rows, columns, values = _joined([band.pairs for band in bands], offsets)
+    if callable(options.similarity) and values is None:
+        values = torch.zeros(0, dtype=torch.float64, device=rows.device)
     positive = gallery.labels[columns] == tile.labels[rows]
     if options.exclude == "same_label_and_group":
         keep = ~positive | (gallery.groups[columns] != tile.groups[rows])
         rows, columns, positive = rows[keep], columns[keep], positive[keep]
         values = None if values is None else values[keep]
-    if values is not None:
-        scores = values.to(torch.float64)
+    threshold = options.near_duplicate
+    near_rows = near_columns = near_values = None
+    if threshold is not None:
+        parts = [band.near_pairs for band in bands if band.near_pairs is not None]
+        near_rows, near_columns, near_values = _joined(parts, offsets)
+        negative = gallery.labels[near_columns] != tile.labels[near_rows]
+        near_rows, near_columns = near_rows[negative], near_columns[negative]
+        near_values = None if near_values is None else near_values[negative]
+        num_band = rows.shape[0]
+        rows_all, columns_all = torch.cat([rows, near_rows]), torch.cat([columns, near_columns])
+        if values is not None:
+            extra = near_values if near_values is not None else values[:0]
+            values = torch.cat([values.to(torch.float64), extra.to(torch.float64)])
     else:
-        scores = canonical_scores(
-            embeddings, tile.rows[rows], gallery.rows[columns], options.similarity, workspace
+        num_band, rows_all, columns_all = rows.shape[0], rows, columns
+    if values is not None:
+        scores_all = values.to(torch.float64)
+    else:
+        scores_all = canonical_scores(
+            embeddings,
+            tile.rows[rows_all],
+            gallery.rows[columns_all],
+            options.similarity,
+            workspace,
         )
+    scores = scores_all[:num_band]
     num_rows = tile.rows.shape[0]
     best = torch.full((num_rows,), -math.inf, dtype=torch.float64, device=scores.device)
     best.scatter_reduce_(0, rows[positive], scores[positive], reduce="amax")
@@ -1003,8 +1438,37 @@ def _decide(
     at_or_above = greater.clone()
     at_or_above.index_add_(0, rows, (negative & (scores == at)).to(torch.int64))
     has_positive = torch.cat([band.has_positive for band in bands])
-    rescored = torch.tensor(rows.shape[0], dtype=torch.int64, device=scores.device)
-    return TieCounts(greater, at_or_above, tied, has_positive), rescored
+    rescored = torch.tensor(rows_all.shape[0], dtype=torch.int64, device=scores.device)
+    counts = TieCounts(greater, at_or_above, tied, has_positive)
+    near = torch.zeros(len(NEAR_COUNTS), dtype=torch.int64, device=scores.device)
+    if threshold is not None and near_rows is not None:
+        reached = torch.cat([band.near_sure for band in bands if band.near_sure is not None])
+        reached = reached.to(torch.int64)
+        reached.index_add_(0, near_rows, (scores_all[num_band:] >= threshold).to(torch.int64))
+        near_negative = reached > 0
+        near_positive = has_positive & (best >= threshold)
+        if known is not None:
+            near_positive |= known[0, tile.position]
+            near_negative |= known[1, tile.position]
+        beaten = greater if options.ties == "optimistic" else at_or_above
+        near_hit = has_positive & (best >= threshold) & (beaten == 0)
+        near = torch.stack(
+            [
+                near_positive.sum(),
+                (near_negative & has_positive).sum(),
+                (near_negative & ~has_positive).sum(),
+                near_hit.sum(),
+            ]
+        )
+    return _Decided(counts, rescored, near)
+
+
+def _joined(parts: list[_Pairs], offsets: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The pairs of successive tiles, rows counted from the first tile's first row."""
+    rows = torch.cat([pairs.rows + offset for pairs, offset in zip(parts, offsets, strict=True)])
+    columns = torch.cat([pairs.columns for pairs in parts])
+    kept = [pairs.values for pairs in parts if pairs.values is not None]
+    return rows, columns, torch.cat(kept) if kept else None
 
 
 # ------------------------------------------------------------------------- checks
@@ -1062,6 +1526,15 @@ class ProcessGroup(NamedTuple):
     group: Any
 
 
+class Shared(NamedTuple):
+    """What :func:`rank_shared` returns, per direction (None where nothing is ranked)."""
+
+    histograms: list[tuple[Tensor, Tensor] | None]  # (hist, queries) summed over processes
+    near: list[Tensor | None]  # NEAR_COUNTS summed over processes
+    ranked: list[int]  # the queries this process ranked
+    rescored: list[int]  # the (query, item) pairs this process re-scored canonically
+
+
 def rank_shared(
     embeddings: Tensor,
     labels: Tensor,
@@ -1070,19 +1543,16 @@ def rank_shared(
     options: RankOptions,
     route: Route,
     shared: ProcessGroup | None,
-) -> tuple[list[tuple[Tensor, Tensor] | None], list[int], list[int]]:
+    known: Sequence[Tensor | None] | None = None,
+) -> Shared:
     """Rank every direction's (queries, gallery), sharing the queries among processes.
 
     With ``shared`` (states gathered: every process holds every item) each process ranks
     its contiguous share of each direction's queries against the whole gallery and the
-    counts are summed over the group, so every process returns the same histograms. A
+    counts are summed over the group, so every process returns the same counts. A
     direction that is ``None`` (nothing to rank) gives ``None``; a direction with the
     same sides as the one before (leave-one-out, both ways) is not ranked twice.
-
-    Returns:
-        The summed ``(hist, queries)`` per direction, the number of queries this process
-        ranked per direction, and the (query, item) pairs it re-scored canonically per
-        direction.
+    ``known``: per direction, :func:`rank`'s ``known`` for all its queries.
     """
     world, me, group = 1, 0, None
     if shared is not None and dist.is_available() and dist.is_initialized():
@@ -1108,8 +1578,10 @@ def rank_shared(
         num = queries.rows.shape[0]
         lo, hi = num * me // world, num * (me + 1) // world
         share = Side(queries.rows[lo:hi], queries.identity[lo:hi])
+        flags = None if known is None or known[index] is None else known[index]
+        flags = None if flags is None else flags[:, lo:hi]
         try:
-            counts = rank(embeddings, labels, groups, share, gallery, options, route)
+            counts = rank(embeddings, labels, groups, share, gallery, options, route, flags)
         except Exception as err:
             if world == 1:
                 raise
@@ -1121,7 +1593,8 @@ def rank_shared(
         results.append(counts)
         ranked.append(hi - lo)
         rescored.append(int(counts.rescored))
-    return sum_over_processes(results, world, group, failure), ranked, rescored
+    histograms, near = sum_over_processes(results, world, group, failure)
+    return Shared(histograms, near, ranked, rescored)
 
 
 def sum_over_processes(
@@ -1129,19 +1602,22 @@ def sum_over_processes(
     world: int,
     group: Any,
     failure: Exception | None,
-) -> list[tuple[Tensor, Tensor] | None]:
+) -> tuple[list[tuple[Tensor, Tensor] | None], list[Tensor | None]]:
     """Sum each direction's counts over the processes (every process calls this, with
     its share's counts, or None for a direction that could not be ranked anywhere), then
     raise a failure of any process on every process.
 
     Returns:
-        ``(hist, queries)`` per direction, or None where ``results`` holds None.
+        ``(hist, queries)`` and the near counts per direction, or None where
+        ``results`` holds None.
     """
     present = [r for r in results if r is not None]
     if not present:
-        return [None for _ in results]
+        return [None for _ in results], [None for _ in results]
     hists = torch.stack([r.hist for r in present])
-    counts = torch.stack([torch.cat([r.queries, r.nan_queries.reshape(1)]) for r in present])
+    counts = torch.stack(
+        [torch.cat([r.queries, r.nan_queries.reshape(1), r.near]) for r in present]
+    )
     failed = torch.tensor([int(failure is not None)], device=counts.device)
     if world > 1:
         dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=group)
@@ -1154,8 +1630,18 @@ def sum_over_processes(
     nan_queries = int(counts[:, 2].sum())
     if nan_queries:
         raise nan_scores_error(nan_queries)
-    reduced = iter(zip(hists, counts[:, :2], strict=True))
-    return [None if r is None else next(reduced) for r in results]
+    reduced = iter(zip(hists, counts[:, :2], counts[:, 3:], strict=True))
+    histograms: list[tuple[Tensor, Tensor] | None] = []
+    near: list[Tensor | None] = []
+    for result in results:
+        if result is None:
+            histograms.append(None)
+            near.append(None)
+        else:
+            hist, queries, near_counts = next(reduced)
+            histograms.append((hist, queries))
+            near.append(near_counts)
+    return histograms, near
 
 
 def same_sides(previous: tuple[Side, Side], current: tuple[Side, Side]) -> bool:

@@ -315,13 +315,16 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         finally:
             self._gathered = None
 
-    def _rank_directions(self) -> list[Histogram]:
+    def _rank_directions(self, warn: bool = True) -> list[Histogram]:
         embeddings, meta = self._stored()
         if meta.shape[0] == 0:
             # Nothing added (on any process): like RetrievalRecallAtK, NaN with a warning.
             empty = torch.zeros(self.max_k, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
-            self._audit((embeddings, meta), None, [None, None], [0, 0])
+            self._audit([None, None], [None, None], [0, 0], [None, None], warn)
             return [empty for _ in self._prefixes]
+        directions = self._directions(meta)
+        audits = self._audits((embeddings, meta), directions)
+        near = self.near_duplicate if audits is not None else None
         options = _embedding.RankOptions(
             self.similarity,
             self.exclude,
@@ -329,11 +332,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             self.max_k,
             self.chunk_bytes,
             self.validate_args and _embedding.may_produce_nan(embeddings, self.similarity),
+            near,
         )
+        known = None
+        if near is not None and audits is not None:
+            known = [None if audit is None else audit.known() for audit in audits]
         prepared = _embedding.prepare(embeddings, self.similarity)
-        directions = self._directions(meta)
         group = self._gathered  # shard across processes only when states are gathered
-        histograms, ranked, rescored = _embedding.rank_shared(
+        shared = _embedding.rank_shared(
             prepared,
             meta[:, _items.LABEL],
             meta[:, _items.GROUP],
@@ -341,12 +347,15 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             options,
             self._route,
             group,
+            known,
         )
-        self.last_compute_num_queries_ranked = dict(zip(self.directions, ranked, strict=False))
-        self.last_compute_rescored = dict(zip(self.directions, rescored, strict=False))
-        counted = _audit.counted_queries(histograms, self.empty_target_action)
-        self._audit((embeddings, meta), prepared, directions, counted)
-        return histograms
+        self.last_compute_num_queries_ranked = dict(
+            zip(self.directions, shared.ranked, strict=False)
+        )
+        self.last_compute_rescored = dict(zip(self.directions, shared.rescored, strict=False))
+        counted = _audit.counted_queries(shared.histograms, self.empty_target_action)
+        self._audit(audits, shared.near, counted, directions, warn)
+        return shared.histograms
 
     def _directions(self, meta: Tensor) -> list[tuple[Side, Side] | None]:
         """Each direction's (queries, gallery), None for one that cannot be ranked
@@ -388,36 +397,53 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     def _audit_on_demand(self) -> None:
         try:
+            if self.near_duplicate is not None:
+                self._rank_directions(warn=False)  # the near counts come from the ranking
+                return
             embeddings, meta = self._stored()
             sides = self._directions(meta) if meta.shape[0] else [None, None]
-            near = self.near_duplicate is not None
-            prepared = _embedding.prepare(embeddings, self.similarity) if near else None
-            self._audit((embeddings, meta), prepared, sides, [None, None], warn=False)
+            audits = self._audits((embeddings, meta), sides)
+            self._audit(audits, [None, None], [None, None], sides, warn=False)
         finally:
             self._gathered = None
 
+    def _audits(
+        self, stored: tuple[Tensor, Tensor], sides: Sequence[Any]
+    ) -> list[_audit.DirectionAudit | None] | None:
+        """The identical-item audit of each direction, or None when the report is kept
+        (not in ``forward``, whose report would be the batch's; kept while the local data
+        are those it counted -- a ``confidence_interval()`` after ``compute()`` ranks
+        again -- but not after a gathered compute: another process's data may differ)."""
+        if self._in_forward:
+            return None
+        gathered = self._gathered is not None
+        if self._report is not None and not gathered and not self._report_gathered:
+            return None
+        options = _audit.options_of(self)
+        return _audit.audit_directions(stored, sides[: len(self._prefixes)], options)
+
     def _audit(
         self,
-        stored: tuple[Tensor, Tensor],
-        prepared: Tensor | None,
-        sides: Sequence[Any],
+        audits: Sequence[_audit.DirectionAudit | None] | None,
+        near: Sequence[Tensor | None],
         counted: Sequence[int | None],
+        sides: Sequence[Any],
         warn: bool = True,
     ) -> None:
-        """Store the report (not in ``forward``: its value is the batch's) and warn once
-        per instance (never re-armed) of identical positives or duplicate gallery items."""
+        """Store the report made of ``audits`` (None: keep the one there is) and warn
+        once per instance (never re-armed) of identical positives or duplicate gallery
+        items."""
         if self._in_forward:
             return
-        sides, counted = sides[: len(self._prefixes)], counted[: len(self._prefixes)]
-        options, gathered = _audit.options_of(self), self._gathered is not None
-        # Kept while the local data are those it counted (a confidence_interval() after
-        # compute() ranks again); gathered data may have changed on another process.
-        if self._report is None or gathered or self._report_gathered:
+        count = len(self._prefixes)
+        options = _audit.options_of(self)
+        if audits is not None or self._report is None:
+            audits = [None] * count if audits is None else audits
             self._report = _audit.protocol_reports(
-                stored, prepared, sides, counted, options, self._gathered
+                audits[:count], near[:count], counted[:count], options
             )
-            self._report_gathered = gathered
-        message = _audit.warning_message(options.names, self._report, sides)
+            self._report_gathered = self._gathered is not None
+        message = _audit.warning_message(options.names, self._report, sides[:count])
         if warn and message is not None and not self._audit_warned:
             self._audit_warned = True
             warnings.warn(message, UserWarning, stacklevel=7)
