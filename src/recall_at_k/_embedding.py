@@ -563,7 +563,8 @@ def _symmetric(
     has_positive = torch.zeros(num, dtype=torch.bool, device=device)
     lo = torch.full((num, 1), math.inf, dtype=dtype, device=device)
     hi = torch.full((num, 1), math.inf, dtype=dtype, device=device)
-    for start in starts:
+    positives: list[Found] = [[] for _ in starts]
+    for index, start in enumerate(starts):
         tile = _Queries._make(t[start : start + size] for t in share)
         present = tile.block_count > 0
         if not bool(present.any()):
@@ -575,12 +576,16 @@ def _symmetric(
         )
         _ignore_in_place(scores, tile, gallery, options.exclude, first)
         block_tile = tile._replace(block_start=tile.block_start - first)
-        best, found_positive, _, _ = _block_best(
+        block = _block_best(
             scores, block_tile, gallery.groups[first:stop], options.exclude, workspace
         )
-        edges = _band_edges(best, bound[start : start + size], found_positive)
+        edges = _band_edges(block.best, bound[start : start + size], block.has_positive)
         lo[start : start + size], hi[start : start + size] = edges
-        has_positive[start : start + size] = found_positive
+        has_positive[start : start + size] = block.has_positive
+        # The valid positives in the band (all of them are at most hi): the blocks below
+        # find only negatives, so that a query's scan may stop early.
+        row, step = (block.valid & (block.values >= edges[0])).nonzero(as_tuple=True)
+        positives[index].append((row, tile.block_start[row] + step, None))
     # Above -inf, which the blocks write where an item is ignored (scores are finite).
     lo.clamp_(min=torch.finfo(dtype).min)
     near = _near_scan(options.near_duplicate, bound, lo, num)
@@ -603,6 +608,7 @@ def _symmetric(
                                 labels, start, False)  # fmt: skip
                 _scan_down(scores, peak, lo[columns], hi[columns], start, greater[columns],
                            found[later])  # fmt: skip
+                _saturate(lo[columns], greater[columns], options.max_k)
             peak = scores.amax(dim=1, keepdim=True)
             if near is not None:
                 labels = gallery.labels[rows], gallery.labels[columns]
@@ -610,18 +616,25 @@ def _symmetric(
                             labels, column, False)  # fmt: skip
             _scan(scores, lo[rows], hi[rows], column, greater[rows], found[index],
                   False, workspace, peak=peak)  # fmt: skip
+            _saturate(lo[rows], greater[rows], options.max_k)
         tile = _Queries._make(t[rows] for t in share)
         near_pairs = None if near is None else _pairs(near_found[index], device)
+        negatives = _pairs(found[index], device)
+        other = gallery.labels[negatives.columns] != tile.labels[negatives.rows]
+        band_pairs = _pairs(
+            [*positives[index], (negatives.rows[other], negatives.columns[other], None)], device
+        )
         band = _Band(
             greater[rows],
             has_positive[rows],
-            _pairs(found[index], device),
+            band_pairs,
             None if near is None else near.sure[rows],
             near_pairs,
         )
-        found[index], near_found[index] = [], []
+        found[index], near_found[index], positives[index] = [], [], []
         tally.add_band(tile, band)
-        waiting = sum(part[0].shape[0] for parts in found + near_found for part in parts)
+        lists = found + near_found + positives
+        waiting = sum(part[0].shape[0] for parts in lists for part in parts)
         if waiting > route.pending_pairs:
             return min(num, start + size)
     return num
@@ -651,6 +664,13 @@ def _scan_down(
     row, column = inside.nonzero(as_tuple=True)
     if row.numel():
         found.append((columns[column], row + first, None))
+
+
+def _saturate(lo: Tensor, greater: Tensor, max_k: int) -> None:
+    """Stop scanning the queries with at least ``max_k`` negatives surely above s*: a
+    miss at every K whatever else is found (their ``lo`` becomes +inf, which no score
+    reaches). Only negatives are scanned after the band's positives are found."""
+    lo.masked_fill_(greater.unsqueeze(1) >= max_k, math.inf)
 
 
 def _near_part(near: _Near, rows: slice, found: Found) -> _Near:
@@ -1073,12 +1093,22 @@ def _gather_band(
     )
 
 
+class _Block(NamedTuple):
+    """The label blocks of a tile's queries, ``[T, widest]``."""
+
+    best: Tensor  # [T, 1] s*_f, the best fast score of a valid positive (-inf: none)
+    has_positive: Tensor  # [T] bool
+    values: Tensor  # the scores (label-and-group rule), else -inf where not valid
+    in_block: Tensor  # bool: the entry is in the query's block
+    valid: Tensor  # bool: the entry is a valid positive
+
+
 def _block_best(
     scores: Tensor, tile: _Queries, groups: Tensor, exclude: str, workspace: Workspace
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """s*_f ``[T, 1]``, whether a valid positive exists, and each query's label block
-    ``[T, widest]`` (its values -- for the label-and-group rule; otherwise -inf where
-    not a valid positive -- and which entries are in the block).
+) -> _Block:
+    """s*_f, whether a valid positive exists, and each query's label block: its values
+    (for the label-and-group rule; otherwise -inf where not a valid positive), which
+    entries are in the block, which are valid positives.
 
     ``groups`` are the groups of the columns of ``scores``; ``tile.block_start`` counts
     in those columns. The block's buffers come from ``workspace``.
@@ -1089,7 +1119,7 @@ def _block_best(
     if widest == 0:  # no query of the tile has an item of its label in the gallery
         nothing = torch.zeros(shape, dtype=torch.bool, device=device)
         best = torch.full((shape[0], 1), -math.inf, dtype=scores.dtype, device=device)
-        return best, nothing.any(dim=1), scores.new_empty(shape), nothing
+        return _Block(best, nothing.any(dim=1), scores.new_empty(shape), nothing, nothing)
     steps = torch.arange(widest, device=device)
     in_block = steps.unsqueeze(0) < tile.block_count.unsqueeze(1)
     # Rows without a block (block_count 0) may start anywhere: keep them in range.
@@ -1105,7 +1135,7 @@ def _block_best(
         best = torch.where(valid, block, float("-inf")).amax(dim=1, keepdim=True)
     else:
         best = block.masked_fill_(~valid, float("-inf")).amax(dim=1, keepdim=True)
-    return best, valid.any(dim=1), block, in_block
+    return _Block(best, valid.any(dim=1), block, in_block, valid)
 
 
 class _TileScan(NamedTuple):
@@ -1143,7 +1173,7 @@ def _block_scan(
     taken off the count of negatives surely above s*. ``groups`` and ``column_labels``
     are those of the columns. The near-duplicate scan (with a threshold) comes first.
     """
-    best, has_positive, block, in_block = _block_best(
+    best, has_positive, block, in_block, _ = _block_best(
         scores, tile, groups, options.exclude, workspace
     )
     lo, hi = _band_edges(best, bound, has_positive)
@@ -1227,6 +1257,7 @@ def _panel_band(
             labels = tile.labels, gallery.labels[first:stop]
             _near_block(scores, peak, scan.near, labels, first, False)
         _panel_rows(scores, peak, first, scan, stack, workspace)
+        _saturate(scan.lo, scan.greater, options.max_k)  # panels hold no positive
     stack.flush()
     return scan.band()
 
