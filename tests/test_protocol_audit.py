@@ -12,6 +12,7 @@ The one two-process spawn of the audit and interval tests lives here too.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -53,8 +54,20 @@ def _score(query: Tensor, item: Tensor, similarity: Any) -> float:
     return canonical_score(q, g, similarity)
 
 
+_REPORTS: dict[int, tuple[Case, dict[str, Any]]] = {}
+
+
 def brute_force(case: Case) -> dict[str, Any]:
-    """The report, pair by pair (one dict, or one per direction by name)."""
+    """The report, pair by pair (one dict, or one per direction by name); computed once
+    per case object (a copy each time)."""
+    kept = _REPORTS.get(id(case))
+    if kept is None or kept[0] is not case:
+        kept = case, _brute_force(case)
+        _REPORTS[id(case)] = kept
+    return copy.deepcopy(kept[1])
+
+
+def _brute_force(case: Case) -> dict[str, Any]:
     options = case.options
     exclude = options.get("exclude", "none")
     action = options.get("empty_target_action", "neg")

@@ -547,8 +547,11 @@ def _symmetric(
     :func:`_block_scan`); then the blocks, each scanned by rows and by columns with
     those edges. A score of a block may differ in its last bits from the same pair's
     score in the label block's product; both are within B of the canonical score, so
-    the band (2B around s*_f) is still certain. Label-and-group junk and same-group
-    items are written as -inf in the blocks, like the query itself (the diagonal).
+    the band (2B around s*_f) is still certain. The blocks hide every item of the
+    query's own label (the query itself, its positives -- their band pairs come from the
+    label blocks --, label-and-group junk) and same-group items (``"same_group"``) as
+    -inf: they scan negatives only, and a query's scan stops once ``max_k`` of them are
+    surely above s*.
     """
     num = gallery.embeddings.shape[0]
     embeddings = gallery.embeddings  # the queries, centred like the gallery
@@ -607,7 +610,7 @@ def _symmetric(
                     _near_block(down, peak, _near_part(near, columns, near_found[later]),
                                 labels, start, False)  # fmt: skip
                 _scan_down(scores, peak, lo[columns], hi[columns], start, greater[columns],
-                           found[later])  # fmt: skip
+                           found[later], workspace)  # fmt: skip
                 _saturate(lo[columns], greater[columns], options.max_k)
             peak = scores.amax(dim=1, keepdim=True)
             if near is not None:
@@ -619,11 +622,7 @@ def _symmetric(
             _saturate(lo[rows], greater[rows], options.max_k)
         tile = _Queries._make(t[rows] for t in share)
         near_pairs = None if near is None else _pairs(near_found[index], device)
-        negatives = _pairs(found[index], device)
-        other = gallery.labels[negatives.columns] != tile.labels[negatives.rows]
-        band_pairs = _pairs(
-            [*positives[index], (negatives.rows[other], negatives.columns[other], None)], device
-        )
+        band_pairs = _pairs(positives[index] + found[index], device)
         band = _Band(
             greater[rows],
             has_positive[rows],
@@ -648,6 +647,7 @@ def _scan_down(
     first: int,
     greater: Tensor,
     found: Found,
+    workspace: Workspace,
 ) -> None:
     """:func:`_scan` of the columns of ``scores`` (each column a query, its rows items
     ``first:``), whose largest scores are ``peak`` ``[C, 1]``; ``scores`` is kept. Only
@@ -655,7 +655,9 @@ def _scan_down(
     columns = (peak < lo).logical_not_().view(-1).nonzero().view(-1)
     if columns.numel() == 0:
         return
-    candidates = scores.index_select(1, columns)  # [R, c]
+    shape = (scores.shape[0], columns.shape[0])
+    candidates = workspace.get("down", shape, scores.dtype, scores.device)
+    torch.index_select(scores, 1, columns, out=candidates)
     column_lo = lo.index_select(0, columns).view(1, -1)
     column_hi = hi.index_select(0, columns).view(1, -1)
     above = torch.gt(candidates, column_hi)
@@ -681,21 +683,33 @@ def _near_part(near: _Near, rows: slice, found: Found) -> _Near:
 def _ignore_in_block(
     scores: Tensor, gallery: _Gallery, exclude: str, rows: slice, columns: slice
 ) -> None:
-    """Write -inf over the ignored items of a block of leave-one-out scores (queries
-    ``rows`` against items ``columns``, both gallery positions): the query itself, its
-    group under ``"same_group"``, its label and group under ``"same_label_and_group"``.
+    """Write -inf over the items of a block of leave-one-out scores (queries ``rows``
+    against items ``columns``, both gallery positions) that its scan must not see: every
+    item of the query's own label -- the query itself, its positives (their band pairs
+    come from the label blocks), label-and-group junk -- and its group under
+    ``"same_group"``.
 
-    -inf, below every band's ``lo`` (finite or +inf) and the threshold's, is never
-    counted or found -- like NaN elsewhere, but it leaves each row's largest score
-    meaningful (a NaN there would send every row to the comparisons)."""
+    The gallery is in label order, so an item's label is a run of positions: in a block
+    off the diagonal at most one label (a run from the rows' last position to the
+    columns' first) has items on both sides, one rectangle. -inf, below every band's
+    ``lo`` (finite or +inf) and the threshold's, is never counted or found -- like NaN
+    elsewhere, but it leaves each row's largest score meaningful."""
+    labels = gallery.labels
     if rows == columns:
-        scores.diagonal().fill_(-math.inf)
-    if exclude == "none":
-        return
-    same = gallery.groups[rows].unsqueeze(1) == gallery.groups[columns].unsqueeze(0)
-    if exclude == "same_label_and_group":
-        same &= gallery.labels[rows].unsqueeze(1) == gallery.labels[columns].unsqueeze(0)
-    scores.masked_fill_(same, -math.inf)
+        same_label = labels[rows].unsqueeze(1) == labels[columns].unsqueeze(0)
+        scores.masked_fill_(same_label, -math.inf)
+    else:
+        last = labels[rows.stop - 1]
+        if bool(labels[columns.start] == last):
+            block = int(torch.searchsorted(gallery.block_labels, last))
+            run_start = int(gallery.block_starts[block])
+            run_stop = run_start + int(gallery.block_counts[block])
+            top = max(run_start, rows.start) - rows.start  # the run ends past rows.stop
+            right = min(run_stop, columns.stop) - columns.start  # it starts before columns
+            scores[top:, :right] = -math.inf
+    if exclude == "same_group":
+        same = gallery.groups[rows].unsqueeze(1) == gallery.groups[columns].unsqueeze(0)
+        scores.masked_fill_(same, -math.inf)
 
 
 class _Tally:
