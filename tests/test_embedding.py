@@ -28,8 +28,8 @@ from helpers import TIES
 from torch import Tensor
 from torchmetrics import MetricCollection
 
-from recall_at_k import EmbeddingRecallAtK, _embedding
-from recall_at_k._embedding import Route
+from recall_at_k import EmbeddingRecallAtK, _bands
+from recall_at_k._bands import Route
 
 # One value below a single row of scores (one query a tile), a few rows, everything.
 CHUNKS = (8, 1000, 256 * 2**20)
@@ -313,12 +313,12 @@ def test_wide_label_blocks_take_the_dense_route() -> None:
     assert run_metric(batches) == pytest.approx(expected, abs=1e-6)
     assert run_metric(batches, route=Route("dense")) == run_metric(batches)
     # the automatic choice for a tile whose widest block is half the gallery: dense
-    assert _embedding.tile_mode(Route(), 15, 30, panels_possible=True) == "dense"
+    assert _bands.tile_mode(Route(), 15, 30, panels_possible=True) == "dense"
     many = [Batch(emb, torch.arange(30) % 10)]
     assert run_metric(many) == pytest.approx(reference_embedding_recall(many, KS), abs=1e-6)
     # ... and for blocks of a tenth of it: label blocks, by panels on the CPU
-    assert _embedding.tile_mode(Route(), 3, 30, panels_possible=True) == "panels"
-    assert _embedding.tile_mode(Route(), 3, 30, panels_possible=False) == "tiles"
+    assert _bands.tile_mode(Route(), 3, 30, panels_possible=True) == "panels"
+    assert _bands.tile_mode(Route(), 3, 30, panels_possible=False) == "tiles"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -30,8 +30,9 @@ from helpers import run_distributed
 from reference import reference_recall
 from torch import Tensor
 
-from recall_at_k import EmbeddingRecallAtK, _embedding
-from recall_at_k._embedding import Route, Side
+from recall_at_k import EmbeddingRecallAtK, _gallery, _score
+from recall_at_k._bands import Route
+from recall_at_k._gallery import Side
 from recall_at_k._kernel import Workspace
 
 TIES = ("pessimistic", "optimistic", "expected")
@@ -303,23 +304,23 @@ def _fast_and_canonical(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """|fast - canonical| per pair (fast scores from tiles of ``queries`` rows and
     panels of ``width`` columns), and each query's bound, ``[Q, G]`` and ``[Q, 1]``."""
-    prepared = _embedding.prepare(embeddings, similarity)  # type: ignore[arg-type]
+    prepared = _score.prepare(embeddings, similarity)  # type: ignore[arg-type]
     num = prepared.shape[0]
     rows = torch.arange(num)
     labels = torch.zeros(num, dtype=torch.int64)
-    gallery = _embedding._gallery(prepared, labels, labels, Side(rows, rows), similarity)  # type: ignore[arg-type]
+    gallery = _gallery.gallery_of(prepared, labels, labels, Side(rows, rows), similarity)  # type: ignore[arg-type]
     centred = prepared if gallery.centre is None else prepared - gallery.centre
-    bound = _embedding._bounds(centred, gallery, similarity)  # type: ignore[arg-type]
+    bound = _gallery.bounds(centred, gallery, similarity)  # type: ignore[arg-type]
     fast = torch.empty(num, num, dtype=prepared.dtype)
     workspace = Workspace()
     for start in range(0, num, queries):
         block = centred[start : start + queries]
         for first in range(0, num, width):
             stop = min(first + width, num)
-            part = _embedding._product(block, gallery, first, stop, similarity, workspace)  # type: ignore[arg-type]
+            part = _gallery.product(block, gallery, first, stop, similarity, workspace)  # type: ignore[arg-type]
             fast[start : start + queries, first:stop] = part
     pairs = torch.cartesian_prod(rows, rows)
-    canonical = _embedding.canonical_scores(
+    canonical = _score.canonical_scores(
         prepared,
         pairs[:, 0],
         gallery.rows[pairs[:, 1]],
@@ -360,13 +361,13 @@ def test_fast_scores_stay_within_the_certified_bound(shape: tuple[int, int]) -> 
 
 def test_cosine_normalisation_is_per_row() -> None:
     embeddings = torch.randn(50, 33, generator=_gen(51)) * 7
-    whole = _embedding.prepare(embeddings, "cosine")
+    whole = _score.prepare(embeddings, "cosine")
     for i in range(0, 50, 7):
-        alone = _embedding.prepare(embeddings[i : i + 1], "cosine")
+        alone = _score.prepare(embeddings[i : i + 1], "cosine")
         assert torch.equal(whole[i : i + 1], alone)
     with _threads(2):
-        assert torch.equal(_embedding.prepare(embeddings, "cosine"), whole)
-    zero = _embedding.prepare(torch.zeros(2, 4), "cosine")
+        assert torch.equal(_score.prepare(embeddings, "cosine"), whole)
+    zero = _score.prepare(torch.zeros(2, 4), "cosine")
     assert torch.equal(zero, torch.zeros(2, 4))
 
 

@@ -111,8 +111,10 @@ def _row_hashes(words: Tensor) -> Tensor:
     coefficients = coefficients.to(device=device, dtype=wide)
     hashes = torch.zeros((num, 3), dtype=wide, device=device)
     step = max(1, min(num, _HASH_ROW_BYTES // (8 * width)))
+    buffer = torch.empty((step, width), dtype=wide, device=device)  # reused, chunk after chunk
     for start in range(0, num, step):
-        rows = words[start : start + step].to(wide).add_(2**15)  # [0, 2^16)
+        rows = buffer[: min(step, num - start)]
+        rows.copy_(words[start : start + step]).add_(2**15)  # [0, 2^16)
         target = hashes[start : start + step]
         for first in range(0, width, _HASH_MAX_TERMS):
             stop = first + _HASH_MAX_TERMS

@@ -15,10 +15,11 @@ from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 import torch
 from torch import Tensor
 
-from recall_at_k import _audit, _embedding, _items
+from recall_at_k import _audit, _bands, _embedding, _gallery, _items, _score
+from recall_at_k._bands import AUTO_ROUTE, Route
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
-from recall_at_k._embedding import AUTO_ROUTE, Route, Side
+from recall_at_k._gallery import Side
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import (
     EXCLUDES,
@@ -325,19 +326,19 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         directions = self._directions(meta)
         audits = self._audits((embeddings, meta), directions)
         near = self.near_duplicate if audits is not None else None
-        options = _embedding.RankOptions(
+        options = _bands.RankOptions(
             self.similarity,
             self.exclude,
             self.ties,
             self.max_k,
             self.chunk_bytes,
-            self.validate_args and _embedding.may_produce_nan(embeddings, self.similarity),
+            self.validate_args and _score.may_produce_nan(embeddings, self.similarity),
             near,
         )
         known = None
         if near is not None and audits is not None:
             known = [None if audit is None else audit.known() for audit in audits]
-        prepared = _embedding.prepare(embeddings, self.similarity)
+        prepared = _score.prepare(embeddings, self.similarity)
         group = self._gathered  # shard across processes only when states are gathered
         shared = _embedding.rank_shared(
             prepared,
@@ -362,12 +363,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         (an error outside ``forward``)."""
         _items.check_groups(meta, self.exclude)
         flags = meta[:, _items.FLAGS]
-        identity = _embedding.identities(meta[:, _items.ID], (flags & _items.HAS_ID) != 0)
+        identity = _gallery.identities(meta[:, _items.ID], (flags & _items.HAS_ID) != 0)
         roles = [(_items.IS_QUERY, _items.IS_GALLERY), (_items.IS_GALLERY, _items.IS_QUERY)]
         directions: list[tuple[Side, Side] | None] = []
         for index, (query_flag, gallery_flag) in enumerate(roles[: len(self._prefixes)]):
-            queries = _embedding.select((flags & query_flag) != 0, identity)
-            gallery = _embedding.select((flags & gallery_flag) != 0, identity)
+            queries = _gallery.select((flags & query_flag) != 0, identity)
+            gallery = _gallery.select((flags & gallery_flag) != 0, identity)
             name = self.directions[index]
             missing = _items.missing_side(name, index, queries.rows, gallery.rows)
             if missing is not None and not self._in_forward:

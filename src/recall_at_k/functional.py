@@ -21,7 +21,7 @@ from typing import SupportsIndex
 import torch
 from torch import Tensor
 
-from recall_at_k import _dense, _embedding, _kernel
+from recall_at_k import _bands, _dense, _embedding, _gallery, _kernel, _score
 from recall_at_k._checks import check_choice, check_k, check_key, check_positive_int
 from recall_at_k._result import format_output, recall_values
 from recall_at_k._types import (
@@ -288,19 +288,19 @@ def embedding_recall_at_k(
     labels, _ = column(1)
     groups, _ = column(2)
     ids, has_id = column(3)
-    identity = _embedding.identities(ids, has_id)
+    identity = _gallery.identities(ids, has_id)
     is_query = torch.arange(embeddings.shape[0], device=device) < queries.shape[0]
-    query_side = _embedding.select(is_query, identity)
-    gallery_side = _embedding.select(is_query if gallery is None else ~is_query, identity)
-    options = _embedding.RankOptions(
+    query_side = _gallery.select(is_query, identity)
+    gallery_side = _gallery.select(is_query if gallery is None else ~is_query, identity)
+    options = _bands.RankOptions(
         similarity,
         exclude,
         ties,
         max(ks),
         chunk_bytes,
-        validate_args and _embedding.may_produce_nan(embeddings, similarity),
+        validate_args and _score.may_produce_nan(embeddings, similarity),
     )
-    prepared = _embedding.prepare(embeddings, similarity)
+    prepared = _score.prepare(embeddings, similarity)
     counts = _embedding.rank(prepared, labels, groups, query_side, gallery_side, options)
     nan_queries = int(counts.nan_queries)
     if nan_queries:

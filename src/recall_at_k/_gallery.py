@@ -1,0 +1,208 @@
+"""A ranking's items: the sides (who is a query, who is in the gallery), the gallery and
+the queries in label order, each query's rounding bound, and the fast scores of a tile.
+
+The gallery's columns are its items sorted by label (stable), so that each label's items
+are one run of adjacent columns: a query's positives are read as a contiguous block of
+its score row. Queries are ranked in label order too, so that a tile's label blocks are
+adjacent. The fast score is one matrix product per tile (:mod:`recall_at_k._score` says
+how far it may be from the canonical score).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from recall_at_k._kernel import Workspace
+from recall_at_k._score import bound_coefficient, gamma
+from recall_at_k._types import Similarity
+
+
+class Side(NamedTuple):
+    """The items that play one role, each sample once: rows into the item tensors and
+    the sample identity of each."""
+
+    rows: Tensor
+    identity: Tensor
+
+
+class Gallery(NamedTuple):
+    """A direction's gallery, prepared for scoring.
+
+    Its columns are the gallery's items sorted by label (stable), so that each label's
+    items are one run of adjacent columns: a query's positives are read as a contiguous
+    block of its score row.
+    """
+
+    rows: Tensor  # [G] rows of the prepared embeddings, in column order
+    embeddings: Tensor  # [G, D] in column order (centred for "euclidean")
+    centre: Tensor | None  # [D] the mean subtracted, for "euclidean"
+    neg_sq_norms: Tensor | None  # [1, G] negated squared norms, for "euclidean"
+    bound: float  # B / |q| ("dot", "cosine"), B / (|q| + max |g|)^2 ("euclidean")
+    max_norm: float  # max_g |g| (of the centred vectors for "euclidean")
+    labels: Tensor  # [G], ascending
+    groups: Tensor  # [G]
+    block_labels: Tensor  # [C] distinct labels, ascending
+    block_starts: Tensor  # [C] the first column of each label's run
+    block_counts: Tensor  # [C] the run's length
+    identity_sorted: Tensor  # [G] identities, ascending
+    identity_column: Tensor  # [G] column of each entry of ``identity_sorted``
+
+
+class Queries(NamedTuple):
+    """Queries in gallery terms, in label order."""
+
+    rows: Tensor  # [Q] rows of the prepared embeddings
+    labels: Tensor
+    groups: Tensor
+    block_start: Tensor  # [Q] first column of the query's label run
+    block_count: Tensor  # [Q] its length (0: no item of that label in the gallery)
+    self_column: Tensor  # [Q] column of the query itself in the gallery, -1 if absent
+    position: Tensor  # [Q] the query's index in the side it came from
+
+
+def identities(ids: Tensor, has_id: Tensor) -> Tensor:
+    """A sample identity per item: items sharing an id share it, an item without id is
+    alone. Identities are ``0..n-1`` with the ids' in ascending order first."""
+    num = ids.shape[0]
+    identity = torch.empty(num, dtype=torch.int64, device=ids.device)
+    sorted_ids, order = torch.sort(ids[has_id])
+    distinct, inverse_sorted = torch.unique_consecutive(sorted_ids, return_inverse=True)
+    inverse = torch.empty_like(inverse_sorted)
+    inverse[order] = inverse_sorted
+    identity[has_id] = inverse
+    without = (~has_id).nonzero().squeeze(1)
+    identity[without] = distinct.shape[0] + torch.arange(without.shape[0], device=ids.device)
+    return identity
+
+
+def select(plays_role: Tensor, identity: Tensor) -> Side:
+    """Items playing a role, keeping the first item of each identity (dedupe by id)."""
+    num = identity.shape[0]
+    rows = plays_role.nonzero().squeeze(1)
+    ident = identity[rows]
+    first = torch.full((num,), num, dtype=torch.int64, device=identity.device)
+    first.scatter_reduce_(0, ident, rows, reduce="amin")
+    keep = first[ident] == rows
+    return Side(rows[keep], ident[keep])
+
+
+def gallery_of(
+    embeddings: Tensor, labels: Tensor, groups: Tensor, side: Side, similarity: Similarity
+) -> Gallery:
+    labels_sorted, label_order = torch.sort(labels[side.rows], stable=True)
+    rows = side.rows[label_order]
+    gallery_embeddings = embeddings[rows]
+    centre = neg_sq_norms = None
+    if similarity == "euclidean":
+        # Centred on the gallery's mean: a common offset of every vector cancels here,
+        # not in the product. Any centre is exact (the bound covers its rounding).
+        centre = gallery_embeddings.mean(dim=0)
+        gallery_embeddings.sub_(centre)
+        neg_sq_norms = gallery_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
+    max_norm = 0.0
+    if gallery_embeddings.numel():
+        # In the embeddings' own dtype, then raised past its rounding (relative error
+        # at most gamma_{D+2}): an upper bound of the exact largest norm.
+        norms = torch.linalg.vector_norm(gallery_embeddings, dim=1)
+        unit = float(torch.finfo(gallery_embeddings.dtype).eps) / 2
+        max_norm = float(norms.max()) * (1 + 2 * gamma(embeddings.shape[1] + 2, unit))
+    bound = bound_coefficient(similarity, embeddings.shape[1], embeddings.dtype, embeddings.device)
+    block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
+    block_starts = torch.cumsum(block_counts, dim=0) - block_counts
+    identity_sorted, identity_column = torch.sort(side.identity[label_order])
+    return Gallery(
+        rows,
+        gallery_embeddings,
+        centre,
+        neg_sq_norms,
+        bound,
+        max_norm,
+        labels_sorted,
+        groups[rows],
+        block_labels,
+        block_starts,
+        block_counts,
+        identity_sorted,
+        identity_column,
+    )
+
+
+def bounds(queries: Tensor, gallery: Gallery, similarity: Similarity) -> Tensor:
+    """``[T, 1]`` float64: each query's bound ``B`` on ``|fast - canonical|``."""
+    # In the queries' dtype, raised past its rounding: an upper bound of each norm.
+    unit = float(torch.finfo(queries.dtype).eps) / 2
+    norms: Tensor = torch.linalg.vector_norm(queries, dim=1, keepdim=True).to(torch.float64)
+    norms.mul_(1 + 2 * gamma(queries.shape[1] + 2, unit))
+    if similarity == "euclidean":
+        norms = norms.add_(gallery.max_norm).square_().mul_(gallery.bound)
+    else:
+        norms.mul_(gallery.max_norm * gallery.bound)
+    return norms
+
+
+def queries_of(labels: Tensor, groups: Tensor, side: Side, gallery: Gallery) -> Queries:
+    """The queries in label order: a tile's label blocks are then adjacent and together
+    one run of columns (what :func:`_panel_counts` computes first)."""
+    query_labels, order = torch.sort(labels[side.rows], stable=True)
+    side = Side(side.rows[order], side.identity[order])
+    block = torch.searchsorted(gallery.block_labels, query_labels)
+    block = block.clamp(max=gallery.block_labels.shape[0] - 1)
+    found = gallery.block_labels[block] == query_labels
+    block_start = gallery.block_starts[block]
+    block_count = torch.where(found, gallery.block_counts[block], 0)
+    position = torch.searchsorted(gallery.identity_sorted, side.identity)
+    position = position.clamp(max=gallery.identity_sorted.shape[0] - 1)
+    is_self = gallery.identity_sorted[position] == side.identity
+    self_column = torch.where(is_self, gallery.identity_column[position], -1)
+    return Queries(
+        side.rows, query_labels, groups[side.rows], block_start, block_count, self_column, order
+    )
+
+
+def tile_scores(
+    queries: Tensor, gallery: Gallery, similarity: Similarity, workspace: Workspace
+) -> Tensor:
+    """Scores ``[T, G]`` of a tile, ours to write into."""
+    num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
+    if not callable(similarity):
+        return product(queries, gallery, 0, num_gallery, similarity, workspace)
+    scores = similarity(queries, gallery.embeddings)
+    if (
+        not isinstance(scores, Tensor)
+        or tuple(scores.shape) != (num_rows, num_gallery)
+        or not scores.is_floating_point()
+    ):
+        shape = list(scores.shape) if isinstance(scores, Tensor) else type(scores)
+        raise ValueError(
+            f"`similarity` must return floating point scores of shape"
+            f" [{num_rows}, {num_gallery}] for a tile of queries, got {shape}"
+        )
+    # A private copy: the tile is written to below.
+    return scores.detach().clone(memory_format=torch.contiguous_format)
+
+
+def product(
+    queries: Tensor,
+    gallery: Gallery,
+    first: int,
+    stop: int,
+    similarity: Similarity,
+    workspace: Workspace,
+) -> Tensor:
+    """Fast scores ``[T, stop - first]`` of a tile against the gallery columns
+    ``first:stop``, in the workspace's tile buffer (for ``"euclidean"`` the queries
+    are centred like the gallery)."""
+    num_rows, width = queries.shape[0], stop - first
+    out = workspace.get("tile", (num_rows, width), queries.dtype, queries.device)
+    gallery_t = gallery.embeddings[first:stop].T
+    if similarity == "euclidean":
+        assert gallery.neg_sq_norms is not None
+        # -(|q'|^2 - 2 q'.g' + |g'|^2)
+        torch.addmm(gallery.neg_sq_norms[:, first:stop], queries, gallery_t, alpha=2, out=out)
+        out.sub_(queries.square().sum(dim=1, keepdim=True))
+    else:
+        torch.matmul(queries, gallery_t, out=out)
+    return out

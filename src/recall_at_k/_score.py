@@ -1,0 +1,188 @@
+"""The score of a (query, item) pair: what ranks a gallery, defined once.
+
+**The score.** A query's gallery is ranked by one canonical score per pair, a function
+of the stored embeddings alone (the same for every tiling, thread count, process count
+and device):
+
+- embeddings are first brought to float32 (float64 stays float64); for ``"cosine"`` each
+  row ``x`` becomes ``n = fl32(x / sqrt(S))``, where ``S`` is the float64 sum of
+  ``x_d ** 2`` accumulated in the order ``d = 0 .. D-1`` (``sqrt(S)`` clamped to at least
+  1e-12), every operation elementwise, so a row's value never depends on its batch;
+- ``"cosine"`` and ``"dot"``: the float64 sum over ``d = 0 .. D-1``, in that order, of
+  ``q_d * g_d`` (a product of two float32 values is exact in float64);
+- ``"euclidean"``: minus the float64 sum over ``d = 0 .. D-1``, in that order, of
+  ``(q_d - g_d) ** 2`` (each difference and square rounded to float64);
+- a callable: its scores as returned, per tile (outside the guarantee: they may depend
+  on the tile's shape).
+
+Embeddings stored in float64 (``set_dtype``) have inexact products; the fixed order and
+separate multiply and add still give one value per pair on every device. (For float32
+rows the canonical dot product uses a fused multiply-add per ``d``: the product being
+exact, it rounds exactly like a multiply then an add.)
+
+**Fast path and certificate.** The canonical scores are not what is computed for every
+pair: each tile (or panel) of scores is one float32 matrix product, the *fast* score.
+For each query a bound ``B`` with ``|fast - canonical| <= B`` for every gallery item is
+known in advance (:func:`bound_coefficient`): for a dot product of length D,
+``|fl(q.g) - q.g| <= gamma_D * sum_d |q_d g_d| <= gamma_D |q| |g|`` with
+``gamma_D = D u / (1 - D u)`` whatever the order or blocking of the sum, so
+``B = 2 (gamma32_D + gamma64_D) |q| max_g |g|`` (the factor 2 covers the norms' own
+rounding and the band's edges). With ``s*_f`` the best fast score of a query's valid
+positives, an item whose fast score exceeds ``s*_f + 2B`` is surely above the canonical
+``s*``, one below ``s*_f - 2B`` surely below; the items inside that band -- the positives
+near ``s*`` among them, the best always -- are re-scored canonically, and ``s*``, the
+ties and the order at ``s*`` are decided on those canonical scores. The result is thus
+exactly the ranking by canonical scores, and only the band costs more than the product.
+
+``"euclidean"`` is computed on vectors centred on the gallery's mean ``m``:
+``q' = fl(q - m)``, ``g' = fl(g - m)``, fast score ``2 q'.g' - |q'|^2 - |g'|^2``, so a
+common offset of every vector cancels before any product (no catastrophic cancellation).
+Its bound, over the centring's rounding (``|fl(a) - a| <= u |a|`` per coordinate, so the
+squared distance moves by at most ``u (2 + u) (|a| + |b|)^2``), the product and both
+squared norms (``gamma_{D+1}`` each), the two final additions and the canonical sum's
+own rounding: ``B = 2 (2 gamma32_{D+1} + 5 u32 + gamma64_{D+3}) (|q'| + max_g |g'|)^2``.
+
+On CUDA with ``torch.get_float32_matmul_precision() != "highest"`` (TF32 or bfloat16
+products) the bound adds ``2 u_in + u_in^2`` per product for the inputs' unit roundoff
+``u_in`` (2**-11 for ``"high"``, 2**-8 for ``"medium"``): the band is wider, the answer
+the same. Where float32 products could overflow (``"dot"``/``"euclidean"`` on huge
+values) the fast path runs in float64; the canonical scores do not change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from recall_at_k._kernel import Workspace
+from recall_at_k._types import Similarity
+
+CANONICAL_BATCH_BYTES = 4 * 2**20
+"""Pairs are re-scored canonically in batches whose gathered float64 rows (each side)
+take about this many bytes."""
+
+PREPARE_CHUNK_BYTES = 2**20
+"""Rows are normalised in float64 this many bytes at a time (one reused buffer)."""
+
+SAFETY = 2.0
+"""Factor on the certified rounding bound (covers the float64 norms' own rounding)."""
+
+
+def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
+    """Embeddings in a float dtype of at least 32 bits; L2-normalised for ``"cosine"``.
+
+    The cosine normalisation is computed once per row, elementwise and in a fixed order
+    (the float64 sum of squares over ``d = 0 .. D-1``), so a row's normalised value is
+    the same in every batch, process and device. Always a copy of its own (callers may
+    write into it).
+    """
+    dtype = torch.promote_types(embeddings.dtype, torch.float32)
+    if similarity != "cosine":
+        return embeddings.to(dtype, copy=True)
+    columns = embeddings.T.contiguous()  # [D, N]
+    total = torch.zeros(columns.shape[1], dtype=torch.float64, device=columns.device)
+    term = torch.empty_like(total)
+    for column in columns:
+        term.copy_(column)  # exact
+        total.add_(term.mul_(term))
+    total.sqrt_().clamp_min_(1e-12)
+    out = torch.empty(embeddings.shape, dtype=dtype, device=embeddings.device)
+    step = max(1, PREPARE_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
+    step = max(1, min(step, embeddings.shape[0]))
+    wide = torch.empty((step, embeddings.shape[1]), dtype=torch.float64, device=out.device)
+    for start in range(0, embeddings.shape[0], step):
+        rows = wide[: min(step, embeddings.shape[0] - start)]
+        rows.copy_(embeddings[start : start + step])
+        out[start : start + step] = rows.div_(total[start : start + step].unsqueeze(1))
+    return out
+
+
+def canonical_scores(
+    embeddings: Tensor,
+    query_rows: Tensor,
+    gallery_rows: Tensor,
+    similarity: Similarity,
+    workspace: Workspace | None = None,
+) -> Tensor:
+    """The canonical float64 score of each pair ``(query_rows[i], gallery_rows[i])``.
+
+    The sum over ``d = 0 .. D-1`` in that order, one elementwise multiply (or difference
+    and square) and one add per ``d``: never a BLAS product or a reduction whose order
+    could depend on shapes, threads or the device.
+    """
+    num, dim = query_rows.shape[0], embeddings.shape[1]
+    device, wide = embeddings.device, torch.float64
+    workspace = Workspace() if workspace is None else workspace
+    out = torch.empty(num, dtype=wide, device=device)
+    exact_products = torch.finfo(embeddings.dtype).bits <= 32
+    step = max(1, min(num, CANONICAL_BATCH_BYTES // (8 * max(1, dim))))
+    for start in range(0, num, step):
+        count = min(step, num - start)
+        pair = workspace.get("canonical_rows", (count, dim), embeddings.dtype, device)
+        q = workspace.get("canonical_q", (dim, count), wide, device)
+        g = workspace.get("canonical_g", (dim, count), wide, device)
+        torch.index_select(embeddings, 0, query_rows[start : start + count], out=pair)
+        q.copy_(pair.T)  # [D, m], exact
+        torch.index_select(embeddings, 0, gallery_rows[start : start + count], out=pair)
+        g.copy_(pair.T)
+        total = torch.zeros(count, dtype=wide, device=device)
+        term = torch.empty_like(total)
+        for d in range(dim):
+            if similarity == "euclidean":
+                torch.sub(q[d], g[d], out=term)
+                total.add_(term.mul_(term))
+            elif exact_products:
+                # A float32 x float32 product is exact in float64, so a fused
+                # multiply-add rounds exactly like a multiply then an add.
+                total.addcmul_(q[d], g[d])
+            else:
+                total.add_(torch.mul(q[d], g[d], out=term))
+        out[start : start + count] = total.neg_() if similarity == "euclidean" else total
+    return out
+
+
+def gamma(terms: int, unit: float) -> float:
+    """gamma_n = n u / (1 - n u), the relative bound of a sum of n rounded terms."""
+    if terms * unit >= 1:
+        return math.inf
+    return terms * unit / (1 - terms * unit)
+
+
+def input_unit(dtype: torch.dtype, device: torch.device) -> float:
+    """The unit roundoff of a product's inputs when the matrix product rounds them
+    (TF32 or bfloat16 under ``torch.set_float32_matmul_precision``); 0 otherwise."""
+    if dtype != torch.float32 or device.type != "cuda":
+        return 0.0
+    precision = torch.get_float32_matmul_precision()
+    return {"highest": 0.0, "high": 2.0**-11}.get(precision, 2.0**-8)
+
+
+def bound_coefficient(
+    similarity: Similarity, dim: int, dtype: torch.dtype, device: torch.device
+) -> float:
+    """``B`` per unit of ``|q| max |g|`` (dot, cosine) or ``(|q| + max |g|)^2``
+    (euclidean): the certified distance between a fast and a canonical score."""
+    if callable(similarity):
+        return 0.0
+    unit = float(torch.finfo(dtype).eps) / 2
+    unit64 = float(torch.finfo(torch.float64).eps) / 2
+    inputs = input_unit(dtype, device)
+    rounded_inputs = 2 * inputs + inputs * inputs
+    if similarity == "euclidean":
+        fast = 2 * (gamma(dim + 1, unit) + rounded_inputs) + 5 * unit
+        return SAFETY * (fast + gamma(dim + 3, unit64))
+    return SAFETY * (gamma(dim, unit) + rounded_inputs + gamma(dim, unit64))
+
+
+def may_produce_nan(embeddings: Tensor, similarity: Similarity) -> bool:
+    """Whether scores could be NaN although the embeddings are finite (reads one value)."""
+    if callable(similarity):
+        return True
+    if similarity == "cosine" or embeddings.numel() == 0:
+        return False
+    # dot / euclidean overflow to inf (and inf - inf = NaN) only for huge values.
+    largest = float(embeddings.abs().amax())
+    bound = 4.0 * embeddings.shape[1] * largest * largest
+    return bound >= torch.finfo(embeddings.dtype).max / 4
