@@ -28,7 +28,7 @@ from helpers import TIES
 from torch import Tensor
 from torchmetrics import MetricCollection
 
-from recall_at_k import EmbeddingRecallAtK, _bands
+from recall_at_k import EmbeddingRecallAtK, _bands, _embedding
 from recall_at_k._bands import Route
 
 # One value below a single row of scores (one query a tile), a few rows, everything.
@@ -304,6 +304,33 @@ def test_plot_draws_one_curve_per_direction() -> None:
     single.update(torch.randn(6, 3), torch.arange(6) % 2)
     _fig, ax = single.plot()
     assert len(ax.get_lines()) == 1
+
+
+def test_leave_one_out_takes_the_symmetric_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, leave-one-out computes each score once (the symmetric route ranks every
+    query); a query/gallery protocol, or blocks below ``SYMMETRIC_MIN_ROWS`` rows, do not
+    take it. The values are the reference's either way."""
+    ranked: list[int] = []
+    original = _embedding.rank_symmetric
+
+    def spy(*args: Any, **kwargs: Any) -> int:
+        ranked.append(original(*args, **kwargs))
+        return ranked[-1]
+
+    monkeypatch.setattr(_embedding, "rank_symmetric", spy)
+    emb = torch.randn(300, 8, generator=gen(18))
+    labels = torch.arange(300) % 12
+    loo = [Batch(emb, labels)]
+    assert run_metric(loo) == pytest.approx(reference_embedding_recall(loo, KS), abs=1e-6)
+    assert ranked == [300]
+    assert run_metric(loo, chunk_bytes=4 * 63 * 63) == run_metric(loo, route=Route("panels"))
+    assert ranked == [300, 0]  # blocks of 63 rows: too small, ranked by panels
+    qg = [
+        Batch(emb[:100], labels[:100], role="query"),
+        Batch(emb[100:], labels[100:], role="gallery"),
+    ]
+    assert run_metric(qg) == pytest.approx(reference_embedding_recall(qg, KS), abs=1e-6)
+    assert ranked == [300, 0]
 
 
 def test_wide_label_blocks_take_the_dense_route() -> None:

@@ -179,13 +179,12 @@ def scan(
     workspace: Workspace,
     every_row: bool = False,
     peak: Tensor | None = None,
-    preserve: bool = False,
 ) -> None:
     """Add to ``greater`` (per row of ``scores``, a float dtype from
     :func:`recall_at_k._kernel.count_dtype`) the count of scores above ``hi``, and to
     ``found`` the positions (rows, gallery columns ``first + j``) with
     ``lo <= score <= hi``; NaN, an ignored item, is neither. Overwrites ``scores``
-    unless ``keep_values`` or ``preserve``. ``peak``: each row's largest score, where
+    unless ``keep_values``. ``peak``: each row's largest score, where
     the caller has it already.
 
     The full-width work is one read: each row's largest score (NaN where the row holds
@@ -221,7 +220,7 @@ def scan(
         if rows is None:
             marks = workspace.get("marks", tuple(block.shape), scores.dtype, scores.device)
             reach = torch.ge(block, block_lo, out=marks).sum(dim=1, dtype=sum_dtype)
-            if keep_values or preserve:
+            if keep_values:
                 upper = workspace.get("upper", tuple(block.shape), scores.dtype, scores.device)
                 above = torch.gt(block, block_hi, out=upper)
             else:
