@@ -35,7 +35,8 @@ from recall_at_k._bands import Route
 CHUNKS = (8, 1000, 256 * 2**20)
 # Every way of counting a tile: the automatic choice, dense masks, whole tiles through
 # label blocks (as on a GPU), CPU panels of the default size and of one column, and the
-# symmetric blocks of leave-one-out (of a few rows; and giving up after the first one).
+# symmetric blocks of leave-one-out (of a few rows; giving up after the first one; and
+# giving up before any, its label blocks holding too many pairs).
 ROUTES = (
     Route(),
     Route("dense"),
@@ -44,6 +45,7 @@ ROUTES = (
     Route("panels", panel_bytes=1),
     Route("symmetric", block_bytes=100),
     Route("symmetric", block_bytes=400, pending_pairs=0),
+    Route("symmetric", positive_pairs=0),
 )
 
 
@@ -308,8 +310,9 @@ def test_plot_draws_one_curve_per_direction() -> None:
 
 def test_leave_one_out_takes_the_symmetric_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU, leave-one-out computes each score once (the symmetric route ranks every
-    query); a query/gallery protocol, or blocks below ``SYMMETRIC_MIN_ROWS`` rows, do not
-    take it. The values are the reference's either way."""
+    query); a query/gallery protocol, blocks below ``SYMMETRIC_MIN_ROWS`` rows, or label
+    blocks with too many in-band positives do not take it. The values are the
+    reference's either way."""
     ranked: list[int] = []
     original = _embedding.rank_symmetric
 
@@ -325,12 +328,14 @@ def test_leave_one_out_takes_the_symmetric_route(monkeypatch: pytest.MonkeyPatch
     assert ranked == [300]
     assert run_metric(loo, chunk_bytes=4 * 63 * 63) == run_metric(loo, route=Route("panels"))
     assert ranked == [300, 0]  # blocks of 63 rows: too small, ranked by panels
+    assert run_metric(loo, route=Route("symmetric", positive_pairs=0)) == run_metric(loo)
+    assert ranked == [300, 0, 0, 300]  # too many in-band positives (> 0): by panels
     qg = [
         Batch(emb[:100], labels[:100], role="query"),
         Batch(emb[100:], labels[100:], role="gallery"),
     ]
     assert run_metric(qg) == pytest.approx(reference_embedding_recall(qg, KS), abs=1e-6)
-    assert ranked == [300, 0]
+    assert ranked == [300, 0, 0, 300]
 
 
 def test_wide_label_blocks_take_the_dense_route() -> None:

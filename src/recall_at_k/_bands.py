@@ -56,7 +56,8 @@ SYMMETRIC_MIN_ROWS = 64
 
 SYMMETRIC_PENDING_PAIRS = 2**22
 """The symmetric route keeps the in-band pairs found for queries of later blocks; when
-more than this many wait, the remaining queries are ranked by the other routes."""
+more than this many wait, the remaining queries are ranked by the other routes (and
+when its label blocks hold more in-band positives than this, all of them)."""
 
 
 class Route(NamedTuple):
@@ -76,6 +77,7 @@ class Route(NamedTuple):
     panel_bytes: int = CPU_PANEL_BYTES
     block_bytes: int = SYMMETRIC_BLOCK_BYTES
     pending_pairs: int = SYMMETRIC_PENDING_PAIRS
+    positive_pairs: int = SYMMETRIC_PENDING_PAIRS
 
 
 AUTO_ROUTE = Route()

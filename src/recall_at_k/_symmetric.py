@@ -65,7 +65,8 @@ def rank_symmetric(
     ``J >= I``, whose rows are queries of block I and whose columns, read down, are
     queries of block J. Returns the number of queries ranked (the first ones): all, or
     fewer when more than ``route.pending_pairs`` in-band pairs wait for later blocks
-    (or none when the blocks would be too small); the caller ranks the rest. Each
+    (or none when the blocks would be too small, or more than ``route.positive_pairs``
+    in-band positives wait before the first block); the caller ranks the rest. Each
     block I of queries goes to ``add_band`` once scanned.
 
     First each query's s*_f and band edges, from its label block (as in
@@ -92,28 +93,17 @@ def rank_symmetric(
     lo = torch.full((num, 1), math.inf, dtype=dtype, device=device)
     hi = torch.full((num, 1), math.inf, dtype=dtype, device=device)
     positives: list[Found] = [[] for _ in starts]
+    # The label blocks' scores of as many rows as fit ``tile_bytes`` at full width.
+    step = max(1, tile_bytes // max(1, num * embeddings.element_size()))
+    collected = 0
     for index, start in enumerate(starts):
-        tile = Queries._make(t[start : start + size] for t in share)
-        present = tile.block_count > 0
-        if not bool(present.any()):
-            continue
-        first = int(torch.where(present, tile.block_start, num).min())
-        stop = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
-        scores = product(
-            embeddings[start : start + size], gallery, first, stop, options.similarity, workspace
-        )
-        ignore_in_place(scores, tile, gallery, options.exclude, first)
-        block_tile = tile._replace(block_start=tile.block_start - first)
-        block = block_best(
-            scores, block_tile, gallery.groups[first:stop], options.exclude, workspace
-        )
-        lo_hi = band_edges(block.best, bound[start : start + size], block.has_positive)
-        lo[start : start + size], hi[start : start + size] = lo_hi
-        has_positive[start : start + size] = block.has_positive
-        # The valid positives in the band (all of them are at most hi): the blocks below
-        # find only negatives, so that a query's scan may stop early.
-        row, step = (block.valid & (block.values >= lo_hi[0])).nonzero(as_tuple=True)
-        positives[index].append((row, tile.block_start[row] + step, None))
+        for sub in range(start, min(start + size, num), step):
+            rows = slice(sub, min(sub + step, start + size, num))
+            collected += _label_blocks(embeddings, gallery, share, options, workspace, rows,
+                                       bound, lo, hi, has_positive, positives[index],
+                                       sub - start)  # fmt: skip
+            if collected > route.positive_pairs:  # many tied positives: the tiles are
+                return 0  # better (they decide each tile's pairs as they go)
     # Above -inf, which the blocks write where an item is ignored (scores are finite).
     lo.clamp_(min=torch.finfo(dtype).min)
     near = near_scan(options.near_duplicate, bound, lo, num)
@@ -162,6 +152,44 @@ def rank_symmetric(
         if waiting > route.pending_pairs:
             return min(num, start + size)
     return num
+
+
+def _label_blocks(
+    embeddings: Tensor,
+    gallery: Gallery,
+    share: Queries,
+    options: RankOptions,
+    workspace: Workspace,
+    rows: slice,
+    bound: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    has_positive: Tensor,
+    positives: Found,
+    offset: int,
+) -> int:
+    """The queries ``rows`` against their label blocks (one run of columns): each one's
+    s*_f and band edges into ``lo``, ``hi``, ``has_positive``, and its valid positives
+    in the band (all of them are at most ``hi``) into ``positives``, rows counted from
+    ``offset`` before ``rows.start``: the blocks then scan negatives only, so that a
+    query's scan may stop early. Returns the number of those positives."""
+    tile = Queries._make(t[rows] for t in share)
+    present = tile.block_count > 0
+    if not bool(present.any()):
+        return 0
+    num = gallery.embeddings.shape[0]
+    first = int(torch.where(present, tile.block_start, num).min())
+    stop = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
+    scores = product(embeddings[rows], gallery, first, stop, options.similarity, workspace)
+    ignore_in_place(scores, tile, gallery, options.exclude, first)
+    block_tile = tile._replace(block_start=tile.block_start - first)
+    block = block_best(scores, block_tile, gallery.groups[first:stop], options.exclude, workspace)
+    lo_hi = band_edges(block.best, bound[rows], block.has_positive)
+    lo[rows], hi[rows] = lo_hi
+    has_positive[rows] = block.has_positive
+    row, step = (block.valid & (block.values >= lo_hi[0])).nonzero(as_tuple=True)
+    positives.append((row + offset, tile.block_start[row] + step, None))
+    return int(row.shape[0])
 
 
 def scan_down(
