@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from recall_at_k._gallery import Gallery, Queries
+from recall_at_k._gallery import Gallery, Queries, product
 from recall_at_k._kernel import Workspace, count_dtype
 from recall_at_k._types import Similarity
 
@@ -459,6 +459,30 @@ def saturate(lo: Tensor, greater: Tensor, max_k: int) -> None:
     miss at every K whatever else is found (their ``lo`` becomes +inf, which no score
     reaches). Only negatives are scanned after the band's positives are found."""
     lo.masked_fill_(greater.unsqueeze(1) >= max_k, math.inf)
+
+
+class LabelRun(NamedTuple):
+    """A tile's scores against the one run of columns ``[first, stop)`` that holds every
+    label block of its queries (in label order), ignored items NaN."""
+
+    scores: Tensor
+    tile: Queries  # block_start counted from first
+    first: int
+    stop: int
+
+
+def label_run(
+    queries: Tensor, tile: Queries, gallery: Gallery, options: RankOptions, workspace: Workspace
+) -> LabelRun:
+    """:class:`LabelRun` of the tile's queries (embeddings ``queries``; at least one of
+    them has a label block)."""
+    num = gallery.embeddings.shape[0]
+    present = tile.block_count > 0
+    first = int(torch.where(present, tile.block_start, num).min())
+    stop = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
+    scores = product(queries, gallery, first, stop, options.similarity, workspace)
+    ignore_in_place(scores, tile, gallery, options.exclude, first)
+    return LabelRun(scores, tile._replace(block_start=tile.block_start - first), first, stop)
 
 
 def ignore_in_place(

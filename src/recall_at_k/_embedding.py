@@ -177,12 +177,10 @@ class _Tally:
         self.nan = torch.zeros((), dtype=torch.int64, device=device)
         self.rescored = torch.zeros((), dtype=torch.int64, device=device)
         self.near = torch.zeros(len(NEAR_COUNTS), dtype=torch.int64, device=device)
-        self.embeddings, self.gallery, self.options, self.known = (
-            embeddings,
-            gallery,
-            options,
-            known,
-        )
+        self.embeddings = embeddings
+        self.gallery = gallery
+        self.options = options
+        self.known = known
         self.grid = _probability_grid(embeddings.shape[0])
         self.workspace = Workspace()
         self.pending: list[tuple[Queries, Band]] = []

@@ -21,6 +21,7 @@ from recall_at_k._bands import (
     TileScan,
     block_scan,
     ignore_in_place,
+    label_run,
     near_block,
     saturate,
     scan,
@@ -50,15 +51,11 @@ def panel_band(
     scanned while still in cache.
     """
     num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
-    present = tile.block_count > 0
-    lo = int(torch.where(present, tile.block_start, num_gallery).min())
-    hi = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
-    scores = product(queries, gallery, lo, hi, options.similarity, workspace)
-    ignore_in_place(scores, tile, gallery, options.exclude, lo)
-    block_tile = tile._replace(block_start=tile.block_start - lo)
+    run = label_run(queries, tile, gallery, options, workspace)
+    lo, hi = run.first, run.stop
     state = block_scan(
-        scores,
-        block_tile,
+        run.scores,
+        run.tile,
         gallery.groups[lo:hi],
         gallery.labels[lo:hi],
         bound,

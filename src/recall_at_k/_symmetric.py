@@ -25,7 +25,7 @@ from recall_at_k._bands import (
     Route,
     band_edges,
     block_best,
-    ignore_in_place,
+    label_run,
     near_block,
     near_scan,
     pairs_of,
@@ -95,14 +95,28 @@ def rank_symmetric(
     positives: list[Found] = [[] for _ in starts]
     # The label blocks' scores of as many rows as fit ``tile_bytes`` at full width.
     step = max(1, tile_bytes // max(1, num * embeddings.element_size()))
-    collected = 0
+    # Pairs kept for each block's queries, and their total for the blocks not yet done.
+    kept, waiting = [0 for _ in starts], 0
     for index, start in enumerate(starts):
         for sub in range(start, min(start + size, num), step):
             rows = slice(sub, min(sub + step, start + size, num))
-            collected += _label_blocks(embeddings, gallery, share, options, workspace, rows,
-                                       bound, lo, hi, has_positive, positives[index],
-                                       sub - start)  # fmt: skip
-            if collected > route.positive_pairs:  # many tied positives: the tiles are
+            count = _label_blocks(
+                embeddings,
+                gallery,
+                share,
+                options,
+                workspace,
+                rows,
+                bound,
+                lo,
+                hi,
+                has_positive,
+                positives[index],
+                sub - start,
+            )
+            kept[index] += count
+            waiting += count
+            if waiting > route.positive_pairs:  # many tied positives: the tiles are
                 return 0  # better (they decide each tile's pairs as they go)
     # Above -inf, which the blocks write where an item is ignored (scores are finite).
     lo.clamp_(min=torch.finfo(dtype).min)
@@ -118,22 +132,50 @@ def rank_symmetric(
             )
             ignore_in_block(scores, gallery, options.exclude, rows, columns)
             if later > index:  # read down: the column's queries against the rows' items
+                known = len(found[later]), len(near_found[later])
                 down = scores.T
                 peak = down.amax(dim=1, keepdim=True)
                 if near is not None:
                     labels = gallery.labels[columns], gallery.labels[rows]
-                    near_block(down, peak, near_part(near, columns, near_found[later]),
-                                labels, start, False)  # fmt: skip
-                scan_down(scores, peak, lo[columns], hi[columns], start, greater[columns],
-                           found[later], workspace)  # fmt: skip
+                    near_block(
+                        down,
+                        peak,
+                        near_part(near, columns, near_found[later]),
+                        labels,
+                        start,
+                        False,
+                    )
+                scan_down(
+                    scores,
+                    peak,
+                    lo[columns],
+                    hi[columns],
+                    start,
+                    greater[columns],
+                    found[later],
+                    workspace,
+                )
                 saturate(lo[columns], greater[columns], options.max_k)
+                added = _size(found[later][known[0] :]) + _size(near_found[later][known[1] :])
+                kept[later] += added
+                waiting += added
             peak = scores.amax(dim=1, keepdim=True)
             if near is not None:
                 labels = gallery.labels[rows], gallery.labels[columns]
-                near_block(scores, peak, near_part(near, rows, near_found[index]),
-                            labels, column, False)  # fmt: skip
-            scan(scores, lo[rows], hi[rows], column, greater[rows], found[index],
-                  False, workspace, peak=peak)  # fmt: skip
+                near_block(
+                    scores, peak, near_part(near, rows, near_found[index]), labels, column, False
+                )
+            scan(
+                scores,
+                lo[rows],
+                hi[rows],
+                column,
+                greater[rows],
+                found[index],
+                False,
+                workspace,
+                peak=peak,
+            )
             saturate(lo[rows], greater[rows], options.max_k)
         tile = Queries._make(t[rows] for t in share)
         near_pairs = None if near is None else pairs_of(near_found[index], device)
@@ -147,11 +189,15 @@ def rank_symmetric(
         )
         found[index], near_found[index], positives[index] = [], [], []
         add_band(tile, band)
-        lists = found + near_found + positives
-        waiting = sum(part[0].shape[0] for parts in lists for part in parts)
+        waiting -= kept[index]
         if waiting > route.pending_pairs:
             return min(num, start + size)
     return num
+
+
+def _size(parts: Found) -> int:
+    """The number of pairs in ``parts``."""
+    return sum(part[0].shape[0] for part in parts)
 
 
 def _label_blocks(
@@ -174,16 +220,11 @@ def _label_blocks(
     ``offset`` before ``rows.start``: the blocks then scan negatives only, so that a
     query's scan may stop early. Returns the number of those positives."""
     tile = Queries._make(t[rows] for t in share)
-    present = tile.block_count > 0
-    if not bool(present.any()):
+    if not bool((tile.block_count > 0).any()):
         return 0
-    num = gallery.embeddings.shape[0]
-    first = int(torch.where(present, tile.block_start, num).min())
-    stop = int(torch.where(present, tile.block_start + tile.block_count, 0).max())
-    scores = product(embeddings[rows], gallery, first, stop, options.similarity, workspace)
-    ignore_in_place(scores, tile, gallery, options.exclude, first)
-    block_tile = tile._replace(block_start=tile.block_start - first)
-    block = block_best(scores, block_tile, gallery.groups[first:stop], options.exclude, workspace)
+    run = label_run(embeddings[rows], tile, gallery, options, workspace)
+    groups = gallery.groups[run.first : run.stop]
+    block = block_best(run.scores, run.tile, groups, options.exclude, workspace)
     lo_hi = band_edges(block.best, bound[rows], block.has_positive)
     lo[rows], hi[rows] = lo_hi
     has_positive[rows] = block.has_positive
