@@ -716,3 +716,19 @@ def test_bitwise_classes_are_exact_whatever_the_hash(dtype: torch.dtype, hashes:
     assert classes[7] != classes[8]
     distinct = set(classes.tolist())
     assert sorted(distinct) == list(range(len(distinct)))  # classes 0..C-1
+
+
+def test_report_on_demand_leaves_the_last_compute_attributes() -> None:
+    """``protocol_report()`` ranks on demand (for the near counts) when data came after
+    ``compute()``; ``last_compute_*`` still describe that compute."""
+    case = CASES[0]
+    metric = metric_of(case)
+    feed(metric, case.batches[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metric.compute()
+    ranked, rescored = metric.last_compute_num_queries_ranked, metric.last_compute_rescored
+    feed(metric, case.batches[1:])
+    assert metric.protocol_report() == brute_force(case)
+    assert metric.last_compute_num_queries_ranked == ranked
+    assert metric.last_compute_rescored == rescored

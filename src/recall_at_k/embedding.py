@@ -316,12 +316,15 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         finally:
             self._gathered = None
 
-    def _rank_directions(self, warn: bool = True) -> list[Histogram]:
+    def _rank_directions(self, computing: bool = True) -> list[Histogram]:
+        """Rank every direction and audit it. ``computing``: for ``compute()`` (which sets
+        the ``last_compute_*`` attributes and may warn); else for ``protocol_report()`` on
+        demand, which needs the near-duplicate counts of a ranking."""
         embeddings, meta = self._stored()
         if meta.shape[0] == 0:
             # Nothing added (on any process): like RetrievalRecallAtK, NaN with a warning.
             empty = torch.zeros(self.max_k, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
-            self._audit([None, None], [None, None], [0, 0], [None, None], warn)
+            self._audit([None, None], [None, None], [0, 0], [None, None], computing)
             return [empty for _ in self._prefixes]
         directions = self._directions(meta)
         audits = self._audits((embeddings, meta), directions)
@@ -350,12 +353,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             group,
             known,
         )
-        self.last_compute_num_queries_ranked = dict(
-            zip(self.directions, shared.ranked, strict=False)
-        )
-        self.last_compute_rescored = dict(zip(self.directions, shared.rescored, strict=False))
+        if computing:
+            ranked = zip(self.directions, shared.ranked, strict=False)
+            self.last_compute_num_queries_ranked = dict(ranked)
+            self.last_compute_rescored = dict(zip(self.directions, shared.rescored, strict=False))
         counted = _audit.counted_queries(shared.histograms, self.empty_target_action)
-        self._audit(audits, shared.near, counted, directions, warn)
+        self._audit(audits, shared.near, counted, directions, computing)
         return shared.histograms
 
     def _directions(self, meta: Tensor) -> list[tuple[Side, Side] | None]:
@@ -399,7 +402,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def _audit_on_demand(self) -> None:
         try:
             if self.near_duplicate is not None:
-                self._rank_directions(warn=False)  # the near counts come from the ranking
+                self._rank_directions(computing=False)  # the near counts need a ranking
                 return
             embeddings, meta = self._stored()
             sides = self._directions(meta) if meta.shape[0] else [None, None]
