@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         fig.savefig(args.plot, dpi=100)
         print("final: " + "  ".join(f"val/{key} = {float(v):.4f}" for key, v in final.items()))
         print(f"saved the Recall@K curve to {args.plot}")
+    if torch.distributed.is_initialized():
+        # Lightning leaves a gloo group alive at exit; ending it here keeps its threads
+        # out of the C++ static destructors (a process aborted there now and then).
+        torch.distributed.destroy_process_group()
     return {key: float(value) for key, value in final.items()}
 
 

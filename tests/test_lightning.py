@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_models import KS, Ranker, make_data
+from lightning_models import KS, EndProcessGroup, Ranker, make_data
 from torch.utils.data import DataLoader, TensorDataset
 
 from recall_at_k import RetrievalRecallAtK
@@ -84,7 +84,13 @@ def test_ddp_fit_logs_the_single_process_values_and_padding_counts_once() -> Non
     # 31 validation queries on 2 processes: DistributedSampler pads one repeated query.
     train, val = make_data(64, seed=3), make_data(31, seed=4)
     model = Ranker(use_query_ids=True)
-    trainer = trainer_for(max_epochs=2, devices=2, strategy="ddp_spawn", num_sanity_val_steps=0)
+    trainer = trainer_for(
+        max_epochs=2,
+        devices=2,
+        strategy="ddp_spawn",
+        num_sanity_val_steps=0,
+        callbacks=[EndProcessGroup()],
+    )
     trainer.fit(model, DataLoader(train, batch_size=16), DataLoader(val, batch_size=8))
     logged = logged_recall(dict(trainer.callback_metrics))
     # ddp_spawn hands the trained weights back: evaluate them here, on one process.

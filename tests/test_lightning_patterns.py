@@ -20,6 +20,7 @@ import torch
 from embedding_reference import Batch, reference_embedding_recall
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning_models import EndProcessGroup
 from reference import reference_recall
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -306,7 +307,7 @@ def test_ddp_spawn_on_an_odd_validation_set_counts_padding_once(tmp_path: Path) 
     features, target, _ = data.tensors
     with torch.no_grad():  # the padded query (the first) ranks its positive third
         target[0] = model.layer(features[0]).argsort(descending=True)[2]
-    trainer = trainer_for(tmp_path, devices=2, strategy="ddp_spawn")
+    trainer = trainer_for(tmp_path, devices=2, strategy="ddp_spawn", callbacks=[EndProcessGroup()])
     trainer.validate(model, DataLoader(data, batch_size=4), verbose=False)
     columns = logged(tmp_path)
     with torch.no_grad():
