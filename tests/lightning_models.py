@@ -27,8 +27,8 @@ class EndProcessGroup(pl.Callback):
 
     Lightning leaves a gloo group alive when a spawned worker exits (it destroys only NCCL
     groups at exit). Its threads are then destroyed among the C++ static destructors, and
-    about one run in twenty here a worker aborted there ("terminate called without an
-    active exception", no Python frame), after every value had been logged. The barrier
+    in 3 of 44 runs here a worker aborted there ("terminate called without an active
+    exception", no Python frame), after every value had been logged. The barrier
     lets both ranks finish their last collective before either group goes.
     """
 
