@@ -23,7 +23,7 @@ from reference import reference_recall
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k._bands import Route
+from recall_at_k.ranking.bands import Route
 
 
 @dataclass(frozen=True)

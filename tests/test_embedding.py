@@ -28,8 +28,10 @@ from helpers import TIES
 from torch import Tensor
 from torchmetrics import MetricCollection
 
-from recall_at_k import EmbeddingRecallAtK, _bands, _embedding
-from recall_at_k._bands import Route
+from recall_at_k import EmbeddingRecallAtK
+from recall_at_k.ranking import bands as _bands
+from recall_at_k.ranking import rank as _rank
+from recall_at_k.ranking.bands import Route
 
 # One value below a single row of scores (one query a tile), a few rows, everything.
 CHUNKS = (8, 1000, 256 * 2**20)
@@ -314,13 +316,13 @@ def test_leave_one_out_takes_the_symmetric_route(monkeypatch: pytest.MonkeyPatch
     blocks with too many in-band positives do not take it. The values are the
     reference's either way."""
     ranked: list[int] = []
-    original = _embedding.rank_symmetric
+    original = _rank.rank_symmetric
 
     def spy(*args: Any, **kwargs: Any) -> int:
         ranked.append(original(*args, **kwargs))
         return ranked[-1]
 
-    monkeypatch.setattr(_embedding, "rank_symmetric", spy)
+    monkeypatch.setattr(_rank, "rank_symmetric", spy)
     emb = torch.randn(300, 8, generator=gen(18))
     labels = torch.arange(300) % 12
     loo = [Batch(emb, labels)]

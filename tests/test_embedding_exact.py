@@ -30,10 +30,12 @@ from helpers import run_distributed
 from reference import reference_recall
 from torch import Tensor
 
-from recall_at_k import EmbeddingRecallAtK, _gallery, _score
-from recall_at_k._bands import Route
-from recall_at_k._gallery import Side
+from recall_at_k import EmbeddingRecallAtK
 from recall_at_k._kernel import Workspace
+from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import score as _score
+from recall_at_k.ranking.bands import Route
+from recall_at_k.ranking.gallery import Side
 
 TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)

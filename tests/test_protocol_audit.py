@@ -25,7 +25,7 @@ from helpers import run_distributed
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, _audit
-from recall_at_k._bands import Route
+from recall_at_k.ranking.bands import Route
 
 DIM = 16
 

@@ -19,7 +19,7 @@ per query. Everything is O(N log N) sorts and O(N) gathers, whatever the data (e
 embedding equal included): no loop over queries, no pairs.
 
 The near counts need a score per (query, gallery item): the ranking counts them in its
-own tiles (:func:`recall_at_k._embedding.rank` with ``near_duplicate``), decided on the
+own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
 same canonical scores as the ranking, with the identical items found here passed in as
 known near items. This module turns them into the report.
 """
@@ -324,7 +324,7 @@ def protocol_reports(
         audits: each direction's :func:`audit_direction`, or None for a direction
             without queries or gallery.
         near: each direction's near-duplicate counts from the ranking
-            (:data:`recall_at_k._embedding.NEAR_COUNTS`, summed over processes), or
+            (:data:`recall_at_k.ranking.rank.NEAR_COUNTS`, summed over processes), or
             None (no threshold, or not ranked).
         counted: the counted queries of each direction as ``compute()`` found them, or
             None to count them here (by the same rule).

@@ -1,7 +1,7 @@
 """``EmbeddingRecallAtK``: cat states of embeddings, roles, the sharding protocol, wiring.
 
 The metric keeps every item it is given (``dist_reduce_fx="cat"``); ``compute`` ranks
-each direction's queries against its gallery with :func:`recall_at_k._embedding.rank`.
+each direction's queries against its gallery with :func:`recall_at_k._rank.rank`.
 Under DDP the states are gathered by torchmetrics' sync; each process then ranks only
 its share of the queries and the histograms are summed with ``all_reduce``.
 """
@@ -15,11 +15,9 @@ from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 import torch
 from torch import Tensor
 
-from recall_at_k import _audit, _bands, _embedding, _gallery, _items, _score
-from recall_at_k._bands import AUTO_ROUTE, Route
+from recall_at_k import _audit, _embedding_checks, _items
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
-from recall_at_k._gallery import Side
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import (
     EXCLUDES,
@@ -31,6 +29,12 @@ from recall_at_k._types import (
     Similarity,
     Ties,
 )
+from recall_at_k.ranking import bands as _bands
+from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import rank as _rank
+from recall_at_k.ranking import score as _score
+from recall_at_k.ranking.bands import AUTO_ROUTE, Route
+from recall_at_k.ranking.gallery import Side
 
 __all__ = ["EmbeddingRecallAtK"]
 
@@ -208,7 +212,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         validate_args: bool = True,
         **metric_kwargs: Any,
     ) -> None:
-        checked_directions = _embedding.check_directions(directions)
+        checked_directions = _embedding_checks.check_directions(directions)
         prefixes = [f"{d}/" for d in checked_directions] if bidirectional else [""]
         super().__init__(
             k,
@@ -219,7 +223,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             prefixes=prefixes,
             **metric_kwargs,
         )
-        _embedding.check_similarity(similarity)
+        _embedding_checks.check_similarity(similarity)
         check_choice("exclude", exclude, EXCLUDES)
         self.directions = checked_directions
         self.chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
@@ -236,7 +240,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.last_compute_rescored = {}
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
-        self._gathered: _embedding.ProcessGroup | None = None
+        self._gathered: _rank.ProcessGroup | None = None
         # Embeddings are stored flattened (1-D, in the metric's dtype) so that a process
         # without data sends an empty block of the same layout; the width is in the
         # metadata.
@@ -269,7 +273,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """
         self._touch_views()
         self._report = None
-        _embedding.check_batch(embeddings, labels, groups, ids)
+        _embedding_checks.check_batch(embeddings, labels, groups, ids)
         check_choice("role", role, ROLES)
         if self.exclude != "none" and groups is None:
             raise ValueError(
@@ -280,7 +284,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         meta_blocks = cast(list[Tensor], self.embedding_meta)
         _items.check_width(meta_blocks, embeddings.shape[1], role)
         if self.validate_args:
-            _embedding.check_finite(embeddings)
+            _embedding_checks.check_finite(embeddings)
         # A copy of our own: the caller may reuse its tensor.
         values.append(embeddings.detach().to(self.dtype, copy=True).reshape(-1))
         meta_blocks.append(_items.metadata(labels, groups, ids, role, embeddings.shape[1]))
@@ -300,7 +304,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._gathered = None
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         if will_sync:
-            self._gathered = _embedding.ProcessGroup(process_group or self.process_group)
+            self._gathered = _rank.ProcessGroup(process_group or self.process_group)
 
     def unsync(self, should_unsync: bool = True) -> None:
         """The base ``unsync``; the states are local again afterwards."""
@@ -343,7 +347,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             known = [None if audit is None else audit.known() for audit in audits]
         prepared = _score.prepare(embeddings, self.similarity)
         group = self._gathered  # shard across processes only when states are gathered
-        shared = _embedding.rank_shared(
+        shared = _rank.rank_shared(
             prepared,
             meta[:, _items.LABEL],
             meta[:, _items.GROUP],

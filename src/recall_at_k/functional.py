@@ -21,7 +21,7 @@ from typing import SupportsIndex
 import torch
 from torch import Tensor
 
-from recall_at_k import _bands, _dense, _embedding, _gallery, _kernel, _score
+from recall_at_k import _dense, _embedding_checks, _kernel
 from recall_at_k._checks import check_choice, check_k, check_key, check_positive_int
 from recall_at_k._result import format_output, recall_values
 from recall_at_k._types import (
@@ -36,6 +36,10 @@ from recall_at_k._types import (
     Similarity,
     Ties,
 )
+from recall_at_k.ranking import bands as _bands
+from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import rank as _rank
+from recall_at_k.ranking import score as _score
 
 __all__ = [
     "embedding_recall_at_k",
@@ -233,11 +237,11 @@ def embedding_recall_at_k(
     check_choice("ties", ties, TIES)
     check_choice("empty_target_action", empty_target_action, EMPTY_TARGET_ACTIONS)
     keys = check_key(key, ks)
-    _embedding.check_similarity(similarity)
+    _embedding_checks.check_similarity(similarity)
     check_choice("exclude", exclude, EXCLUDES)
     chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
     query_names = ("queries", "query_labels", "query_groups", "query_ids")
-    _embedding.check_batch(queries, query_labels, query_groups, query_ids, query_names)
+    _embedding_checks.check_batch(queries, query_labels, query_groups, query_ids, query_names)
     if gallery is None:
         for name, value in (
             ("gallery_labels", gallery_labels),
@@ -254,7 +258,9 @@ def embedding_recall_at_k(
         if gallery_labels is None:
             raise ValueError("`gallery_labels` are required with `gallery`")
         gallery_names = ("gallery", "gallery_labels", "gallery_groups", "gallery_ids")
-        _embedding.check_batch(gallery, gallery_labels, gallery_groups, gallery_ids, gallery_names)
+        _embedding_checks.check_batch(
+            gallery, gallery_labels, gallery_groups, gallery_ids, gallery_names
+        )
         if gallery.shape[1] != queries.shape[1] or gallery.device != queries.device:
             raise ValueError(
                 f"`gallery` must have the width and device of `queries` ({queries.shape[1]},"
@@ -270,7 +276,7 @@ def embedding_recall_at_k(
         )
     if validate_args:
         for name, side in zip(("queries", "gallery"), sides, strict=False):
-            _embedding.check_finite(side[0], name)
+            _embedding_checks.check_finite(side[0], name)
     embeddings = torch.cat([side[0] for side in sides])
     device = embeddings.device
 
@@ -301,9 +307,9 @@ def embedding_recall_at_k(
         validate_args and _score.may_produce_nan(embeddings, similarity),
     )
     prepared = _score.prepare(embeddings, similarity)
-    counts = _embedding.rank(prepared, labels, groups, query_side, gallery_side, options)
+    counts = _rank.rank(prepared, labels, groups, query_side, gallery_side, options)
     nan_queries = int(counts.nan_queries)
     if nan_queries:
-        raise _embedding.nan_scores_error(nan_queries)
+        raise _embedding_checks.nan_scores_error(nan_queries)
     values, _ = recall_values(counts.hist, counts.queries, ks, empty_target_action)
     return format_output(values, keys, single)

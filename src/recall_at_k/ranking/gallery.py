@@ -4,7 +4,7 @@ the queries in label order, each query's rounding bound, and the fast scores of 
 The gallery's columns are its items sorted by label (stable), so that each label's items
 are one run of adjacent columns: a query's positives are read as a contiguous block of
 its score row. Queries are ranked in label order too, so that a tile's label blocks are
-adjacent. The fast score is one matrix product per tile (:mod:`recall_at_k._score` says
+adjacent. The fast score is one matrix product per tile (:mod:`recall_at_k.ranking.score` says
 how far it may be from the canonical score).
 """
 
@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from recall_at_k._kernel import Workspace
-from recall_at_k._score import bound_coefficient, gamma
 from recall_at_k._types import Similarity
+from recall_at_k.ranking.score import bound_coefficient, gamma
 
 
 class Side(NamedTuple):

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from recall_at_k._bands import (
+from recall_at_k._kernel import Workspace, count_dtype
+from recall_at_k.ranking.bands import (
     SPARSE_MAX_BLOCK_FRACTION,
     SYMMETRIC_MIN_ROWS,
     Band,
@@ -32,8 +33,7 @@ from recall_at_k._bands import (
     saturate,
     scan,
 )
-from recall_at_k._gallery import Gallery, Queries, bounds, product
-from recall_at_k._kernel import Workspace, count_dtype
+from recall_at_k.ranking.gallery import Gallery, Queries, bounds, product
 
 
 def symmetric_possible(share: Queries, gallery: Gallery, route: Route) -> bool:

@@ -6,11 +6,11 @@ The metric (:class:`recall_at_k.EmbeddingRecallAtK`) and the one-shot function
 call :func:`rank` for each direction; under DDP the metric hands each process its share
 of the queries (:func:`rank_shared`).
 
-The pipeline, one module a step: :mod:`recall_at_k._score` (the score, prepared rows,
-the rounding bound), :mod:`recall_at_k._gallery` (sides, label order, fast products),
-:mod:`recall_at_k._bands` (each query's band, scanned per tile; the routes),
-:mod:`recall_at_k._panels` and :mod:`recall_at_k._symmetric` (the CPU routes),
-:mod:`recall_at_k._decide` (the band on canonical scores), then here: the counts of
+The pipeline, one module a step: :mod:`recall_at_k.ranking.score` (the score, prepared rows,
+the rounding bound), :mod:`recall_at_k.ranking.gallery` (sides, label order, fast products),
+:mod:`recall_at_k.ranking.bands` (each query's band, scanned per tile; the routes),
+:mod:`recall_at_k.ranking.panels` and :mod:`recall_at_k.ranking.symmetric` (the CPU routes),
+:mod:`recall_at_k.ranking.decide` (the band on canonical scores), then here: the counts of
 each query -> rank histogram, summed over tiles and processes.
 
 Counts are integers; ``ties="expected"`` adds per-query probabilities, each rounded to a
@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recall_at_k import _kernel
-from recall_at_k._bands import (
+from recall_at_k._embedding_checks import nan_scores_error
+from recall_at_k._kernel import TieCounts, Workspace
+from recall_at_k.ranking.bands import (
     AUTO_ROUTE,
     NEAR_COUNTS,
     Band,
@@ -39,20 +41,19 @@ from recall_at_k._bands import (
     ignore_in_place,
     tile_mode,
 )
-from recall_at_k._checks import (
-    check_choice,
-    check_id_vector,
-    check_same_device,
-    check_tensors,
-    describe,
+from recall_at_k.ranking.decide import decide
+from recall_at_k.ranking.gallery import (
+    Gallery,
+    Queries,
+    Side,
+    bounds,
+    gallery_of,
+    queries_of,
+    tile_scores,
 )
-from recall_at_k._decide import decide
-from recall_at_k._gallery import Gallery, Queries, Side, bounds, gallery_of, queries_of, tile_scores
-from recall_at_k._kernel import TieCounts, Workspace
-from recall_at_k._panels import panel_band
-from recall_at_k._score import may_produce_nan
-from recall_at_k._symmetric import rank_symmetric, symmetric_possible
-from recall_at_k._types import SIMILARITIES
+from recall_at_k.ranking.panels import panel_band
+from recall_at_k.ranking.score import may_produce_nan
+from recall_at_k.ranking.symmetric import rank_symmetric, symmetric_possible
 
 CPU_TILE_BYTES = 32 * 2**20
 """On CPU, tiles hold at most this many bytes of scores, whatever ``chunk_bytes`` allows:
@@ -235,52 +236,6 @@ def _histogram(counts: TieCounts, options: RankOptions, grid: float) -> tuple[Te
     return _kernel.histogram_of(outcomes, options.max_k)
 
 
-# ------------------------------------------------------------------------- checks
-
-
-def check_batch(
-    embeddings: Tensor,
-    labels: Tensor,
-    groups: Tensor | None,
-    ids: Tensor | None,
-    names: tuple[str, str, str, str] = ("embeddings", "labels", "groups", "ids"),
-) -> None:
-    """Types, shapes, dtypes and devices of one batch of items (no value read)."""
-    check_tensors(**dict(zip(names, (embeddings, labels, groups, ids), strict=True)))
-    if embeddings.dim() != 2 or not embeddings.is_floating_point():
-        raise ValueError(
-            f"`{names[0]}` must be a floating point tensor of shape [B, D],"
-            f" got {describe(embeddings)}"
-        )
-    batch = embeddings.shape[0]
-    for name, value in zip(names[1:], (labels, groups, ids), strict=True):
-        check_id_vector(name, value, batch, f"one entry per row of `{names[0]}`")
-    check_same_device(**dict(zip(names, (embeddings, labels, groups, ids), strict=True)))
-
-
-def check_finite(embeddings: Tensor, name: str = "embeddings") -> None:
-    """Finite embeddings (reads values on the host; only with ``validate_args=True``)."""
-    if embeddings.numel() and not bool(torch.isfinite(embeddings).all()):
-        nan = int(torch.isnan(embeddings).sum())
-        inf = int(torch.isinf(embeddings).sum())
-        raise ValueError(f"`{name}` must be finite, found {nan} NaN and {inf} infinite value(s)")
-
-
-def check_similarity(similarity: object) -> None:
-    """A built-in similarity's name, or a callable."""
-    if not callable(similarity):
-        check_choice("similarity", similarity, SIMILARITIES)
-
-
-def nan_scores_error(queries: int) -> ValueError:
-    """The error for scores that came out NaN although the embeddings are finite."""
-    return ValueError(
-        f"`similarity` returned NaN scores for {queries} quer{'y' if queries == 1 else 'ies'};"
-        " scores must not be NaN (a bug in a callable, or the overflow of huge embeddings"
-        " under 'dot' / 'euclidean')"
-    )
-
-
 # ---------------------------------------------------------------------- processes
 
 
@@ -414,18 +369,3 @@ def same_sides(previous: tuple[Side, Side], current: tuple[Side, Side]) -> bool:
         a.rows.shape == b.rows.shape and torch.equal(a.rows, b.rows)
         for a, b in zip(previous, current, strict=True)
     )
-
-
-def check_directions(directions: object) -> tuple[str, str]:
-    if (
-        isinstance(directions, str)
-        or not isinstance(directions, Sequence)
-        or len(directions) != 2
-        or not all(isinstance(d, str) and d for d in directions)
-        or directions[0] == directions[1]
-    ):
-        raise ValueError(
-            "`directions` must be two distinct non-empty strings (the key prefixes of"
-            f" query -> gallery and gallery -> query), got {directions!r}"
-        )
-    return (directions[0], directions[1])

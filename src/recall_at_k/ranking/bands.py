@@ -2,8 +2,8 @@
 near-duplicate threshold, the label blocks.
 
 A query's band is ``[s*_f - 2B, s*_f + 2B]`` around the best fast score of its valid
-positives (:mod:`recall_at_k._score`): items above it are counted as surely above s*,
-items inside it are kept as pairs for :mod:`recall_at_k._decide`.
+positives (:mod:`recall_at_k.ranking.score`): items above it are counted as surely above s*,
+items inside it are kept as pairs for :mod:`recall_at_k.ranking.decide`.
 
 Per tile, a query's positives are read from a small block: the gallery's columns are its
 items sorted by label, which puts the items of each label in one run of adjacent
@@ -30,9 +30,9 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from recall_at_k._gallery import Gallery, Queries, product
 from recall_at_k._kernel import Workspace, count_dtype
 from recall_at_k._types import Similarity
+from recall_at_k.ranking.gallery import Gallery, Queries, product
 
 CPU_COUNT_BLOCK_BYTES = 2 * 2**20
 """Rows of a tile are counted this many bytes at a time on CPU: a block that stays in the

@@ -13,7 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from recall_at_k._bands import (
+from recall_at_k._kernel import Workspace
+from recall_at_k.ranking.bands import (
     Band,
     Found,
     RankOptions,
@@ -26,8 +27,7 @@ from recall_at_k._bands import (
     saturate,
     scan,
 )
-from recall_at_k._gallery import Gallery, Queries, product
-from recall_at_k._kernel import Workspace
+from recall_at_k.ranking.gallery import Gallery, Queries, product
 
 CPU_STACK_BYTES = 4 * 2**20
 """On CPU the panel rows that reach their band are copied, panel after panel, into a

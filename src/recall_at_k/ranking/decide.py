@@ -9,10 +9,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from recall_at_k._bands import NEAR_COUNTS, Band, Pairs, RankOptions
-from recall_at_k._gallery import Gallery, Queries
 from recall_at_k._kernel import TieCounts, Workspace
-from recall_at_k._score import canonical_scores
+from recall_at_k.ranking.bands import NEAR_COUNTS, Band, Pairs, RankOptions
+from recall_at_k.ranking.gallery import Gallery, Queries
+from recall_at_k.ranking.score import canonical_scores
 
 
 class Decided(NamedTuple):
