@@ -34,6 +34,7 @@ import dense
 import distributed
 import embedding
 import flat
+import scale
 import scaling
 from measure import (
     Measurement,
@@ -177,6 +178,7 @@ HEADINGS = {
     "embedding": "Embedding workload",
     "scaling": "Scaling",
     "distributed": "Distributed cost",
+    "scale": "Large galleries",
 }
 
 
@@ -195,6 +197,8 @@ def workloads(mode: Mode, setup: Setup, figure: Path) -> dict[str, Callable[[], 
             figure_path=figure, device=setup.device),
         "distributed": lambda: distributed.run(
             mode.distributed_dense, mode.distributed_embedding, repeats=mode.distributed_repeats),
+        "scale": lambda: scale.run(
+            scale.sizes_for(mode.distributed_embedding), figure.with_name("scale.png")),
     }
     # fmt: on
 

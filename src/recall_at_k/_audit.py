@@ -60,6 +60,10 @@ class DirectionAudit(NamedTuple):
         return torch.stack([self.identical_positive, self.identical_negative])
 
 
+_COMPARE_BYTES = 2**20
+"""Rows are hashed and compared this many bytes at a time (never the whole set)."""
+
+
 def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """int64 ``[N]``: rows with the same bit pattern share a class (``0..C-1``).
 
@@ -70,23 +74,35 @@ def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | Non
     times fixed coefficients, modulo a prime: integers, exact in any order); rows are
     sorted by hash and the neighbours that share one are compared bit for bit. Equal
     hashes of different rows (chance about ``N^2 / 2^62``) fall back to an exact sort
-    of the rows (``torch.unique(dim=0)``, several times slower). O(N log N + N D).
+    of the rows (``torch.unique(dim=0)``, several times slower, on a whole copy).
+    O(N log N + N D); rows are hashed and compared :data:`_COMPARE_BYTES` at a time.
     ``hashes``: the row hash (tests pass colliding ones).
     """
     num, width = embeddings.shape
     if num == 0 or width == 0:
         return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
-    words = embeddings.contiguous().view(torch.int16)  # [N, W], every float dtype
-    keys = (_row_hashes if hashes is None else hashes)(words)
+    step = max(1, _COMPARE_BYTES // max(1, width * embeddings.element_size()))
+    hash_of = _row_hashes if hashes is None else hashes
+    keys = torch.cat(
+        [hash_of(_words(embeddings[start : start + step])) for start in range(0, num, step)]
+    )
     sorted_keys, order = torch.sort(keys)
     same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
-    if same.numel():
-        first, second = words[order[same]], words[order[same + 1]]
-        if not bool(torch.equal(first, second)):  # a collision: exact, slower
+    for start in range(0, same.shape[0], step):
+        pairs = same[start : start + step]
+        first = embeddings.index_select(0, order[pairs])
+        second = embeddings.index_select(0, order[pairs + 1])
+        if not bool(torch.equal(_words(first), _words(second))):  # a collision: exact, slower
+            words = _words(embeddings)
             return cast(Tensor, torch.unique(words, dim=0, return_inverse=True)[1])
     classes = torch.empty_like(order)
     classes[order] = torch.unique_consecutive(sorted_keys, return_inverse=True)[1]
     return classes
+
+
+def _words(rows: Tensor) -> Tensor:
+    """The rows' bits as int16 words ``[m, W]`` (every float dtype)."""
+    return rows.contiguous().view(torch.int16)
 
 
 _HASH_PRIME = 2**21 - 9

@@ -57,14 +57,26 @@ def blocks(state: Any) -> list[Tensor]:
 
 
 def stored(values_state: Any, meta_state: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The (possibly gathered) embeddings ``[N, D]`` and metadata ``[N, META_COLUMNS]``."""
+    """The (possibly gathered) embeddings ``[N, D]`` and metadata ``[N, META_COLUMNS]``
+    (the embeddings concatenated: a whole copy; :func:`stored_blocks` makes none)."""
+    values, width, meta = stored_blocks(values_state, meta_state, dtype)
+    if not values:
+        return torch.zeros(0, width, dtype=dtype), meta
+    return torch.cat(values).reshape(-1, width), meta
+
+
+def stored_blocks(
+    values_state: Any, meta_state: Any, dtype: torch.dtype, check_values: bool = True
+) -> tuple[list[Tensor], int, Tensor]:
+    """The (possibly gathered) embeddings as they are stored, blocks of ``[b, D]``
+    (views, in order), their width ``D``, and the metadata ``[N, META_COLUMNS]``
+    (``check_values``: that the blocks hold the metadata's items)."""
     values = blocks(values_state)
     metas = [m.reshape(-1, META_COLUMNS) for m in blocks(meta_state)]
     if not metas:
-        empty_meta = torch.zeros(0, META_COLUMNS, dtype=torch.int64)
-        return torch.zeros(0, 0, dtype=dtype), empty_meta
-    flat = torch.cat(values)
-    meta = torch.cat(metas).to(torch.int64).to(flat.device)
+        return [], 0, torch.zeros(0, META_COLUMNS, dtype=torch.int64)
+    device = values[0].device if values else metas[0].device
+    meta = torch.cat(metas).to(torch.int64).to(device)
     num = meta.shape[0]
     widths = meta[:, WIDTH]
     width_min, width_max = (int(v) for v in torch.aminmax(widths))
@@ -74,12 +86,13 @@ def stored(values_state: Any, meta_state: Any, dtype: torch.dtype) -> tuple[Tens
             f" {sorted(set(widths.tolist()))} across query and gallery"
             " embeddings (on this or another process)"
         )
-    if flat.numel() != num * width_min:
+    held = sum(block.numel() for block in values)
+    if check_values and held != num * width_min:
         raise ValueError(
-            f"`embeddings`: the state holds {flat.numel()} values for {num} items of"
+            f"`embeddings`: the state holds {held} values for {num} items of"
             f" width {width_min}; it was corrupted"
         )
-    return flat.reshape(num, width_min), meta
+    return [block.reshape(-1, width_min) for block in values], width_min, meta
 
 
 def check_groups(meta: Tensor, exclude: str) -> None:

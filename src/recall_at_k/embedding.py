@@ -9,13 +9,14 @@ its share of the queries and the histograms are summed with ``all_reduce``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 
 import torch
 from torch import Tensor
 
-from recall_at_k import _audit, _embedding_checks, _items
+from recall_at_k import _audit, _embedding_checks, _items, _sync
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
 from recall_at_k._sync import ListLayout
@@ -31,6 +32,7 @@ from recall_at_k._types import (
 )
 from recall_at_k.ranking import bands as _bands
 from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import ordered as _ordered
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 from recall_at_k.ranking.bands import AUTO_ROUTE, Route
@@ -139,6 +141,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ``compute``, per direction: the items whose fast float32 score lay within the
     certified rounding band around their query's best positive."""
 
+    embedding_values: Any  # the list state of embeddings (a tensor once gathered)
+
     _route: Route = AUTO_ROUTE
     """How tiles are counted (a private switch for tests; every route is exact)."""
 
@@ -241,6 +245,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
         self._gathered: _rank.ProcessGroup | None = None
+        # Within sync_context: this process's own embeddings (not gathered whole).
+        self._lean_sync = False
+        self._local_values: list[Tensor] | None = None
         # Embeddings are stored flattened (1-D, in the metric's dtype) so that a process
         # without data sends an empty block of the same layout; the width is in the
         # metadata.
@@ -291,6 +298,29 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     # ------------------------------------------------------------------ sync hooks
 
+    @contextmanager
+    def sync_context(
+        self,
+        dist_sync_fn: Callable[..., Any] | None = None,
+        process_group: Any | None = None,
+        should_sync: bool = True,
+        should_unsync: bool = True,
+        distributed_available: Callable[..., Any] | None = None,
+    ) -> Generator[None, None, None]:
+        """torchmetrics' ``sync_context`` (what ``compute()`` syncs in), except that the
+        embeddings are not gathered whole: inside it each process keeps its own, and
+        the ranking reads every process's rows a run at a time
+        (:class:`recall_at_k._sync.BroadcastRows`), writing each to its place in its
+        one copy. An explicit ``sync()`` gathers them as torchmetrics does."""
+        self._lean_sync = dist_sync_fn is None  # a custom gather function gathers all
+        try:
+            with super().sync_context(
+                dist_sync_fn, process_group, should_sync, should_unsync, distributed_available
+            ):
+                yield
+        finally:
+            self._lean_sync = False
+
     def sync(
         self,
         dist_sync_fn: Any | None = None,
@@ -299,10 +329,20 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         distributed_available: Any | None = None,
     ) -> None:
         """The base ``sync``, recording whether the states are now gathered: ``compute``
-        shards the queries across processes only then."""
+        shards the queries across processes only then. Within :meth:`sync_context` the
+        embeddings stay where they are (each process's own)."""
         will_sync = self._will_sync(should_sync, distributed_available)
         self._gathered = None
-        super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+        lean = will_sync and self._lean_sync and self._local_values is None
+        if lean:
+            self._local_values = cast(list[Tensor], self.embedding_values)
+            self.embedding_values = []
+        try:
+            super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+        except BaseException:
+            if lean:
+                self.embedding_values, self._local_values = self._local_values, None
+            raise
         if will_sync:
             self._gathered = _rank.ProcessGroup(process_group or self.process_group)
 
@@ -311,6 +351,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         super().unsync(should_unsync=should_unsync)
         if should_unsync:
             self._gathered = None
+            if self._local_values is not None:
+                self.embedding_values, self._local_values = self._local_values, None
 
     # ------------------------------------------------------------------ compute
 
@@ -324,14 +366,21 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """Rank every direction and audit it. ``computing``: for ``compute()`` (which sets
         the ``last_compute_*`` attributes and may warn); else for ``protocol_report()`` on
         demand, which needs the near-duplicate counts of a ranking."""
-        embeddings, meta = self._stored()
+        source, meta = self._stored()
         if meta.shape[0] == 0:
             # Nothing added (on any process): like RetrievalRecallAtK, NaN with a warning.
             empty = torch.zeros(self.max_k, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
             self._audit([None, None], [None, None], [0, 0], [None, None], computing)
             return [empty for _ in self._prefixes]
-        directions = self._directions(meta)
+        # The one whole copy: the stored items in the ranking's order, bit for bit
+        # (audited so), then prepared in place.
+        ordered = _ordered.ordered_items(
+            source, meta[:, _items.LABEL], self._directions(meta), None
+        )
+        embeddings, directions = ordered.embeddings, ordered.directions
+        meta = meta.index_select(0, ordered.order)
         audits = self._audits((embeddings, meta), directions)
+        _ordered.normalise(embeddings, self.similarity)
         near = self.near_duplicate if audits is not None else None
         options = _bands.RankOptions(
             self.similarity,
@@ -345,10 +394,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         known = None
         if near is not None and audits is not None:
             known = [None if audit is None else audit.known() for audit in audits]
-        prepared = _score.prepare(embeddings, self.similarity)
         group = self._gathered  # shard across processes only when states are gathered
         shared = _rank.rank_shared(
-            prepared,
+            embeddings,
             meta[:, _items.LABEL],
             meta[:, _items.GROUP],
             directions,
@@ -408,9 +456,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             if self.near_duplicate is not None:
                 self._rank_directions(computing=False)  # the near counts need a ranking
                 return
-            embeddings, meta = self._stored()
+            source, meta = self._stored()
             sides = self._directions(meta) if meta.shape[0] else [None, None]
-            audits = self._audits((embeddings, meta), sides)
+            stored = torch.zeros(0, 0)
+            if meta.shape[0]:
+                ordered = _ordered.ordered_items(source, meta[:, _items.LABEL], sides, None)
+                stored, sides = ordered.embeddings, ordered.directions
+                meta = meta.index_select(0, ordered.order)
+            audits = self._audits((stored, meta), sides)
             self._audit(audits, [None, None], [None, None], sides, warn=False)
         finally:
             self._gathered = None
@@ -466,5 +519,26 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         super().merge_state(incoming_state)
         self._report = None
 
-    def _stored(self) -> tuple[Tensor, Tensor]:
-        return _items.stored(self.embedding_values, self.embedding_meta, self.dtype)
+    def _stored(self) -> tuple[_ordered.RowSource | _sync.BroadcastRows, Tensor]:
+        """The stored (or gathered) embeddings, read in blocks (nothing is copied whole),
+        and their metadata."""
+        if self._local_values is None or self._gathered is None:
+            blocks, width, meta = _items.stored_blocks(
+                self.embedding_values, self.embedding_meta, self.dtype
+            )
+            return _ordered.RowSource(blocks, meta.shape[0], width, self.dtype), meta
+        # Synced within sync_context: the metadata gathered, the rows read from every
+        # process a run at a time.
+        _, width, meta = _items.stored_blocks([], self.embedding_meta, self.dtype, False)
+        local = _items.blocks(self._local_values)
+        rows = sum(block.numel() for block in local) // max(1, width)
+        group = self._gathered.group
+        counts = _sync.local_counts(rows, group, meta.device)
+        if sum(counts) != meta.shape[0]:
+            raise ValueError(
+                f"`embeddings`: the processes hold {sum(counts)} items but {meta.shape[0]}"
+                " metadata rows; the state was corrupted"
+            )
+        device = local[0].device if local else meta.device
+        source = _sync.BroadcastRows(local, counts, width, self.dtype, device, group)
+        return source, meta

@@ -38,6 +38,7 @@ from recall_at_k._types import (
 )
 from recall_at_k.ranking import bands as _bands
 from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import ordered as _ordered
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 
@@ -277,8 +278,9 @@ def embedding_recall_at_k(
     if validate_args:
         for name, side in zip(("queries", "gallery"), sides, strict=False):
             _embedding_checks.check_finite(side[0], name)
-    embeddings = torch.cat([side[0] for side in sides])
-    device = embeddings.device
+    device = queries.device
+    num = sum(side[0].shape[0] for side in sides)
+    source = _ordered.RowSource([side[0] for side in sides], num, queries.shape[1], queries.dtype)
 
     def column(index: int) -> tuple[Tensor, Tensor]:
         """A metadata column of every item, and whether each item has it."""
@@ -295,9 +297,13 @@ def embedding_recall_at_k(
     groups, _ = column(2)
     ids, has_id = column(3)
     identity = _gallery.identities(ids, has_id)
-    is_query = torch.arange(embeddings.shape[0], device=device) < queries.shape[0]
+    is_query = torch.arange(num, device=device) < queries.shape[0]
     query_side = _gallery.select(is_query, identity)
     gallery_side = _gallery.select(is_query if gallery is None else ~is_query, identity)
+    # The one whole copy: the items, prepared, in the ranking's order.
+    ordered = _ordered.ordered_items(source, labels, [(query_side, gallery_side)], similarity)
+    embeddings, sides_ordered = ordered.embeddings, ordered.directions[0]
+    assert sides_ordered is not None
     options = _bands.RankOptions(
         similarity,
         exclude,
@@ -306,8 +312,8 @@ def embedding_recall_at_k(
         chunk_bytes,
         validate_args and _score.may_produce_nan(embeddings, similarity),
     )
-    prepared = _score.prepare(embeddings, similarity)
-    counts = _rank.rank(prepared, labels, groups, query_side, gallery_side, options)
+    labels, groups = labels[ordered.order], groups[ordered.order]
+    counts = _rank.rank(embeddings, labels, groups, *sides_ordered, options)
     nan_queries = int(counts.nan_queries)
     if nan_queries:
         raise _embedding_checks.nan_scores_error(nan_queries)

@@ -12,7 +12,7 @@ from torch import Tensor
 from recall_at_k._kernel import TieCounts, Workspace
 from recall_at_k.ranking.bands import NEAR_COUNTS, Band, Pairs, RankOptions
 from recall_at_k.ranking.gallery import Gallery, Queries
-from recall_at_k.ranking.score import canonical_scores
+from recall_at_k.ranking.score import CANONICAL_BATCH_BYTES, canonical_scores
 
 
 class Decided(NamedTuple):
@@ -83,6 +83,7 @@ def decide(
             gallery.rows[columns_all],
             options.similarity,
             workspace,
+            min(CANONICAL_BATCH_BYTES, options.chunk_bytes // 8),  # 2.5 batches of buffers
         )
     scores = scores_all[:num_band]
     num_rows = tile.rows.shape[0]

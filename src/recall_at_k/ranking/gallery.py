@@ -37,7 +37,7 @@ class Gallery(NamedTuple):
     """
 
     rows: Tensor  # [G] rows of the prepared embeddings, in column order
-    embeddings: Tensor  # [G, D] in column order (centred for "euclidean")
+    embeddings: Tensor  # [G, D] in column order (not centred: see ``centre``)
     centre: Tensor | None  # [D] the mean subtracted, for "euclidean"
     neg_sq_norms: Tensor | None  # [1, G] negated squared norms, for "euclidean"
     bound: float  # B / |q| ("dot", "cosine"), B / (|q| + max |g|)^2 ("euclidean")
@@ -89,26 +89,44 @@ def select(plays_role: Tensor, identity: Tensor) -> Side:
     return Side(rows[keep], ident[keep])
 
 
+GALLERY_CHUNK_BYTES = 4 * 2**20
+"""The gallery's norms (and its centre, for ``"euclidean"``) are computed this many bytes
+of rows at a time."""
+
+
 def gallery_of(
     embeddings: Tensor, labels: Tensor, groups: Tensor, side: Side, similarity: Similarity
 ) -> Gallery:
     labels_sorted, label_order = torch.sort(labels[side.rows], stable=True)
     rows = side.rows[label_order]
-    gallery_embeddings = embeddings[rows]
+    gallery_embeddings = _rows_of(embeddings, rows)
+    num, width = gallery_embeddings.shape
+    step = max(1, GALLERY_CHUNK_BYTES // max(1, width * gallery_embeddings.element_size()))
     centre = neg_sq_norms = None
     if similarity == "euclidean":
-        # Centred on the gallery's mean: a common offset of every vector cancels here,
-        # not in the product. Any centre is exact (the bound covers its rounding).
-        centre = gallery_embeddings.mean(dim=0)
-        gallery_embeddings.sub_(centre)
-        neg_sq_norms = gallery_embeddings.square().sum(dim=1).neg_().unsqueeze(0)
+        # Centred on the gallery's mean: a common offset of every vector cancels in the
+        # product (:func:`product` centres each panel of columns; callers centre the
+        # queries). Any centre is exact (the bound covers its rounding).
+        total = torch.zeros(width, dtype=gallery_embeddings.dtype, device=embeddings.device)
+        for start in range(0, num, step):
+            total += gallery_embeddings[start : start + step].sum(dim=0)
+        centre = total.div_(max(1, num))
+        neg_sq_norms = torch.empty((1, num), dtype=gallery_embeddings.dtype, device=total.device)
+        for start in range(0, num, step):
+            part = gallery_embeddings[start : start + step] - centre
+            neg_sq_norms[0, start : start + step] = part.square_().sum(dim=1).neg_()
     max_norm = 0.0
     if gallery_embeddings.numel():
         # In the embeddings' own dtype, then raised past its rounding (relative error
         # at most gamma_{D+2}): an upper bound of the exact largest norm.
-        norms = torch.linalg.vector_norm(gallery_embeddings, dim=1)
+        largest = 0.0
+        for start in range(0, num, step):
+            part = gallery_embeddings[start : start + step]
+            if centre is not None:
+                part = part - centre
+            largest = max(largest, float(torch.linalg.vector_norm(part, dim=1).max()))
         unit = float(torch.finfo(gallery_embeddings.dtype).eps) / 2
-        max_norm = float(norms.max()) * (1 + 2 * gamma(embeddings.shape[1] + 2, unit))
+        max_norm = largest * (1 + 2 * gamma(embeddings.shape[1] + 2, unit))
     bound = bound_coefficient(similarity, embeddings.shape[1], embeddings.dtype, embeddings.device)
     block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
     block_starts = torch.cumsum(block_counts, dim=0) - block_counts
@@ -128,6 +146,39 @@ def gallery_of(
         identity_sorted,
         identity_column,
     )
+
+
+def _rows_of(embeddings: Tensor, rows: Tensor) -> Tensor:
+    """``embeddings[rows]``: a view where ``rows`` are one ascending run (the items
+    are stored in the ranking's order, :mod:`recall_at_k.ranking.ordered`), else a copy."""
+    if rows.numel() == 0:
+        return embeddings[:0]
+    first = int(rows[0])
+    run = torch.arange(first, first + rows.shape[0], device=rows.device)
+    if torch.equal(rows, run):
+        return embeddings[first : first + rows.shape[0]]
+    return embeddings[rows]
+
+
+def centred_rows(gallery: Gallery, first: int, stop: int) -> Tensor:
+    """The gallery's rows ``first:stop`` as the product reads them: centred for
+    ``"euclidean"`` (a copy), else a view."""
+    rows = gallery.embeddings[first:stop]
+    return rows if gallery.centre is None else rows - gallery.centre
+
+
+def gallery_bounds(gallery: Gallery, similarity: Similarity) -> Tensor:
+    """:func:`bounds` of the gallery's own rows as queries (leave-one-out), computed a
+    chunk of rows at a time."""
+    num, width = gallery.embeddings.shape
+    step = max(1, GALLERY_CHUNK_BYTES // max(1, width * gallery.embeddings.element_size()))
+    parts = [
+        bounds(centred_rows(gallery, start, min(num, start + step)), gallery, similarity)
+        for start in range(0, num, step)
+    ]
+    if not parts:
+        return torch.zeros((0, 1), dtype=torch.float64, device=gallery.embeddings.device)
+    return torch.cat(parts)
 
 
 def bounds(queries: Tensor, gallery: Gallery, similarity: Similarity) -> Tensor:
@@ -198,6 +249,10 @@ def product(
     num_rows, width = queries.shape[0], stop - first
     out = workspace.get("tile", (num_rows, width), queries.dtype, queries.device)
     gallery_t = gallery.embeddings[first:stop].T
+    if gallery.centre is not None:  # the stored rows are not centred: centre this panel
+        shape = (width, gallery.embeddings.shape[1])
+        centred = workspace.get("centred", shape, queries.dtype, queries.device)
+        gallery_t = torch.sub(gallery.embeddings[first:stop], gallery.centre, out=centred).T
     if similarity == "euclidean":
         assert gallery.neg_sq_norms is not None
         # -(|q'|^2 - 2 q'.g' + |g'|^2)

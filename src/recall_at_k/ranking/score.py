@@ -76,27 +76,30 @@ def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
     The cosine normalisation is computed once per row, elementwise and in a fixed order
     (the float64 sum of squares over ``d = 0 .. D-1``), so a row's normalised value is
     the same in every batch, process and device. Always a copy of its own (callers may
-    write into it).
+    write into it), made :data:`PREPARE_CHUNK_BYTES` of float64 rows at a time.
     """
     dtype = torch.promote_types(embeddings.dtype, torch.float32)
-    if similarity != "cosine":
-        return embeddings.to(dtype, copy=True)
-    columns = embeddings.T.contiguous()  # [D, N]
-    total = torch.zeros(columns.shape[1], dtype=torch.float64, device=columns.device)
-    term = torch.empty_like(total)
-    for column in columns:
-        term.copy_(column)  # exact
-        total.add_(term.mul_(term))
-    total.sqrt_().clamp_min_(1e-12)
     out = torch.empty(embeddings.shape, dtype=dtype, device=embeddings.device)
     step = max(1, PREPARE_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
-    step = max(1, min(step, embeddings.shape[0]))
-    wide = torch.empty((step, embeddings.shape[1]), dtype=torch.float64, device=out.device)
     for start in range(0, embeddings.shape[0], step):
-        rows = wide[: min(step, embeddings.shape[0] - start)]
-        rows.copy_(embeddings[start : start + step])
-        out[start : start + step] = rows.div_(total[start : start + step].unsqueeze(1))
+        out[start : start + step] = prepare_rows(
+            embeddings[start : start + step], similarity, dtype
+        )
     return out
+
+
+def prepare_rows(rows: Tensor, similarity: Similarity, dtype: torch.dtype) -> Tensor:
+    """:func:`prepare` of a few rows ``[m, D]`` (a new tensor of ``dtype``): each row's
+    value depends on that row alone."""
+    if similarity != "cosine":
+        return rows.to(dtype, copy=True)
+    wide = rows.to(torch.float64, copy=True)  # exact
+    total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+    term = torch.empty_like(total)
+    for column in wide.T:
+        total.add_(torch.mul(column, column, out=term))
+    total.sqrt_().clamp_min_(1e-12)
+    return wide.div_(total.unsqueeze(1)).to(dtype)
 
 
 def canonical_scores(
@@ -105,6 +108,7 @@ def canonical_scores(
     gallery_rows: Tensor,
     similarity: Similarity,
     workspace: Workspace | None = None,
+    batch_bytes: int = CANONICAL_BATCH_BYTES,
 ) -> Tensor:
     """The canonical float64 score of each pair ``(query_rows[i], gallery_rows[i])``.
 
@@ -117,7 +121,7 @@ def canonical_scores(
     workspace = Workspace() if workspace is None else workspace
     out = torch.empty(num, dtype=wide, device=device)
     exact_products = torch.finfo(embeddings.dtype).bits <= 32
-    step = max(1, min(num, CANONICAL_BATCH_BYTES // (8 * max(1, dim))))
+    step = max(1, min(num, batch_bytes // (8 * max(1, dim))))
     for start in range(0, num, step):
         count = min(step, num - start)
         pair = workspace.get("canonical_rows", (count, dim), embeddings.dtype, device)
@@ -183,6 +187,7 @@ def may_produce_nan(embeddings: Tensor, similarity: Similarity) -> bool:
     if similarity == "cosine" or embeddings.numel() == 0:
         return False
     # dot / euclidean overflow to inf (and inf - inf = NaN) only for huge values.
-    largest = float(embeddings.abs().amax())
+    low, high = torch.aminmax(embeddings)  # no copy of the embeddings
+    largest = max(-float(low), float(high))
     bound = 4.0 * embeddings.shape[1] * largest * largest
     return bound >= torch.finfo(embeddings.dtype).max / 4

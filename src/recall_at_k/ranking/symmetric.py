@@ -33,7 +33,7 @@ from recall_at_k.ranking.bands import (
     saturate,
     scan,
 )
-from recall_at_k.ranking.gallery import Gallery, Queries, bounds, product
+from recall_at_k.ranking.gallery import Gallery, Queries, centred_rows, gallery_bounds, product
 
 
 def symmetric_possible(share: Queries, gallery: Gallery, route: Route) -> bool:
@@ -80,14 +80,14 @@ def rank_symmetric(
     surely above s*.
     """
     num = gallery.embeddings.shape[0]
-    embeddings = gallery.embeddings  # the queries, centred like the gallery
+    embeddings = gallery.embeddings  # the queries (centred like the gallery by centred_rows)
     size = math.isqrt(max(1, min(route.block_bytes, tile_bytes) // embeddings.element_size()))
     if route.mode == "auto" and size < min(SYMMETRIC_MIN_ROWS, num):
         return 0
     size = max(1, size)
     starts = list(range(0, num, size))
     device, dtype = embeddings.device, embeddings.dtype
-    bound = bounds(embeddings, gallery, options.similarity)
+    bound = gallery_bounds(gallery, options.similarity)
     greater = torch.zeros(num, dtype=count_dtype(num), device=device)
     has_positive = torch.zeros(num, dtype=torch.bool, device=device)
     lo = torch.full((num, 1), math.inf, dtype=dtype, device=device)
@@ -125,11 +125,10 @@ def rank_symmetric(
     near_found: list[Found] = [[] for _ in starts]
     for index, start in enumerate(starts):
         rows = slice(start, min(start + size, num))
+        queries = centred_rows(gallery, rows.start, rows.stop)
         for later, column in enumerate(starts[index:], start=index):
             columns = slice(column, min(column + size, num))
-            scores = product(
-                embeddings[rows], gallery, column, columns.stop, options.similarity, workspace
-            )
+            scores = product(queries, gallery, column, columns.stop, options.similarity, workspace)
             ignore_in_block(scores, gallery, options.exclude, rows, columns)
             if later > index:  # read down: the column's queries against the rows' items
                 known = len(found[later]), len(near_found[later])
@@ -222,7 +221,8 @@ def _label_blocks(
     tile = Queries._make(t[rows] for t in share)
     if not bool((tile.block_count > 0).any()):
         return 0
-    run = label_run(embeddings[rows], tile, gallery, options, workspace)
+    queries = centred_rows(gallery, rows.start, rows.stop)
+    run = label_run(queries, tile, gallery, options, workspace)
     groups = gallery.groups[run.first : run.stop]
     block = block_best(run.scores, run.tile, groups, options.exclude, workspace)
     lo_hi = band_edges(block.best, bound[rows], block.has_positive)

@@ -1,0 +1,168 @@
+"""The memory that ``EmbeddingRecallAtK.compute()`` adds stays within the documented
+formula: one copy of the stored (one process) or gathered (DDP) embeddings, plus
+``SCRATCH_TILES`` tiles of scores, plus ``BYTES_PER_ITEM`` bytes of bookkeeping per
+item -- for every protocol and similarity, with the protocol audit on.
+
+Measured in a fresh process as the benchmarks measure it (``tests/memory_probe.py``:
+the resident-set high-water mark over the resident set before ``compute()``, freed
+buffers returned at once). Before the ranking wrote its one ordered copy, ``compute()``
+added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one process and
+8x the gathered bytes per process under DDP; the formula allows about 1.5x here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import run_distributed
+from memory_probe import ENV, measure
+
+SCRATCH_TILES = 8
+"""Tiles of scratch (a tile: ``chunk_bytes``, at most 32 MiB on CPU) that a ranking
+adds: the tile, its scan's masks and copies, the symmetric route's blocks, the
+canonical re-scoring's buffers."""
+
+BYTES_PER_ITEM = 256
+"""Bookkeeping per item: metadata, orders, sides, bands."""
+
+CHUNK = 2**20
+NUM, DIM = 2000, 2048  # 15.6 MiB of float32 embeddings
+
+
+def bound(result: dict[str, Any]) -> int:
+    """What the formula allows for a measured case."""
+    return result["stored"] + SCRATCH_TILES * result["tile"] + BYTES_PER_ITEM * result["items"]
+
+
+def _run_probe(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, **ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here)])
+    done = subprocess.run(
+        [sys.executable, str(here / "memory_probe.py"), json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+CASES = [
+    {"protocol": protocol, "similarity": similarity, "num": NUM, "dim": DIM, "chunk_bytes": CHUNK}
+    for protocol in ("loo", "qg", "bidirectional")
+    for similarity in ("cosine", "dot", "euclidean")
+]
+CASES[0] = {**CASES[0], "near_duplicate": 0.5}  # the near-duplicate counts too
+CASES[4] = {**CASES[4], "near_duplicate": 0.5}
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[dict[str, Any]]:
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to measure the resident set")
+    return _run_probe(CASES)
+
+
+@pytest.mark.parametrize(
+    "index",
+    range(len(CASES)),
+    ids=lambda i: "-".join(str(CASES[i][key]) for key in ("protocol", "similarity")),
+)
+def test_compute_adds_one_copy_of_the_embeddings(
+    measured: list[dict[str, Any]], index: int
+) -> None:
+    result = measured[index]
+    assert result["case"] == CASES[index]
+    # the formula's own terms are what it claims: scratch and bookkeeping are small here
+    assert SCRATCH_TILES * result["tile"] + BYTES_PER_ITEM * result["items"] < result["stored"]
+    assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
+
+
+def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Each process holds its share of the items (with ids); the peak its compute adds."""
+    from memory_probe import items, peak_since, start
+
+    from recall_at_k import EmbeddingRecallAtK
+
+    torch.set_num_threads(1)
+    num, dim = payload["num"], payload["dim"]
+    warm = EmbeddingRecallAtK((1, 5, 10), chunk_bytes=CHUNK)
+    warm_items, warm_labels = items(600, dim, 1, "cpu")
+    warm.update(warm_items, warm_labels)
+    warm.compute()
+    embeddings, labels = items(num, dim, 0, "cpu")
+    mine = slice(num * rank // world, num * (rank + 1) // world)
+    metric = EmbeddingRecallAtK((1, 5, 10), chunk_bytes=CHUNK)
+    metric.update(embeddings[mine], labels[mine], ids=torch.arange(num)[mine])
+    del embeddings, labels, warm, warm_items, warm_labels
+    baseline = start("cpu")
+    result = metric.compute()
+    report = metric.protocol_report()
+    return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
+
+
+def test_each_process_adds_one_copy_of_the_gathered_embeddings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two gloo processes: each adds one copy of the gathered embeddings (torchmetrics'
+    gather alone made three), and both return the one-process result."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to measure the resident set")
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)  # inherited by the spawned processes
+    payload = {"num": NUM, "dim": DIM}
+    results = run_distributed(_peak_worker, world_size=2, payload=payload)
+    from memory_probe import items
+
+    from recall_at_k import EmbeddingRecallAtK
+
+    single = EmbeddingRecallAtK((1, 5, 10), chunk_bytes=CHUNK)
+    embeddings, labels = items(NUM, DIM, 0, "cpu")
+    single.update(embeddings, labels, ids=torch.arange(NUM))
+    want = single.compute()
+    gathered = NUM * DIM * 4
+    allowed = gathered + SCRATCH_TILES * CHUNK + BYTES_PER_ITEM * NUM
+    for result in results:
+        assert result["result"] == want
+        assert result["report"] == single.protocol_report()
+        assert result["peak"] <= allowed, result["peak"] / gathered
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("protocol", ["loo", "qg"])
+@pytest.mark.parametrize("similarity", ["cosine", "euclidean"])
+def test_cuda_compute_adds_one_copy_of_the_embeddings(protocol: str, similarity: str) -> None:
+    """The same formula on CUDA, with ``torch.cuda.max_memory_allocated``."""
+    case = {
+        "protocol": protocol,
+        "similarity": similarity,
+        "num": NUM,
+        "dim": DIM,
+        "chunk_bytes": CHUNK,
+        "device": "cuda",
+    }
+    result = measure(case)
+    assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
+
+
+def test_the_large_galleries_page_states_the_tested_formula() -> None:
+    """docs/large-galleries.md gives the formula these tests check, and its example adds
+    up."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "large-galleries.md").read_text()
+    assert f"+ {SCRATCH_TILES} x tile" in page
+    assert f"+ {BYTES_PER_ITEM} bytes x N" in page
+    items, width = 10**6, 1024
+    stored = items * width * 4
+    default = stored + SCRATCH_TILES * 256 * 2**20 + BYTES_PER_ITEM * items
+    smaller = stored + SCRATCH_TILES * 32 * 2**20 + BYTES_PER_ITEM * items
+    assert f"({stored / 1e9:.1f} GB stored)" in page
+    assert f"about {default / 1e9:.1f} GB, on a GPU" in page
+    assert f"{SCRATCH_TILES * 32} MiB" in page and f"about {smaller / 1e9:.1f} GB" in page
