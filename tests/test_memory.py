@@ -1,13 +1,14 @@
 """The memory that ``EmbeddingRecallAtK.compute()`` adds stays within the documented
 formula: one copy of the stored (one process) or gathered (DDP) embeddings, plus
 ``SCRATCH_TILES`` tiles of scores, plus ``BYTES_PER_ITEM`` bytes of bookkeeping per
-item -- for every protocol and similarity, with the protocol audit on.
+item, plus ``FIXED_BYTES`` -- for every protocol and similarity, with the protocol audit
+on.
 
 Measured in a fresh process as the benchmarks measure it (``tests/memory_probe.py``:
 the resident-set high-water mark over the resident set before ``compute()``, freed
 buffers returned at once). Before the ranking wrote its one ordered copy, ``compute()``
 added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one process and
-8x the gathered bytes per process under DDP; the formula allows about 1.5x here.
+8x the gathered bytes per process under DDP; the formula allows under 2x here.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ canonical re-scoring's buffers."""
 BYTES_PER_ITEM = 256
 """Bookkeeping per item: metadata, orders, sides, bands."""
 
-CHUNK = 2**20
-NUM, DIM = 2000, 2048  # 15.6 MiB of float32 embeddings
+FIXED_BYTES = 8 * 2**20
+"""Buffers of a fixed size: rows read, prepared, hashed and compared a MiB at a time;
+for ``"euclidean"`` leave-one-out, a centred copy of one block of rows."""
+
+CHUNK = 2**19
+NUM, DIM = 1600, 2048  # 12.5 MiB of float32 embeddings
 
 
 def bound(result: dict[str, Any]) -> int:
     """What the formula allows for a measured case."""
-    return result["stored"] + SCRATCH_TILES * result["tile"] + BYTES_PER_ITEM * result["items"]
+    scratch = SCRATCH_TILES * result["tile"] + BYTES_PER_ITEM * result["items"]
+    return result["stored"] + scratch + FIXED_BYTES
 
 
 def _run_probe(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,25 +70,22 @@ CASES[0] = {**CASES[0], "near_duplicate": 0.5}  # the near-duplicate counts too
 CASES[4] = {**CASES[4], "near_duplicate": 0.5}
 
 
-@pytest.fixture(scope="module")
-def measured() -> list[dict[str, Any]]:
+def _needs_proc() -> None:
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to measure the resident set")
-    return _run_probe(CASES)
 
 
 @pytest.mark.parametrize(
-    "index",
-    range(len(CASES)),
-    ids=lambda i: "-".join(str(CASES[i][key]) for key in ("protocol", "similarity")),
+    "case",
+    CASES,
+    ids=["-".join(str(case[key]) for key in ("protocol", "similarity")) for case in CASES],
 )
-def test_compute_adds_one_copy_of_the_embeddings(
-    measured: list[dict[str, Any]], index: int
-) -> None:
-    result = measured[index]
-    assert result["case"] == CASES[index]
+def test_compute_adds_one_copy_of_the_embeddings(case: dict[str, Any]) -> None:
+    _needs_proc()
+    (result,) = _run_probe([case])
+    assert result["case"] == case
     # the formula's own terms are what it claims: scratch and bookkeeping are small here
-    assert SCRATCH_TILES * result["tile"] + BYTES_PER_ITEM * result["items"] < result["stored"]
+    assert bound(result) - result["stored"] < result["stored"]
     assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
 
 
@@ -94,7 +97,7 @@ def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, An
 
     torch.set_num_threads(1)
     num, dim = payload["num"], payload["dim"]
-    warm = EmbeddingRecallAtK((1, 5, 10), chunk_bytes=CHUNK)
+    warm = EmbeddingRecallAtK((1, 5, 10), chunk_bytes=CHUNK, sync_on_compute=False)
     warm_items, warm_labels = items(600, dim, 1, "cpu")
     warm.update(warm_items, warm_labels)
     warm.compute()
@@ -114,8 +117,7 @@ def test_each_process_adds_one_copy_of_the_gathered_embeddings(
 ) -> None:
     """Two gloo processes: each adds one copy of the gathered embeddings (torchmetrics'
     gather alone made three), and both return the one-process result."""
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc to measure the resident set")
+    _needs_proc()
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)  # inherited by the spawned processes
     payload = {"num": NUM, "dim": DIM}
@@ -129,7 +131,7 @@ def test_each_process_adds_one_copy_of_the_gathered_embeddings(
     single.update(embeddings, labels, ids=torch.arange(NUM))
     want = single.compute()
     gathered = NUM * DIM * 4
-    allowed = gathered + SCRATCH_TILES * CHUNK + BYTES_PER_ITEM * NUM
+    allowed = gathered + SCRATCH_TILES * CHUNK + BYTES_PER_ITEM * NUM + FIXED_BYTES
     for result in results:
         assert result["result"] == want
         assert result["report"] == single.protocol_report()
@@ -159,10 +161,11 @@ def test_the_large_galleries_page_states_the_tested_formula() -> None:
     page = (Path(__file__).resolve().parents[1] / "docs" / "large-galleries.md").read_text()
     assert f"+ {SCRATCH_TILES} x tile" in page
     assert f"+ {BYTES_PER_ITEM} bytes x N" in page
+    assert f"+ {FIXED_BYTES // 2**20} MiB" in page
     items, width = 10**6, 1024
     stored = items * width * 4
-    default = stored + SCRATCH_TILES * 256 * 2**20 + BYTES_PER_ITEM * items
-    smaller = stored + SCRATCH_TILES * 32 * 2**20 + BYTES_PER_ITEM * items
+    default = stored + SCRATCH_TILES * 256 * 2**20 + BYTES_PER_ITEM * items + FIXED_BYTES
+    smaller = stored + SCRATCH_TILES * 32 * 2**20 + BYTES_PER_ITEM * items + FIXED_BYTES
     assert f"({stored / 1e9:.1f} GB stored)" in page
     assert f"about {default / 1e9:.1f} GB, on a GPU" in page
     assert f"{SCRATCH_TILES * 32} MiB" in page and f"about {smaller / 1e9:.1f} GB" in page

@@ -106,7 +106,7 @@ def _words(rows: Tensor) -> Tensor:
 
 
 _HASH_PRIME = 2**21 - 9
-_HASH_ROW_BYTES = 4 * 2**20
+_HASH_ROW_BYTES = 2**20
 """Rows are hashed this many bytes of float64 words at a time."""
 _HASH_MAX_TERMS = 2**15
 """Words summed before a reduction modulo the prime: each term is an integer below

@@ -89,7 +89,7 @@ def select(plays_role: Tensor, identity: Tensor) -> Side:
     return Side(rows[keep], ident[keep])
 
 
-GALLERY_CHUNK_BYTES = 4 * 2**20
+GALLERY_CHUNK_BYTES = 2**20
 """The gallery's norms (and its centre, for ``"euclidean"``) are computed this many bytes
 of rows at a time."""
 
@@ -249,14 +249,22 @@ def product(
     num_rows, width = queries.shape[0], stop - first
     out = workspace.get("tile", (num_rows, width), queries.dtype, queries.device)
     gallery_t = gallery.embeddings[first:stop].T
-    if gallery.centre is not None:  # the stored rows are not centred: centre this panel
-        shape = (width, gallery.embeddings.shape[1])
-        centred = workspace.get("centred", shape, queries.dtype, queries.device)
-        gallery_t = torch.sub(gallery.embeddings[first:stop], gallery.centre, out=centred).T
     if similarity == "euclidean":
-        assert gallery.neg_sq_norms is not None
-        # -(|q'|^2 - 2 q'.g' + |g'|^2)
-        torch.addmm(gallery.neg_sq_norms[:, first:stop], queries, gallery_t, alpha=2, out=out)
+        assert gallery.neg_sq_norms is not None and gallery.centre is not None
+        # -(|q'|^2 - 2 q'.g' + |g'|^2); the stored rows are not centred: centre the
+        # columns a part at a time, each part no larger than the tile.
+        dim = gallery.embeddings.shape[1]
+        step = max(1, num_rows * width // max(1, dim))
+        for part in range(first, stop, step):
+            end = min(stop, part + step)
+            centred = workspace.get("centred", (end - part, dim), queries.dtype, queries.device)
+            torch.sub(gallery.embeddings[part:end], gallery.centre, out=centred)
+            target = out[:, part - first : end - first]
+            norms = gallery.neg_sq_norms[:, part:end]
+            if step >= width:
+                torch.addmm(norms, queries, centred.T, alpha=2, out=target)
+            else:
+                target.copy_(torch.addmm(norms, queries, centred.T, alpha=2))
         out.sub_(queries.square().sum(dim=1, keepdim=True))
     else:
         torch.matmul(queries, gallery_t, out=out)
