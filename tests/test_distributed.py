@@ -453,19 +453,6 @@ def _faults(rank: int, world: int) -> dict[str, Any]:
             partial.update(*data[i])
         out["subgroup"] = partial.compute()
 
-    # EmbeddingRecallAtK on a process group of ranks 1 and 2 (rank 0 outside it): the
-    # embeddings are read from each process of the group by broadcast, by global rank.
-    embedding_group = dist.new_group([1, 2])
-    if rank in (1, 2):
-        batches, kwargs = cross_modal()
-        shards = {1: batches[:1], 2: batches[1:]}
-        grouped = EmbeddingRecallAtK(KS, process_group=embedding_group, **kwargs)
-        out["embedding_subgroup"] = (
-            _outcome(grouped, shards[rank]),
-            grouped.protocol_report(),
-            len(grouped.embedding_values),  # this process's own blocks again after compute
-        )
-
     # sync_on_compute=False: local values until an explicit sync().
     manual = RetrievalRecallAtK(FAULT_KS, sync_on_compute=False)
     for i in shards[rank]:
@@ -508,17 +495,6 @@ def test_fault_cases_across_three_processes(runs: Runs) -> None:
     for rank in (0, 1):
         assert results[rank]["subgroup"] == _single(everything)
     assert "subgroup" not in results[2]
-    batches, kwargs = cross_modal()
-    single = EmbeddingRecallAtK(KS, **kwargs)
-    expected = run_metric(batches, **kwargs)
-    for batch in batches:
-        single.update(batch.embeddings, batch.labels, **batch.kwargs())
-    single.compute()
-    for rank in (1, 2):
-        got, report, blocks = results[rank]["embedding_subgroup"]
-        assert got == expected and report == single.protocol_report()
-        assert blocks == (1 if rank == 1 else len(batches) - 1)
-    assert "embedding_subgroup" not in results[0]
     for rank, shard in enumerate([[0, 1, 2], [3, 4], []]):
         result = results[rank]
         if shard:
