@@ -71,6 +71,7 @@ __all__ = [
     "SegmentPath",
     "choose_path",
     "compact",
+    "flat_outcomes",
     "flat_partials",
     "flat_rank_histogram",
     "merge",
@@ -525,3 +526,20 @@ def flat_rank_histogram(
         return None
     parts = merge(unpack(rows), max_k, complete_queries, path=path)
     return _kernel.rank_histogram(tie_counts(parts, max_k), ties, max_k)
+
+
+def flat_outcomes(
+    state: Tensor | Sequence[Tensor],
+    ties: str,
+    max_k: int,
+    complete_queries: bool = False,
+    *,
+    path: SegmentPath = "auto",
+) -> tuple[Tensor, Tensor] | None:
+    """Each flat query's id (ascending) and outcome record
+    (:func:`recall_at_k._kernel.query_outcomes`), or ``None`` when the state is empty."""
+    rows = _as_rows(state, max_k)
+    if rows is None:
+        return None
+    parts = merge(unpack(rows), max_k, complete_queries, path=path)
+    return parts.ids, _kernel.query_outcomes(tie_counts(parts, max_k), ties, max_k)

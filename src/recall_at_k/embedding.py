@@ -18,6 +18,7 @@ from torch import Tensor
 from recall_at_k import _audit, _embedding_checks, _items
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
+from recall_at_k._outcomes import QueryOutcomes, embedding_outcomes
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import (
     EXCLUDES,
@@ -31,6 +32,7 @@ from recall_at_k._types import (
 )
 from recall_at_k.ranking import bands as _bands
 from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import outcomes as _ranking_outcomes
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 from recall_at_k.ranking.bands import AUTO_ROUTE, Route
@@ -382,6 +384,77 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 raise ValueError(missing)
             directions.append(None if missing is not None else (queries, gallery))
         return directions
+
+    # ------------------------------------------------------------------ per query
+
+    def query_outcomes(self) -> QueryOutcomes | dict[str, QueryOutcomes]:
+        """Each counted query's hit@K and first-hit rank, synchronised as ``compute()``.
+
+        Computed from the stored items: the queries are ranked again, as ``compute()``
+        ranks them (under DDP each process ranks its share and the outcomes are
+        gathered), with one record per query kept instead of a histogram. The ids are
+        the queries' ``ids`` (of every query, or of none: then the position of each
+        query among the items added with its role, ``"query"`` or ``"both"`` -- or
+        ``"gallery"`` for the gallery -> query direction --, counted in the order of the
+        (gathered) state), ascending; ``hits.mean(0)`` is ``compute()``'s Recall@K.
+        With ``bidirectional=True``, a dict of one per direction, keyed by its name.
+        See :class:`recall_at_k.QueryOutcomes`.
+
+        Example:
+            >>> import torch
+            >>> from recall_at_k import EmbeddingRecallAtK
+            >>> metric = EmbeddingRecallAtK(k=1)
+            >>> embeddings = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8]])
+            >>> metric.update(embeddings, torch.tensor([0, 0, 1, 1]),
+            ...               ids=torch.tensor([10, 11, 12, 13]))
+            >>> outcomes = metric.query_outcomes()
+            >>> outcomes.ids, outcomes.first_hit_rank
+            (tensor([10, 11, 12, 13]), tensor([1, 2, 1, 2]))
+            >>> outcomes.hits.squeeze(1)
+            tensor([1., 0., 1., 0.], dtype=torch.float64)
+        """
+        outcomes: list[QueryOutcomes] = self._synced(self._query_outcomes)
+        if self.bidirectional:
+            return dict(zip(self.directions, outcomes, strict=False))
+        return outcomes[0]
+
+    def _query_outcomes(self) -> list[QueryOutcomes]:
+        try:
+            embeddings, meta = self._stored()
+            directions = self._directions(meta) if meta.shape[0] else [None, None]
+            directions = directions[: len(self._prefixes)]
+            check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
+            options = _bands.RankOptions(
+                self.similarity, self.exclude, self.ties, self.max_k, self.chunk_bytes, check_nan
+            )
+            prepared = _score.prepare(embeddings, self.similarity) if meta.shape[0] else embeddings
+            records = _ranking_outcomes.rank_outcomes(
+                prepared,
+                meta[:, _items.LABEL],
+                meta[:, _items.GROUP],
+                directions,
+                options,
+                self._route,
+                self._gathered,
+            )
+        finally:
+            self._gathered = None
+        single = self.single_k and not self.bidirectional
+        return [
+            embedding_outcomes(
+                meta,
+                index,
+                None if sides is None else sides[0],
+                rec,
+                self.ks,
+                self.max_k,
+                self.empty_target_action,
+                None if single else [prefix + key for key in self.keys],
+            )
+            for index, (prefix, sides, rec) in enumerate(
+                zip(self._prefixes, directions, records, strict=True)
+            )
+        ]
 
     # ------------------------------------------------------------------ protocol audit
 

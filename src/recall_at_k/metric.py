@@ -11,6 +11,7 @@ from torch import Tensor
 from recall_at_k import _dense, _flat, _kernel
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_optional_int
+from recall_at_k._outcomes import QueryOutcomes, by_id, from_records
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import EmptyTargetAction, OutputT, Ties
 
@@ -333,6 +334,75 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         if deduplicated is not None:
             hist, queries = hist + deduplicated[0], queries + deduplicated[1]
         return [(hist, queries)]
+
+    def query_outcomes(self) -> QueryOutcomes:
+        """Each counted query's hit@K and first-hit rank, synchronised as ``compute()``.
+
+        The ids are the flat form's ``indexes`` or the dense form's ``query_ids`` (a
+        repeated id counts once, as in ``compute()``), ascending; ``hits.mean(0)`` is
+        ``compute()``'s Recall@K. The flat state already is one row per query; the
+        dense form keeps one record per query only when ``update`` is given
+        ``query_ids`` (O(Q) state; without them the state is a histogram of O(max K)
+        and this raises a ``ValueError``). See :class:`recall_at_k.QueryOutcomes`.
+
+        Example:
+            >>> import torch
+            >>> from recall_at_k import RetrievalRecallAtK
+            >>> metric = RetrievalRecallAtK(k=(1, 2))
+            >>> scores = torch.tensor([[0.1, 0.9, 0.3], [0.8, 0.7, -0.2]])
+            >>> metric.update(scores, torch.tensor([1, 2]), query_ids=torch.tensor([7, 3]))
+            >>> outcomes = metric.query_outcomes()
+            >>> outcomes.ids, outcomes.first_hit_rank
+            (tensor([3, 7]), tensor([3, 1]))
+            >>> outcomes.hits
+            tensor([[0., 0.],
+                    [1., 1.]], dtype=torch.float64)
+        """
+        outcomes: QueryOutcomes = self._synced(self._query_outcomes)
+        return outcomes
+
+    def _query_outcomes(self) -> QueryOutcomes:
+        without_ids = int(self.query_counts.sum())
+        if without_ids:
+            raise ValueError(
+                f"`query_ids`: query_outcomes() needs the id of every dense query row, but"
+                f" {without_ids} row(s) were added without `query_ids` (their state is a"
+                " rank histogram, not one record per query); pass"
+                " `update(scores, target, query_ids=ids)`"
+            )
+        flat = _flat.flat_outcomes(
+            getattr(self, self._flat_name),
+            self.ties,
+            self.max_k,
+            self.complete_queries,
+            path=self._flat_path,
+        )
+        dense = self._dense_records()
+        if flat is not None and dense is not None:
+            raise ValueError(
+                "query_outcomes(): this metric holds dense rows (ids from `query_ids`) and"
+                " flat items (ids from `indexes`), which are independent ids; give each"
+                " input form a metric of its own"
+            )
+        ids, records = flat or dense or self._no_records()
+        keys = None if self.single_k else self.output_keys
+        return from_records(ids, records, self.ks, self.max_k, self.empty_target_action, keys)
+
+    def _dense_records(self) -> tuple[Tensor, Tensor] | None:
+        """The dense records kept with ``query_ids``, sorted by id, each id once."""
+        ids, outcomes = getattr(self, self._ids_name), getattr(self, self._outcomes_name)
+        if isinstance(ids, list):  # not synchronised: still this process's list of blocks
+            ids = torch.cat(ids) if ids else None
+            outcomes = torch.cat(outcomes) if outcomes else None
+        if ids is None or ids.numel() == 0:
+            return None
+        return by_id(ids, outcomes)
+
+    def _no_records(self) -> tuple[Tensor, Tensor]:
+        ids = torch.zeros(0, dtype=torch.int64, device=self.query_counts.device)
+        if self.ties == "expected":
+            return ids, torch.zeros(0, self.max_k + 1, dtype=torch.float64, device=ids.device)
+        return ids, ids.clone()
 
     def _deduplicated_histogram(self) -> tuple[Tensor, Tensor] | None:
         """Histogram of the outcomes recorded with query_ids, each id counted once."""

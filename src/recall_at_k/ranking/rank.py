@@ -20,7 +20,7 @@ exact, hence the same, however tiles, threads and processes group the queries.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -64,6 +64,10 @@ PENDING_PAIRS = 2**16
 the end): one canonical pass over D for many tiles."""
 
 
+Collector = Callable[[Tensor, TieCounts], None]
+"""``collect(positions, counts)``: per-query tie counts as :func:`rank` decides them."""
+
+
 class RankCounts(NamedTuple):
     """A ranking's contribution: ``hist`` ``[max K]`` and int64 ``queries``
     (with, without a valid positive), ``nan_queries`` (queries whose scores held NaN),
@@ -86,6 +90,7 @@ def rank(
     options: RankOptions,
     route: Route = AUTO_ROUTE,
     known: Tensor | None = None,
+    collect: Collector | None = None,
 ) -> RankCounts:
     """Rank ``queries`` against ``gallery_side`` in tiles; the summed rank histogram.
 
@@ -101,6 +106,9 @@ def rank(
         known: bool ``[2, Q]`` (in the order of ``queries``): queries known to have a
             near positive / a near negative whatever their scores (the audit's identical
             items); read only with ``options.near_duplicate``.
+        collect: optional ``collect(positions, counts)``, called with the tie counts of
+            every decided group of queries and their positions in ``queries`` (for
+            per-query outcomes; none by default, at no cost).
     """
     device = embeddings.device
     if queries.rows.numel() == 0:
@@ -113,7 +121,7 @@ def rank(
     gallery = gallery_of(embeddings, labels, groups, gallery_side, options.similarity)
     num_gallery = gallery.embeddings.shape[0]
     share = queries_of(labels, groups, queries, gallery)
-    tally = _Tally(embeddings, gallery, options, known)
+    tally = _Tally(embeddings, gallery, options, known, collect)
     tile_bytes = options.chunk_bytes
     if device.type == "cpu":
         tile_bytes = min(tile_bytes, CPU_TILE_BYTES)
@@ -139,7 +147,7 @@ def rank(
         mode = tile_mode(route, widest, num_gallery, panels_possible and widest > 0)
         if widest == 0 and not options.check_nan and not near:
             # No query of the tile has an item of its label in the gallery.
-            tally.add_counts(_kernel.no_positive_counts(tile.rows.shape[0], device))
+            tally.add_counts(_kernel.no_positive_counts(tile.rows.shape[0], device), [tile])
             continue
         if mode == "panels":
             workspace = tally.workspace
@@ -170,6 +178,7 @@ class _Tally:
         gallery: Gallery | None,
         options: RankOptions,
         known: Tensor | None,
+        collect: Collector | None = None,
     ) -> None:
         device = embeddings.device
         hist_dtype = torch.float64 if options.ties == "expected" else torch.int64
@@ -182,16 +191,19 @@ class _Tally:
         self.gallery = gallery
         self.options = options
         self.known = known
+        self.collect = collect
         self.grid = _probability_grid(embeddings.shape[0])
         self.workspace = Workspace()
         self.pending: list[tuple[Queries, Band]] = []
         self.pending_pairs = 0
 
-    def add_counts(self, counts: TieCounts) -> None:
-        """A tile counted without pairs to decide."""
+    def add_counts(self, counts: TieCounts, tiles: Sequence[Queries] = ()) -> None:
+        """The counts of ``tiles`` (their queries in order)."""
         hist, query_counts = _histogram(counts, self.options, self.grid)
         self.hist += hist
         self.queries += query_counts
+        if self.collect is not None:
+            self.collect(torch.cat([tile.position for tile in tiles]), counts)
 
     def add_band(self, tile: Queries, band: Band) -> None:
         """A scanned tile; decided with the pending ones once enough pairs wait."""
@@ -212,7 +224,7 @@ class _Tally:
         )
         self.rescored += decided.rescored
         self.near += decided.near
-        self.add_counts(decided.counts)
+        self.add_counts(decided.counts, [tile for tile, _ in self.pending])
         self.pending, self.pending_pairs = [], 0
 
     def result(self) -> RankCounts:
