@@ -8,9 +8,14 @@ The two-process case is in ``test_paired_distributed.py``.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
 import math
 import random
+import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -541,3 +546,46 @@ def test_error_not_a_metric_and_bad_level() -> None:
         paired_comparison(metric, torch.tensor([1.0]))  # type: ignore[call-overload]
     with pytest.raises(ValueError, match=r"`level` must be a float in \(0, 1\)"):
         paired_comparison(metric, metric, level=95)
+
+
+# ------------------------------------------------------------------ the docs
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _blocks_with(path: Path, needle: str) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    return [block for block in blocks if needle in block]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/protocol.md"])
+def test_the_paired_block_prints_what_its_comments_say(page: str) -> None:
+    (block,) = _blocks_with(ROOT / page, "paired_comparison(a, b)")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, page, "exec"), {})
+    lines = block.splitlines()
+    said = [  # a comment right after a statement is what that statement prints
+        line[2:]
+        for before, line in itertools.pairwise(lines)
+        if line.startswith("# ") and before.endswith(")") and not before.startswith("#")
+    ]
+    assert printed.getvalue().splitlines() == said
+
+
+def test_policies_bound_the_expected_hits() -> None:
+    """ "pessimistic" <= "expected" <= "optimistic", query by query (what the docs advise
+    comparing under when expected hits are fractional)."""
+    scores, target, ignore = dense_problem(9)
+    ids = torch.arange(scores.shape[0])
+    hits = {}
+    for ties in TIES:
+        metric = RetrievalRecallAtK(k=(1, 2, 3), ties=ties)
+        metric.update(scores, target, ignore=ignore, query_ids=ids)
+        hits[ties] = metric.query_outcomes().hits
+    assert bool((hits["pessimistic"] <= hits["expected"]).all())
+    assert bool((hits["expected"] <= hits["optimistic"]).all())
+    assert bool(((hits["expected"] > 0) & (hits["expected"] < 1)).any())  # ties at cut-offs
+    assert EXACT_DISCORDANT == 4096  # the docs state it
