@@ -7,6 +7,7 @@ gathered), under every tie policy. One spawn runs every scenario.
 
 from __future__ import annotations
 
+import re
 import traceback
 import warnings
 from collections.abc import Callable
@@ -148,10 +149,38 @@ def _embedding(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _fails_on_rank_1(queries: Tensor, gallery: Tensor) -> Tensor:
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("this similarity fails on rank 1")
+    return queries @ gallery.T
+
+
+def _nan_on_rank_1(queries: Tensor, gallery: Tensor) -> Tensor:
+    scores = queries @ gallery.T
+    if torch.distributed.get_rank() == 1:
+        scores[0, 0] = float("nan")
+    return scores
+
+
+def _errors(rank: int, world: int) -> dict[str, Any]:
+    """A failure on one process raises on both (neither waits forever)."""
+    out = {}
+    for name, similarity in (("fails", _fails_on_rank_1), ("nan", _nan_on_rank_1)):
+        metric = EmbeddingRecallAtK(k=1, similarity=similarity)
+        _fill_embedding(metric, _loo_batches(4, True), EMBEDDING_SHARES["uneven"][rank])
+        try:
+            metric.query_outcomes()
+            out[name] = "no error"
+        except (ValueError, RuntimeError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "dense": _dense,
     "flat": _flat,
     "embedding": _embedding,
+    "errors": _errors,
 }
 
 
@@ -239,3 +268,13 @@ def test_bidirectional_outcomes_of_two_processes_equal_one(two: list[dict[str, A
         metric.update(batch.embeddings, batch.labels, **batch.kwargs())
     assert got == _plain(metric.query_outcomes())
     assert list(got) == ["i2t", "t2i"]
+
+
+def test_an_error_on_one_process_raises_on_both(two: list[dict[str, Any]]) -> None:
+    rank0, rank1 = two[0]["errors"], two[1]["errors"]
+    assert re.fullmatch(
+        r"RuntimeError: .*query_outcomes\(\) failed on another process.*", rank0["fails"]
+    )
+    assert rank1["fails"] == "ValueError: this similarity fails on rank 1"
+    for result in (rank0, rank1):
+        assert re.match(r"ValueError: `similarity` returned NaN scores for 1 query", result["nan"])

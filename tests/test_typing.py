@@ -3,6 +3,8 @@
 One ``mypy --strict`` run over a small user file: an int ``k`` types ``compute()`` as
 ``Tensor``; a sequence ``k`` (or the default) as ``dict[str, Tensor]``, so
 ``compute()["recall@1"]`` type-checks; ``bidirectional=True`` always gives a dict.
+``paired_comparison`` of two metrics is typed the same way (one ``PairedComparison`` or
+a dict of them).
 """
 
 from __future__ import annotations
@@ -53,10 +55,22 @@ reveal_type(e_single.compute())  # line 32
 reveal_type(e_several.compute())
 reveal_type(e_default.compute())
 reveal_type(e_both.compute())
+from recall_at_k import PairedComparison, QueryOutcomes, paired_comparison  # line 36
+
+one: PairedComparison = paired_comparison(single, single)
+log_value("p", paired_comparison(several, several)["recall@1"].p_value)
+outcomes: QueryOutcomes = single.query_outcomes()
+reveal_type(paired_comparison(single, single))  # line 41
+reveal_type(paired_comparison(e_several, e_several))
+reveal_type(paired_comparison(outcomes, outcomes))
 """
 
 TENSOR = "torch._tensor.Tensor"
 DICT = "dict[str, torch._tensor.Tensor]"
+PAIRED = (  # how mypy writes a NamedTuple
+    "tuple[float, float, float, float, int, int, int,"
+    " fallback=recall_at_k._paired.PairedComparison]"
+)
 EXPECTED_REVEALS = {
     20: TENSOR,
     21: DICT,
@@ -66,6 +80,9 @@ EXPECTED_REVEALS = {
     33: DICT,
     34: DICT,
     35: DICT,
+    41: PAIRED,
+    42: f"dict[str, {PAIRED}]",
+    43: f"{PAIRED} | dict[str, {PAIRED}]",
 }
 
 
