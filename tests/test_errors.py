@@ -268,7 +268,7 @@ case(
 case("ranks-empty-k", lambda: recall_at_k_from_ranks([1, 2], k=()), r"`k` must not be empty")
 case(
     "ranks-key",
-    lambda: recall_at_k_from_ranks([1, 2], k=1, key=5),  # type: ignore[arg-type]
+    lambda: recall_at_k_from_ranks([1, 2], k=1, key=5),  # type: ignore[call-overload]
     r"`key` must be a str template such as",
 )
 

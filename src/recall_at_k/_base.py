@@ -10,7 +10,7 @@ A subclass declares its states with :meth:`RecallAtKMetric._add_count_state` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, cast
 
 import torch
@@ -274,7 +274,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     # ------------------------------------------------------------------ logging, plots
 
-    def per_k(self, prefix: str = "") -> dict[str, RecallView]:
+    def per_k(self, prefix: str = "") -> Mapping[str, Metric]:
         """One ``Metric`` per output key, for ``self.log_dict`` in Lightning.
 
         Example:

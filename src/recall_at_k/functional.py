@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import SupportsIndex
+from typing import SupportsIndex, overload
 
 import torch
 from torch import Tensor
@@ -91,6 +91,34 @@ def retrieval_first_hit_rank(
     return _kernel.first_hit_rank(counts, ties)
 
 
+@overload
+def retrieval_recall_at_k(
+    scores: Tensor,
+    target: Tensor,
+    k: SupportsIndex,
+    *,
+    ignore: Tensor | None = None,
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> Tensor: ...
+
+
+@overload
+def retrieval_recall_at_k(
+    scores: Tensor,
+    target: Tensor,
+    k: Sequence[SupportsIndex] = (1, 5, 10),
+    *,
+    ignore: Tensor | None = None,
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> dict[str, Tensor]: ...
+
+
 def retrieval_recall_at_k(
     scores: Tensor,
     target: Tensor,
@@ -137,6 +165,18 @@ def retrieval_recall_at_k(
     return format_output(values, keys, single)
 
 
+@overload
+def recall_at_k_from_ranks(
+    ranks: Tensor | Sequence[int], k: SupportsIndex, *, key: str = "recall@{k}"
+) -> Tensor: ...
+
+
+@overload
+def recall_at_k_from_ranks(
+    ranks: Tensor | Sequence[int], k: Sequence[SupportsIndex], *, key: str = "recall@{k}"
+) -> dict[str, Tensor]: ...
+
+
 def recall_at_k_from_ranks(
     ranks: Tensor | Sequence[int], k: K, *, key: str = "recall@{k}"
 ) -> RecallOutput:
@@ -167,6 +207,72 @@ def recall_at_k_from_ranks(
     else:
         values = hits.to(torch.float64) / ranks.numel()
     return format_output(values, keys, single)
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None,
+    gallery_labels: Tensor | None,
+    k: SupportsIndex,
+    *,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> Tensor: ...
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None = None,
+    gallery_labels: Tensor | None = None,
+    *,
+    k: SupportsIndex,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> Tensor: ...
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None = None,
+    gallery_labels: Tensor | None = None,
+    k: Sequence[SupportsIndex] = (1, 5, 10),
+    *,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> dict[str, Tensor]: ...
 
 
 def embedding_recall_at_k(
