@@ -21,6 +21,7 @@ from helpers import tied_rows
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 from recall_at_k.functional import (
+    embedding_recall_at_k,
     recall_at_k_from_ranks,
     retrieval_first_hit_rank,
     retrieval_recall_at_k,
@@ -456,6 +457,24 @@ for name, call, match in [
     ),
 ]:
     case(f"embedding-update-{name}", lambda call=call: call(EmbeddingRecallAtK()), match)
+# Zero-width embeddings (D = 0): the same error from the metric and the function.
+ZERO_WIDTH = r"must have at least one column \(D >= 1\), got shape \[{}, 0\]"
+for rows in (3, 0):
+    case(
+        f"embedding-update-zero-width-{rows}",
+        lambda rows=rows: EmbeddingRecallAtK().update(torch.zeros(rows, 0), LABELS[:rows]),
+        r"`embeddings` " + ZERO_WIDTH.format(rows),
+    )
+    case(
+        f"embedding-functional-zero-width-queries-{rows}",
+        lambda rows=rows: embedding_recall_at_k(torch.zeros(rows, 0), LABELS[:rows], k=1),
+        r"`queries` " + ZERO_WIDTH.format(rows),
+    )
+case(
+    "embedding-functional-zero-width-gallery",
+    lambda: embedding_recall_at_k(EMB, LABELS, torch.zeros(3, 0), LABELS, k=1),
+    r"`gallery` " + ZERO_WIDTH.format(3),
+)
 case(
     "embedding-update-groups-required",
     lambda: EmbeddingRecallAtK(exclude="same_label_and_group").update(EMB, LABELS),
