@@ -133,14 +133,14 @@ DENSE: list[tuple[str, Any, Any, Any, str]] = [
         S,
         torch.zeros(3, 5, dtype=torch.bool),
         None,
-        r"`target` of two dimensions must be a bool or 0/1 integer tensor of the same shape as `scores` \[3, 4\], got shape \[3, 5\]",
+        r"`target` of two dimensions must be a bool, 0/1 integer or 0./1. float tensor of the same shape as `scores` \[3, 4\], got shape \[3, 5\]",
     ),
     (
-        "float-mask",
+        "complex-mask",
         S,
-        torch.zeros(3, 4),
+        torch.zeros(3, 4, dtype=torch.complex64),
         None,
-        r"`target` of two dimensions .* dtype torch.float32",
+        r"`target` of two dimensions .* dtype torch.complex64",
     ),
     (
         "3d-target",
@@ -199,6 +199,14 @@ DENSE: list[tuple[str, Any, Any, Any, str]] = [
         torch.tensor([[0, 1, 2, 0]] * 3),
         None,
         r"`target` mask values must be 0 or 1, got 3 other value\(s\), e.g. 2",
+    ),
+    (
+        "float-mask-values",
+        S,
+        torch.tensor([[0.0, 1.0, 0.5, 0.0]] * 3),
+        None,
+        r"`target` mask values must be 0 or 1, got 3 other value\(s\), e.g. 0.5; binarise"
+        r" graded relevance first, for example `target > 0`",
     ),
 ]
 for name, scores, target, ignore, match in DENSE:
@@ -288,9 +296,21 @@ for name, change, match in [
     ("int-preds", {"preds": torch.tensor([1, 2, 3])}, r"`preds` must be a floating point tensor"),
     ("list-preds", {"preds": [0.1, 0.2, 0.3]}, r"`preds` must be a torch.Tensor, got list"),
     (
-        "float-target",
-        {"target": torch.tensor([0.0, 1.0, 0.0])},
-        r"`target` must be a bool or 0/1 integer",
+        "complex-target",
+        {"target": torch.tensor([0.0, 1.0, 0.0], dtype=torch.complex64)},
+        r"`target` must be a bool, 0/1 integer or 0./1. float tensor of relevance, got shape"
+        r" \[3\] and dtype torch.complex64",
+    ),
+    (
+        "float-target-values",
+        {"target": torch.tensor([0.0, 0.5, 1.0])},
+        r"`target` values must be 0 or 1, got 1 other value\(s\), e.g. 0.5 \(pass `ignore_index`"
+        r" .*\); binarise graded relevance first, for example `target > 0`",
+    ),
+    (
+        "float-target-nan",
+        {"target": torch.tensor([0.0, float("nan"), 1.0])},
+        r"`target` values must be 0 or 1, got 1 other value\(s\), e.g. nan",
     ),
     (
         "float-indexes",

@@ -65,7 +65,7 @@ def retrieval_first_hit_rank(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         ignore: optional bool ``[Q, G]``: items removed from that query's gallery.
         ties: ``"pessimistic"`` (rank = g_> + e + 1, ties count against the query) or
@@ -134,7 +134,7 @@ def retrieval_recall_at_k(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per complete query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         k: an int (returns a scalar tensor) or a sequence of ints (returns a dict).
         ignore: optional bool ``[Q, G]``: items neither positive nor negative.
