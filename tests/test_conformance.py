@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -456,32 +455,6 @@ def test_metric_tracker_with_several_k_through_a_collection() -> None:
         column = [w[i] for w in wants]
         assert best[key] == pytest.approx(max(column))
         assert steps[key] == column.index(max(column))
-
-
-def test_wrappers_with_several_k_work_or_the_readme_says_what_to_use() -> None:
-    """MetricTracker and BootStrapper around a sequence ``k``: right values, or documented."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    tracker = MetricTracker(RetrievalRecallAtK(k=(1, 3)))
-    wants: list[list[float]] = []
-    for scores, target in _epochs():
-        tracker.increment()
-        tracker.update(scores, target)
-        wants.append(_dense_reference(scores, target, (1, 3)))
-    try:
-        best = tracker.best_metric()
-    except Exception:  # not supported: the README must say what to use instead
-        assert "MetricTracker" in readme, "the README does not say how to track several K"
-    else:
-        assert best == pytest.approx(
-            {"recall@1": max(w[0] for w in wants), "recall@3": max(w[1] for w in wants)}
-        )
-    scores, target = next(_epochs())
-    bootstrapper = BootStrapper(RetrievalRecallAtK(k=(1, 3)), num_bootstraps=5)
-    bootstrapper.update(scores, target)
-    try:
-        bootstrapper.compute()
-    except Exception:
-        assert "BootStrapper" in readme, "the README does not say how to bootstrap several K"
 
 
 @pytest.mark.parametrize("strategy", ["poisson", "multinomial"])

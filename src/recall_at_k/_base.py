@@ -20,6 +20,7 @@ from torchmetrics import Metric
 from recall_at_k import _plot
 from recall_at_k._checks import check_choice, check_k, check_key, check_level
 from recall_at_k._kernel import Workspace
+from recall_at_k._misuse import HigherIsBetter, check_lightning_log, check_wrapper_caller
 from recall_at_k._result import format_output, recall_values, wilson_interval
 from recall_at_k._sync import ListLayout, empty_filled_list_states, fill_empty_list_states
 from recall_at_k._types import EMPTY_TARGET_ACTIONS, TIES, OutputT
@@ -43,7 +44,15 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         *Metric.__jit_unused_properties__,
         "output_keys",
         "_view_list",
+        "_returns_dict",
+        "_forward_cache",
     ]
+
+    # True, as a class attribute; read on an instance by ``MetricTracker`` when it is
+    # built, it raises where the tracker cannot take this metric's output.
+    higher_is_better = HigherIsBetter()
+    # Whether the rows of an update are samples that also make up the gallery.
+    _items_are_samples: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -87,6 +96,24 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     def output_keys(self) -> list[str]:
         """The keys of ``compute()``'s dict, in order (one per K and direction)."""
         return [prefix + key for prefix in self._prefixes for key in self.keys]
+
+    @property
+    def _returns_dict(self) -> bool:
+        """Whether ``compute()`` returns a dict (several K or directions), not one tensor."""
+        return not (self.__dict__.get("single_k", True) and self.__dict__.get("_prefixes") == ("",))
+
+    @property
+    def _forward_cache(self) -> Any:
+        """torchmetrics' batch value of ``forward``; Lightning's ``self.log`` reads it
+        when called, which raises for a metric whose ``compute()`` is a dict (see
+        :mod:`recall_at_k._misuse`)."""
+        if self._returns_dict:
+            check_lightning_log(type(self).__name__, self.output_keys)
+        return self.__dict__.get("_forward_cache")
+
+    @_forward_cache.setter
+    def _forward_cache(self, value: Any) -> None:
+        self.__dict__["_forward_cache"] = value
 
     # ------------------------------------------------------------------ states
 
@@ -242,6 +269,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     def compute(self) -> OutputT:
         """Recall@K over everything seen (synchronised across processes)."""
+        check_wrapper_caller(self)
         return self._output([values for values, _ in self._recall_values()])
 
     def confidence_interval(self, level: float = 0.95) -> OutputT:
