@@ -18,7 +18,13 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from recall_at_k import _plot
-from recall_at_k._checks import check_choice, check_k, check_key, check_level
+from recall_at_k._checks import (
+    check_choice,
+    check_k,
+    check_key,
+    check_level,
+    check_torchmetrics_names,
+)
 from recall_at_k._kernel import Workspace
 from recall_at_k._misuse import HigherIsBetter, check_lightning_log, check_wrapper_caller
 from recall_at_k._result import format_output, recall_values, wilson_interval
@@ -65,11 +71,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         prefixes: Sequence[str] = ("",),
         **metric_kwargs: Any,
     ) -> None:
-        if "top_k" in metric_kwargs:
-            raise ValueError(
-                "`top_k` is torchmetrics' name for one K; this metric takes `k`, an int or"
-                f" a sequence of ints: pass k={metric_kwargs['top_k']!r}"
-            )
+        check_torchmetrics_names(metric_kwargs)
         super().__init__(**metric_kwargs)
         self.ks, self.single_k = check_k(k)
         self.max_k = max(self.ks)
