@@ -153,6 +153,36 @@ def _collection_model() -> dict[str, Any]:
     return namespace
 
 
+def _recall_model() -> dict[str, Any]:
+    """A ``Model`` holding ``self.val_recall`` (Recall@1/5/10), updated in
+    ``validation_step`` with dense scores."""
+    namespace = _lightning()
+    code = textwrap.dedent(
+        """
+        class Model(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.val_recall = RetrievalRecallAtK(k=(1, 5, 10))
+
+            def validation_step(self, batch, batch_idx):
+                scores, target = self(batch)
+                self.val_recall.update(scores, target)
+        """
+    )
+    exec(compile(code, "<docs fixture recall_model>", "exec"), namespace)
+    return namespace
+
+
+def _val_batches() -> dict[str, Any]:
+    """``val_batches``: three batches of dense ``(scores, target)``."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(8, GALLERY, generator=gen), torch.randint(0, GALLERY, (8,), generator=gen))
+        for _ in range(3)
+    ]
+    return {"val_batches": batches}
+
+
 FIXTURES: dict[str, Callable[[], dict[str, Any]]] = {
     "val_loader": _embedding_data,
     "captions": _captions,
@@ -161,6 +191,8 @@ FIXTURES: dict[str, Callable[[], dict[str, Any]]] = {
     "flat_batch": _flat_batch,
     "lightning": _lightning,
     "collection_model": _collection_model,
+    "recall_model": _recall_model,
+    "val_batches": _val_batches,
 }
 
 # --------------------------------------------------------------------------- wrappers

@@ -332,6 +332,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         ax: Any | None = None,
         *,
         interval: OutputT | None = None,
+        labels: Sequence[str] | None = None,
     ) -> tuple[Any, Any]:
         """Draw Recall@K against K (a CMC curve; one per direction when bidirectional).
 
@@ -342,6 +343,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             ax: a matplotlib axis to draw on; a new figure when ``None``.
             interval: a result of :meth:`confidence_interval`, drawn as a band around
                 the curve of one result.
+            labels: one legend label per result of ``val`` (say, per model or epoch);
+                without it, a list of results is labelled by position ("step 0", ...).
 
         Returns:
             ``(fig, ax)``.
@@ -368,7 +371,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 for prefix in self._prefixes
             }
         title = type(self).__name__
-        return _plot.plot_curves(curves[0] if len(curves) == 1 else curves, ax, title, bands)
+        one = len(curves) == 1 and labels is None
+        return _plot.plot_curves(curves[0] if one else curves, ax, title, bands, labels)
 
 
 def _to_device_of(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
