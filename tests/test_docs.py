@@ -142,3 +142,18 @@ def test_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         _run(block, tmp_path)
     finally:
         plt.close("all")
+
+
+def test_the_quickstart_ci_runs_against_the_wheel_is_one_of_these_blocks() -> None:
+    """``.ci/run`` runs ``scripts/readme_quickstart.py``'s block against the installed
+    wheel, outside the repository; here it runs like every other block."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "readme_quickstart", ROOT / "scripts" / "readme_quickstart.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    code = module.quickstart((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert code in [block.code for block in BLOCKS if block.path.name == "README.md"]
