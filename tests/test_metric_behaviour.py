@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 
 import pytest
@@ -117,19 +118,22 @@ def test_empty_batch_changes_nothing_and_empty_gallery_has_no_positive() -> None
 
 def test_update_is_sync_free_on_the_meta_device() -> None:
     """With validate_args=False nothing reads a tensor value on the host (meta would fail)."""
-    for ties in TIES:
+    # A large batch and a small one (the paths with the fewest tensor operations).
+    for (rows, gallery), ties in itertools.product([(256, 500), (8, 100)], TIES):
         metric = RetrievalRecallAtK(ties=ties, validate_args=False).to("meta")
-        scores = torch.empty(256, 500, device="meta")
-        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))
-        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"))
-        ignore = torch.empty(256, 500, dtype=torch.bool, device="meta")
-        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"), ignore=ignore)
-        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"), ignore=ignore)
+        scores = torch.empty(rows, gallery, device="meta")
+        index = torch.empty(rows, dtype=torch.int64, device="meta")
+        mask = torch.empty(rows, gallery, dtype=torch.bool, device="meta")
+        metric.update(scores, index)
+        metric.update(scores, mask)
+        ignore = torch.empty(rows, gallery, dtype=torch.bool, device="meta")
+        metric.update(scores, index, ignore=ignore)
+        metric.update(scores, mask, ignore=ignore)
         assert metric.rank_histogram.device.type == "meta"
     # ... and the validating update does read values, so it fails there.
     checked = RetrievalRecallAtK().to("meta")
     with pytest.raises((RuntimeError, NotImplementedError)):
-        checked.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))
+        checked.update(scores, torch.empty(rows, dtype=torch.int64, device="meta"))
 
 
 def test_requires_grad_scores_keep_no_graph() -> None:

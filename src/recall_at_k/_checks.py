@@ -10,6 +10,7 @@ with ``validate_args=True`` (as the value checks beside each input form).
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast
@@ -183,7 +184,7 @@ def check_no_nan(scores: Tensor, name: str = "scores", nan_rows: Tensor | None =
     if nan_rows is not None:
         found = bool(nan_rows.any())
     else:
-        found = bool(scores.numel()) and bool(torch.isnan(scores.detach().amax()))
+        found = bool(scores.numel()) and math.isnan(float(scores.detach().amax()))
     if found:
         count = int(torch.isnan(scores).sum())
         raise ValueError(f"`{name}` must not contain NaN, found {count} NaN value(s)")
