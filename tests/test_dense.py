@@ -55,13 +55,21 @@ def _random_case(rng: random.Random) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("block_bytes", [None, 1], ids=["default-blocks", "one-row-blocks"])
+@pytest.mark.parametrize(
+    ("block_bytes", "small_batch"),
+    [(None, None), (None, 0), (1, 0)],
+    ids=["small-batch-paths", "default-blocks", "one-row-blocks"],
+)
 @pytest.mark.parametrize("seed", range(6))
-def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
+def test_agreement_with_reference(
+    seed: int, block_bytes: int | None, small_batch: int | None
+) -> None:
     """600 random cases: every tie policy, every empty-target action, batch splits.
 
-    Run twice: with the CPU mask path's default row blocks (a case fits in one) and with
-    blocks of one row, so that every row of a case is its own block.
+    Run three times through the metric: with the paths of small batches (bool
+    comparisons; every case here is small), and with those off, with the CPU mask path's
+    default row blocks (a case fits in one) and with blocks of one row, so that every
+    row of a case is its own block.
     """
     rng = random.Random(seed)
     for _ in range(100):
@@ -92,6 +100,8 @@ def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
         metric = RetrievalRecallAtK(ks, ties=ties, empty_target_action=action)
         if block_bytes is not None:
             metric._dense_block_bytes = block_bytes
+        if small_batch is not None:
+            metric._dense_small_batch = small_batch
         cuts = sorted(rng.choices(range(scores.shape[0] + 1), k=rng.randint(0, 3)))
         bounds = [0, *cuts, scores.shape[0]]
         for lo, hi in itertools.pairwise(bounds):
@@ -172,6 +182,54 @@ def test_mask_path_counts_equal_the_select_path_for_every_count() -> None:
     for name in ("greater", "at_or_above", "tied_positives"):
         a, b = getattr(blocks, name), getattr(selects, name)
         assert torch.equal(a[has], b[has]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_small_batch_mask_path_counts_equal_the_other_paths(dtype: torch.dtype) -> None:
+    """The small-batch mask path (bool comparisons), the CPU block path and the select
+    path give the same g_>, g_> + e, p and has-positive on a small batch with heavy
+    ties, infinities, positives all at -inf and rows without a positive; the index path
+    of both sizes agrees on rows with one positive."""
+    scores, mask = _several_row_blocks_case()
+    scores, mask = scores[:40].to(dtype), mask[:40]
+    assert scores.numel() <= _dense.SMALL_BATCH
+    need = _kernel.needed_counts("expected")
+    small = _dense.dense_tie_counts(scores, mask, None, need)
+    blocks = _dense.dense_tie_counts(scores, mask, None, need, small_batch=0)
+    selects = _dense.dense_tie_counts(scores, mask, torch.zeros_like(mask), need)
+    has = small.has_positive
+    assert has.any() and not has.all()
+    for other in (blocks, selects):
+        assert torch.equal(small.has_positive, other.has_positive)
+        for name in ("greater", "at_or_above", "tied_positives"):
+            a, b = getattr(small, name), getattr(other, name)
+            assert torch.equal(a[has], b[has]), name
+    # Each row's first positive alone, as a [Q] index and as a mask.
+    column = torch.where(has, mask.to(torch.int64).argmax(dim=1), -1)
+    single = torch.zeros_like(mask)
+    single[has.nonzero().squeeze(1), column[has]] = True
+    small_index = _dense.dense_tie_counts(scores, column, None, need)
+    large_index = _dense.dense_tie_counts(scores, column, None, need, small_batch=0)
+    small_single = _dense.dense_tie_counts(scores, single, None, need)
+    for name in ("greater", "at_or_above", "tied_positives"):
+        a, b, c = (getattr(x, name)[has] for x in (small_index, large_index, small_single))
+        assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("ties", ["pessimistic", "optimistic", "expected"])
+def test_state_histogram_equals_the_outcome_records(ties: str) -> None:
+    """The state update's histogram (one scatter of bins for a deterministic policy)
+    equals the sum of the per-query outcome records that query_ids keeps."""
+    scores, mask = _several_row_blocks_case()
+    for counts in (
+        _dense.dense_tie_counts(scores, mask, None, _kernel.needed_counts(ties)),
+        _kernel.no_positive_counts(5, scores.device),
+    ):
+        for max_k in (1, 3, 10, 1000):
+            hist, queries = _kernel.rank_histogram(counts, ties, max_k)
+            want = _kernel.histogram_of(_kernel.query_outcomes(counts, ties, max_k), max_k)
+            assert torch.equal(hist, want[0]) and torch.equal(queries, want[1])
+            assert hist.dtype == want[0].dtype and queries.dtype == torch.int64
 
 
 def test_worked_examples_through_the_metric() -> None:

@@ -108,6 +108,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     _dense_block_bytes: int = _dense.CPU_BLOCK_BYTES
     """Bytes of scores per block of rows on the CPU mask path (a private switch for
     tests; every block size gives the same counts)."""
+    _dense_small_batch: int = _dense.SMALL_BATCH
+    """Dense batches of at most this many scores take the paths with the fewest tensor
+    operations (a private switch for tests; every choice gives the same counts)."""
     _flat_path: _flat.SegmentPath = "auto"
     """How the flat form finds each query's top K (a private switch for tests; every
     path gives the same counts)."""
@@ -262,14 +265,16 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             self.validate_args,
             self._workspace,
             self._dense_block_bytes,
+            self._dense_small_batch,
         )
-        outcomes = _kernel.query_outcomes(counts, self.ties, self.max_k)
         if query_ids is None:
-            hist, queries = _kernel.histogram_of(outcomes, self.max_k)
-            # Out of place: a state made under torch.inference_mode() stays usable.
-            setattr(self, self._hist_name, self.rank_histogram + hist)
-            setattr(self, self._queries_name, self.query_counts + queries)
+            hist, queries = _kernel.rank_histogram(counts, self.ties, self.max_k)
+            # Out of place: a state made under torch.inference_mode() stays usable. The
+            # states are plain attributes: object.__setattr__ skips Module's checks.
+            object.__setattr__(self, self._hist_name, self.rank_histogram + hist)
+            object.__setattr__(self, self._queries_name, self.query_counts + queries)
             return
+        outcomes = _kernel.query_outcomes(counts, self.ties, self.max_k)
         _dense.check_query_ids(query_ids, preds)
         getattr(self, self._ids_name).append(query_ids.to(torch.int64, copy=True))
         getattr(self, self._outcomes_name).append(outcomes)
