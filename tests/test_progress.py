@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from recall_at_k import EmbeddingRecallAtK
 from recall_at_k.functional import embedding_recall_at_k
 
 NUM = 300
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,3 +98,22 @@ def test_only_rank_zero_shows_the_bar() -> None:
     assert values0 == values1 == _metric("leave-one-out")
     assert "ranking" in err0 and f"/{NUM // 2}" in err0, err0  # its share of the queries
     assert err1 == ""
+
+
+def _documented_block(path: Path) -> str:
+    """The progress example of a README/docs page: the python block that opens with
+    the comment ``# A progress bar over the ranking``."""
+    text = path.read_text(encoding="utf-8")
+    start = text.index("```python\n# A progress bar over the ranking")
+    return text[start + len("```python\n") : text.index("```", start + 3)]
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/input-forms.md"])
+def test_documented_example_runs_and_shows_a_bar(
+    page: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _documented_block(ROOT / page)
+    exec(compile(code, page, "exec"), {})
+    out, err = capsys.readouterr()
+    assert "'recall@1': tensor(" in out and "'recall@5': tensor(" in out
+    assert "ranking" in err and "/3000" in err, err
