@@ -44,6 +44,7 @@ from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k.functional import retrieval_recall_at_k
 
 CASE_IDS = [case.name for case in CASES]
 CHECKS: dict[str, Callable[[Case], None]] = {
@@ -174,6 +175,60 @@ def test_positional_indexes_alone_and_in_a_collection_equal_hit_rate() -> None:
     mrr = RetrievalMRR()
     mrr.update(preds, target, indexes)
     assert float(result["RetrievalMRR"]) == pytest.approx(float(mrr.compute()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_float_relevance_in_a_collection_beside_torchmetrics_retrieval_metrics(
+    dtype: torch.dtype,
+) -> None:
+    """torchmetrics' retrieval metrics take float 0./1. relevance; a collection holding ours
+    beside them takes it too, in batches (forward) and with ``ignore_index``."""
+    preds, target, indexes = _flat_tie_free(2)
+    target[::7] = -1  # dropped by ignore_index
+    kept = target != -1
+    want = _flat_reference(preds[kept], target[kept], indexes[kept], (1, 5))
+    collection = MetricCollection(
+        {
+            "r1": RetrievalRecallAtK(k=1, ignore_index=-1),
+            "r5": RetrievalRecallAtK(k=5, ignore_index=-1),
+            "hit1": RetrievalHitRate(top_k=1, ignore_index=-1),
+            "hit5": RetrievalHitRate(top_k=5, ignore_index=-1),
+            "mrr": RetrievalMRR(ignore_index=-1),
+        }
+    )
+    for rows in torch.arange(preds.shape[0]).split(25):
+        collection(preds[rows], target[rows].to(dtype), indexes[rows])
+    result = {name: float(value) for name, value in collection.compute().items()}
+    assert result["r1"] == pytest.approx(want[0], abs=1e-6)
+    assert result["r5"] == pytest.approx(want[1], abs=1e-6)
+    assert result["r1"] == pytest.approx(result["hit1"], abs=1e-6)
+    assert result["r5"] == pytest.approx(result["hit5"], abs=1e-6)
+    mrr = RetrievalMRR()
+    mrr.update(preds[kept], target[kept], indexes[kept])
+    assert result["mrr"] == pytest.approx(float(mrr.compute()))
+
+
+@pytest.mark.parametrize("validate_args", [True, False])
+def test_float_mask_targets_count_as_their_integer_mask(validate_args: bool) -> None:
+    """The dense form takes a float 0./1. ``[Q, G]`` mask as the flat form takes float
+    relevance: the same values as the integer mask, on the CPU block path and with
+    ``ignore`` (the select path)."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 4, (40, 9), generator=gen).float()  # heavy ties
+    mask = (torch.rand(40, 9, generator=gen) < 0.2).long()
+    ignore = torch.rand(40, 9, generator=gen) < 0.1
+    ks = (1, 2, 5)
+    keys = [f"recall@{k}" for k in ks]
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        for extra in ({}, {"ignore": ignore}):
+            want = _dense_reference(scores, mask, ks, ignore=extra.get("ignore"))
+            got = retrieval_recall_at_k(
+                scores, mask.to(dtype), ks, validate_args=validate_args, **extra
+            )
+            assert as_values(got, keys) == pytest.approx(dict(zip(keys, want, strict=True)))
+            metric = RetrievalRecallAtK(k=ks, validate_args=validate_args)
+            metric.update(scores, mask.to(dtype), **extra)
+            assert as_values(metric.compute(), keys) == as_values(got, keys)
 
 
 @pytest.mark.parametrize("validate_args", [True, False])

@@ -197,17 +197,15 @@ def test_negative_and_zero_scores_are_ordinary() -> None:
     """Unlike torchmetrics >= 1.7.4, scores <= 0 rank like any others."""
     scores = torch.tensor([[-0.3, -0.9, -0.5], [0.0, -1.0, -2.0]])
     target = torch.tensor([0, 0])
-    assert float(retrieval_recall_at_k(scores, target, k=1)) == 1.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(scores, target, k=1)) == 1.0
 
 
 def test_collapsed_model_gets_zero_with_pessimistic_ties() -> None:
     scores = torch.ones(4, 100)
     target = torch.arange(4)
-    assert float(retrieval_recall_at_k(scores, target, k=1)) == 0.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(scores, target, k=1, ties="optimistic")) == 1.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(scores, target, k=1, ties="expected")) == pytest.approx(  # type: ignore[arg-type]
-        0.01
-    )
+    assert float(retrieval_recall_at_k(scores, target, k=1)) == 0.0
+    assert float(retrieval_recall_at_k(scores, target, k=1, ties="optimistic")) == 1.0
+    assert float(retrieval_recall_at_k(scores, target, k=1, ties="expected")) == pytest.approx(0.01)
 
 
 def test_expected_is_exact_for_ten_million_tied_items() -> None:
@@ -240,7 +238,7 @@ def _check(scores: torch.Tensor, mask: torch.Tensor, ks: tuple[int, ...], **kw: 
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = retrieval_recall_at_k(scores, mask, ks, ignore=ignore, ties=ties)  # type: ignore[arg-type]
+            got = retrieval_recall_at_k(scores, mask, ks, ignore=ignore, ties=ties)  # type: ignore[call-overload]
         assert isinstance(got, dict)
         # pytest.approx's default tolerance: relative 1e-6, absolute 1e-12
         assert_recall_close(got, want, ks, abs=1e-12, rel=1e-6, where=ties)
@@ -248,7 +246,7 @@ def _check(scores: torch.Tensor, mask: torch.Tensor, ks: tuple[int, ...], **kw: 
             column = torch.where(mask.any(1), mask.int().argmax(1), -1)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                by_index = retrieval_recall_at_k(scores, column, ks, ignore=ignore, ties=ties)  # type: ignore[arg-type]
+                by_index = retrieval_recall_at_k(scores, column, ks, ignore=ignore, ties=ties)  # type: ignore[call-overload]
             assert by_index == got
 
 
@@ -307,12 +305,12 @@ def test_half_precision_is_ranked_in_its_own_precision(dtype: torch.dtype) -> No
     # 1.0 and 1.0001 are distinct in float32 but the same float16/bfloat16 value: a real tie.
     scores32 = torch.tensor([[1.0001, 1.0, 0.5]])
     target = torch.tensor([1])
-    assert float(retrieval_recall_at_k(scores32, target, k=1, ties="optimistic")) == 0.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(scores32, target, k=1, ties="optimistic")) == 0.0
     half = scores32.to(dtype)
     assert half[0, 0] == half[0, 1]
-    assert float(retrieval_recall_at_k(half, target, k=1, ties="optimistic")) == 1.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(half, target, k=1)) == 0.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(half, target, k=1, ties="expected")) == 0.5  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(half, target, k=1, ties="optimistic")) == 1.0
+    assert float(retrieval_recall_at_k(half, target, k=1)) == 0.0
+    assert float(retrieval_recall_at_k(half, target, k=1, ties="expected")) == 0.5
     # ... and half scores agree with the reference applied to their own values.
     scores = torch.randint(0, 4, (6, 7)).to(dtype) / 3
     _check(scores, torch.rand(6, 7) < 0.3, (1, 2, 5))

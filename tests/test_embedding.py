@@ -285,10 +285,11 @@ def test_dtypes_and_counts_of_ranked_queries() -> None:
     metric.update(emb.double(), labels.to(torch.int32), ids=torch.arange(12, 24))
     metric.compute()
     assert metric.last_compute_num_queries_ranked == {"q2g": 24}
-    assert all(v.dtype == torch.float32 for v in metric.embedding_values)
+    # Each batch in the wider of float32 and its own dtype; set_dtype changes neither.
+    assert [v.dtype for v in metric.embedding_values] == [torch.float32, torch.float64]
     wide = EmbeddingRecallAtK(KS).set_dtype(torch.float64)
     wide.update(emb, labels)
-    assert wide.embedding_values[0].dtype == torch.float64
+    assert wide.embedding_values[0].dtype == torch.float32
 
 
 def test_validate_args_false_skips_value_checks() -> None:

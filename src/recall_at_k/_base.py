@@ -10,18 +10,24 @@ A subclass declares its states with :meth:`RecallAtKMetric._add_count_state` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, cast
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from recall_at_k import _plot
 from recall_at_k._checks import check_choice, check_k, check_key, check_level
 from recall_at_k._kernel import Workspace
 from recall_at_k._result import format_output, recall_values, wilson_interval
-from recall_at_k._sync import ListLayout, empty_filled_list_states, fill_empty_list_states
+from recall_at_k._sync import (
+    ListLayout,
+    agree_float_dtypes,
+    empty_filled_list_states,
+    fill_empty_list_states,
+)
 from recall_at_k._types import EMPTY_TARGET_ACTIONS, TIES, OutputT
 from recall_at_k._views import RecallMetric, RecallView
 
@@ -96,19 +102,19 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self._exact_states.append(name)
 
     def _add_list_state(self, name: str, layout: ListLayout) -> None:
-        """A ``"cat"`` list state of blocks of ``layout``; an exact one (``layout.dtype``
-        given) keeps its dtype under casts, one of the metric's dtype follows them."""
+        """A ``"cat"`` list state of blocks of ``layout``: its blocks keep their dtypes
+        under casts (see :meth:`_apply`; float embeddings are never rounded to half)."""
         self.add_state(name, [], dist_reduce_fx="cat")
         self._list_layouts[name] = layout
-        if layout.dtype is not None:
-            self._exact_states.append(name)
+        self._exact_states.append(name)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = ()) -> Any:
         """torchmetrics' ``_apply``, except that exact states only change device.
 
         A module cast (``.to(torch.float16)``, ``.half()``, ``set_dtype``, Lightning's
-        ``precision="16-true"``) would otherwise round counts kept in float64 or cast
-        int64 counts and float64 bit patterns to half precision.
+        ``precision="16-true"``) would otherwise round counts kept in float64, cast
+        int64 counts and float64 bit patterns to half precision, and round stored
+        embeddings (those stored before the cast too) to half precision.
         """
         exact: list[str] = self.__dict__.get("_exact_states", [])
         this: Any = super()._apply(fn, exclude_state=(*exclude_state, *exact))
@@ -139,6 +145,15 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         _forget_computed(self)
+
+    def _sync_dist(
+        self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None
+    ) -> None:
+        """torchmetrics' gather of the states, after the processes agree on the dtype of
+        float list states (:func:`recall_at_k._sync.agree_float_dtypes`)."""
+        group = process_group or self.process_group
+        agree_float_dtypes(self, self._list_layouts, dist_sync_fn, group)
+        super()._sync_dist(dist_sync_fn, process_group=process_group)
 
     def _will_sync(
         self, should_sync: bool, distributed_available: Callable[..., Any] | None
@@ -274,7 +289,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     # ------------------------------------------------------------------ logging, plots
 
-    def per_k(self, prefix: str = "") -> dict[str, RecallView]:
+    def per_k(self, prefix: str = "") -> Mapping[str, Metric]:
         """One ``Metric`` per output key, for ``self.log_dict`` in Lightning.
 
         Example:

@@ -152,6 +152,29 @@ def check_no_nan(scores: Tensor, name: str = "scores", nan_rows: Tensor | None =
         raise ValueError(f"`{name}` must not contain NaN, found {count} NaN value(s)")
 
 
+def check_binary(target: Tensor, what: str, hint: str = "") -> None:
+    """Relevance values 0 or 1 (bool passes unread; integer or float 0/1 values pass).
+
+    A value check (reads the tensor on the host): entry points run it only with
+    ``validate_args=True``.
+    """
+    if not target.numel() or target.dtype == torch.bool:
+        return
+    bad = (target != 0) & (target != 1)
+    if bool(bad.any()):
+        example = target[bad][0]
+        shown = float(example) if target.is_floating_point() else int(example)
+        remedy = (
+            "; binarise graded relevance first, for example `target > 0`"
+            if target.is_floating_point()
+            else ""
+        )
+        raise ValueError(
+            f"{what} must be 0 or 1, got {int(bad.sum())} other value(s),"
+            f" e.g. {shown}{hint}{remedy}"
+        )
+
+
 def check_level(level: object) -> float:
     """``level`` of a confidence interval: a float in (0, 1)."""
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:

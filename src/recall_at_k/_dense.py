@@ -19,6 +19,7 @@ from torch import Tensor
 
 from recall_at_k._checks import (
     SIGNED_INTEGER_DTYPES,
+    check_binary,
     check_no_nan,
     check_same_device,
     check_tensors,
@@ -57,10 +58,11 @@ def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> No
                 f" got {describe(target)}"
             )
     elif target.dim() == 2:
-        if tuple(target.shape) != (num_queries, gallery) or target.is_floating_point():
+        if tuple(target.shape) != (num_queries, gallery) or target.is_complex():
             raise ValueError(
-                "`target` of two dimensions must be a bool or 0/1 integer tensor of the"
-                f" same shape as `scores` [{num_queries}, {gallery}], got {describe(target)}"
+                "`target` of two dimensions must be a bool, 0/1 integer or 0./1. float"
+                f" tensor of the same shape as `scores` [{num_queries}, {gallery}],"
+                f" got {describe(target)}"
             )
     else:
         raise ValueError(
@@ -105,13 +107,8 @@ def check_values(scores: Tensor, target: Tensor) -> None:
                 f"`target` column indices must lie in [-1, {gallery}) (the gallery has"
                 f" {gallery} items; -1 = no true item), got values in [{low}, {high}]"
             )
-    elif target.dtype != torch.bool:
-        bad = (target != 0) & (target != 1)
-        if bool(bad.any()):
-            raise ValueError(
-                f"`target` mask values must be 0 or 1, got {int(bad.sum())} other"
-                f" value(s), e.g. {int(target[bad][0])}"
-            )
+    else:
+        check_binary(target, "`target` mask values")
 
 
 # ---------------------------------------------------------------------------- counting
@@ -148,7 +145,7 @@ def dense_tie_counts(
 
     Args:
         scores: float ``[Q, G]`` (a NaN makes its row's counts meaningless).
-        target: bool/0-1 integer ``[Q, G]`` relevance mask, or integer ``[Q]`` column of
+        target: bool / 0-1 integer or float ``[Q, G]`` relevance mask, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         ignore: optional bool ``[Q, G]``; ignored items are neither positive nor negative.
         needed: which counts to compute.

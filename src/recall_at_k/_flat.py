@@ -62,7 +62,13 @@ import torch
 from torch import Tensor
 
 from recall_at_k import _kernel
-from recall_at_k._checks import check_no_nan, check_same_device, check_tensors, describe
+from recall_at_k._checks import (
+    check_binary,
+    check_no_nan,
+    check_same_device,
+    check_tensors,
+    describe,
+)
 
 __all__ = [
     "COMPACT_SLACK",
@@ -133,9 +139,10 @@ def check_structure(
         raise ValueError(
             f"`preds` must be a floating point tensor of item scores, got {describe(preds)}"
         )
-    if target.is_floating_point() or target.is_complex():
+    if target.is_complex():
         raise ValueError(
-            f"`target` must be a bool or 0/1 integer tensor of relevance, got {describe(target)}"
+            "`target` must be a bool, 0/1 integer or 0./1. float tensor of relevance,"
+            f" got {describe(target)}"
         )
     if indexes.is_floating_point() or indexes.is_complex() or indexes.dtype == torch.bool:
         raise ValueError(
@@ -153,18 +160,12 @@ def check_structure(
 def check_values(preds: Tensor, target: Tensor, ignore_index: int | None) -> None:
     """Value checks of a flat batch after dropping ``ignore_index`` items (host reads)."""
     check_no_nan(preds, name="preds")
-    if target.numel() and target.dtype != torch.bool:
-        bad = (target != 0) & (target != 1)
-        if bool(bad.any()):
-            hint = (
-                f" (items whose target equals `ignore_index`={ignore_index} are dropped)"
-                if ignore_index is not None
-                else " (pass `ignore_index` to drop items with a given target value)"
-            )
-            raise ValueError(
-                f"`target` values must be 0 or 1, got {int(bad.sum())} other value(s),"
-                f" e.g. {int(target[bad][0])}{hint}"
-            )
+    hint = (
+        f" (items whose target equals `ignore_index`={ignore_index} are dropped)"
+        if ignore_index is not None
+        else " (pass `ignore_index` to drop items with a given target value)"
+    )
+    check_binary(target, "`target` values", hint)
 
 
 def flat_partials(

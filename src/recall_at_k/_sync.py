@@ -7,21 +7,32 @@ float dtype instead, which cannot be gathered beside other processes' int64
 declares its layout, the trailing shape and dtype of its blocks, and an empty list is
 replaced by an empty block of that layout before the gather. Tensor (``"sum"``) states
 need nothing: every process always holds one of the same shape.
+
+A float list state (embeddings) keeps each block in the dtype it was stored in, float32
+or wider; processes may hold different ones (one was given float64 inputs), so before a
+gather they agree on the widest and widen their blocks to it (exactly), and every
+process gathers the same dtype.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 from torchmetrics import Metric
+
+FLOAT_FLOOR = torch.float32
+"""The narrowest dtype a float list state stores (half-precision inputs widen to it)."""
 
 
 class ListLayout(NamedTuple):
     """The blocks of a list state: ``[rows, *trailing]`` of ``dtype``.
 
-    ``dtype=None`` stands for the metric's own dtype (``Metric.dtype``), for float data
-    that follows the module's dtype casts.
+    ``dtype=None`` stands for float blocks of at least ``FLOAT_FLOOR``, each in the dtype
+    it was stored in (see :func:`agree_float_dtypes`). No module cast changes a list
+    state's dtype.
     """
 
     trailing: tuple[int, ...]
@@ -38,7 +49,7 @@ def fill_empty_list_states(metric: Metric, layouts: dict[str, ListLayout]) -> li
     for name, layout in layouts.items():
         value = getattr(metric, name)
         if isinstance(value, list) and not value:
-            dtype = metric.dtype if layout.dtype is None else layout.dtype
+            dtype = FLOAT_FLOOR if layout.dtype is None else layout.dtype
             value.append(torch.empty((0, *layout.trailing), dtype=dtype, device=metric.device))
             filled.append(name)
     return filled
@@ -50,3 +61,46 @@ def empty_filled_list_states(metric: Metric, filled: list[str]) -> None:
         value = getattr(metric, name)
         if isinstance(value, list) and all(block.numel() == 0 for block in value):
             value.clear()
+
+
+def agree_float_dtypes(
+    metric: Metric,
+    layouts: dict[str, ListLayout],
+    dist_sync_fn: Callable[..., Any],
+    process_group: Any | None,
+) -> None:
+    """Before a gather: every process widens its float list states' blocks to the widest
+    dtype any process holds (one small gather of each process's widest, with the
+    metric's own ``dist_sync_fn``), so that the gathered blocks share one dtype.
+
+    The states are replaced by new lists: the local copy torchmetrics keeps for
+    ``unsync`` stays as it was.
+    """
+    names = [name for name, layout in layouts.items() if layout.dtype is None]
+    if not names:
+        return
+    states = [_blocks(getattr(metric, name)) for name in names]
+    widest = [widest_float([block.dtype for block in blocks]) for blocks in states]
+    local = torch.tensor([_BITS[dtype] for dtype in widest], device=metric.device)
+    gathered = torch.stack([g.reshape(-1) for g in dist_sync_fn(local, group=process_group)])
+    for name, blocks, bits in zip(names, states, gathered.amax(dim=0).tolist(), strict=True):
+        dtype = _FLOAT_OF_BITS[int(bits)]
+        if any(block.dtype != dtype for block in blocks):
+            setattr(metric, name, [block.to(dtype) for block in blocks])
+
+
+def widest_float(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype float blocks of ``dtypes`` are ranked in together: the promotion of
+    them all and ``FLOAT_FLOOR`` (what ``torch.cat`` of the stored blocks gives)."""
+    widest = FLOAT_FLOOR
+    for dtype in dtypes:
+        widest = torch.promote_types(widest, dtype)
+    return widest
+
+
+_BITS = {torch.float32: 32, torch.float64: 64}
+_FLOAT_OF_BITS = {bits: dtype for dtype, bits in _BITS.items()}
+
+
+def _blocks(value: Any) -> list[Tensor]:
+    return [value] if isinstance(value, Tensor) else list(value)

@@ -65,13 +65,17 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     are summed with ``all_reduce``, so every process returns the single-process result.
     With ``sync_on_compute=False`` every process computes on its own data alone.
 
-    Embeddings are stored in the metric's dtype (``float32`` unless changed with
-    ``set_dtype`` or a module cast), which every process agrees on when states are
-    gathered. The stored states grow with the data: O(items x D). Items are ranked by a
-    canonical score, a fixed-order float64 sum over the stored float32 rows (cosine rows
-    normalised once each), so the result is identical for every ``chunk_bytes``, thread
-    count, number of processes and device; the float32 matrix product is the fast path,
-    and the items its rounding could misplace are re-scored (``last_compute_rescored``).
+    Embeddings are stored in the wider of float32 and their own dtype: half-precision
+    inputs are widened exactly, float64 inputs stay float64, and no module cast
+    (``.to(torch.float16)``, ``.half()``, ``set_dtype``, Lightning's ``"16-true"`` /
+    ``"bf16-true"``) changes them, before or after it. Once any stored batch (on any
+    process) is float64, all are ranked in float64, as
+    :func:`~recall_at_k.functional.embedding_recall_at_k` ranks the same inputs. The
+    stored states grow with the data: O(items x D). Items are ranked by a canonical
+    score, a fixed-order float64 sum over the stored rows (cosine rows normalised once
+    each), so the result is identical for every ``chunk_bytes``, thread count, number of
+    processes and device; the float32 matrix product is the fast path, and the items its
+    rounding could misplace are re-scored (``last_compute_rescored``).
 
     Args:
         k: an int or a sequence of distinct ints, as for
@@ -250,9 +254,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         # The process group whose gathered states the running compute() sees; set by
         # sync() for the compute that follows it, None when states are local.
         self._gathered: _rank.ProcessGroup | None = None
-        # Embeddings are stored flattened (1-D, in the metric's dtype) so that a process
-        # without data sends an empty block of the same layout; the width is in the
-        # metadata.
+        # Embeddings are stored flattened (1-D, float32 or wider: _items.stored_dtype)
+        # so that a process without data sends an empty block of the same layout; the
+        # width is in the metadata.
         self._add_list_state("embedding_values", ListLayout((), None))
         self._add_list_state("embedding_meta", ListLayout((_items.META_COLUMNS,), torch.int64))
 
@@ -295,7 +299,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if self.validate_args:
             _embedding_checks.check_finite(embeddings)
         # A copy of our own: the caller may reuse its tensor.
-        values.append(embeddings.detach().to(self.dtype, copy=True).reshape(-1))
+        stored = embeddings.detach().to(_items.stored_dtype(embeddings), copy=True)
+        values.append(stored.reshape(-1))
         meta_blocks.append(_items.metadata(labels, groups, ids, role, embeddings.shape[1]))
 
     # ------------------------------------------------------------------ sync hooks
@@ -477,4 +482,4 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._report = None
 
     def _stored(self) -> tuple[Tensor, Tensor]:
-        return _items.stored(self.embedding_values, self.embedding_meta, self.dtype)
+        return _items.stored(self.embedding_values, self.embedding_meta)

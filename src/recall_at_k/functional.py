@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import SupportsIndex
+from typing import SupportsIndex, overload
 
 import torch
 from torch import Tensor
@@ -66,7 +66,7 @@ def retrieval_first_hit_rank(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         ignore: optional bool ``[Q, G]``: items removed from that query's gallery.
         ties: ``"pessimistic"`` (rank = g_> + e + 1, ties count against the query) or
@@ -92,6 +92,34 @@ def retrieval_first_hit_rank(
     return _kernel.first_hit_rank(counts, ties)
 
 
+@overload
+def retrieval_recall_at_k(
+    scores: Tensor,
+    target: Tensor,
+    k: SupportsIndex,
+    *,
+    ignore: Tensor | None = None,
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> Tensor: ...
+
+
+@overload
+def retrieval_recall_at_k(
+    scores: Tensor,
+    target: Tensor,
+    k: Sequence[SupportsIndex] = (1, 5, 10),
+    *,
+    ignore: Tensor | None = None,
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> dict[str, Tensor]: ...
+
+
 def retrieval_recall_at_k(
     scores: Tensor,
     target: Tensor,
@@ -107,7 +135,7 @@ def retrieval_recall_at_k(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per complete query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         k: an int (returns a scalar tensor) or a sequence of ints (returns a dict).
         ignore: optional bool ``[Q, G]``: items neither positive nor negative.
@@ -136,6 +164,18 @@ def retrieval_recall_at_k(
     hist, queries = _kernel.rank_histogram(counts, ties, max(ks))
     values, _ = recall_values(hist, queries, ks, empty_target_action)
     return format_output(values, keys, single)
+
+
+@overload
+def recall_at_k_from_ranks(
+    ranks: Tensor | Sequence[int], k: SupportsIndex, *, key: str = "recall@{k}"
+) -> Tensor: ...
+
+
+@overload
+def recall_at_k_from_ranks(
+    ranks: Tensor | Sequence[int], k: Sequence[SupportsIndex], *, key: str = "recall@{k}"
+) -> dict[str, Tensor]: ...
 
 
 def recall_at_k_from_ranks(
@@ -168,6 +208,75 @@ def recall_at_k_from_ranks(
     else:
         values = hits.to(torch.float64) / ranks.numel()
     return format_output(values, keys, single)
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None,
+    gallery_labels: Tensor | None,
+    k: SupportsIndex,
+    *,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+    progress: bool = False,
+) -> Tensor: ...
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None = None,
+    gallery_labels: Tensor | None = None,
+    *,
+    k: SupportsIndex,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+    progress: bool = False,
+) -> Tensor: ...
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None = None,
+    gallery_labels: Tensor | None = None,
+    k: Sequence[SupportsIndex] = (1, 5, 10),
+    *,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+    progress: bool = False,
+) -> dict[str, Tensor]: ...
 
 
 def embedding_recall_at_k(

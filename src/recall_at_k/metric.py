@@ -49,7 +49,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     positionally or by keyword, alone or in a ``MetricCollection``. Two input forms:
 
     - dense (``indexes=None``): ``preds`` float ``[Q, G]`` scores, one row per complete
-      query; ``target`` a bool / 0-1 integer ``[Q, G]`` mask or an integer ``[Q]``
+      query; ``target`` a bool / 0-1 integer or float ``[Q, G]`` mask or an integer ``[Q]``
       column of the single true item (-1: none); optional bool ``[Q, G]`` ``ignore``.
       The state is a histogram of first-hit ranks 1..max K plus two query counts (int64,
       exact far past 2**31 queries), summed across processes: its size does not depend
@@ -215,10 +215,10 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         Args:
             preds: dense: float ``[Q, G]`` scores, one row per query (higher = more
                 similar). Flat: float ``[N]`` score of each item.
-            target: dense: bool / 0-1 integer ``[Q, G]`` mask, or integer ``[Q]`` true
-                column (``-1``: no true item in this gallery). Flat: bool / 0-1 integer
-                ``[N]`` relevance of each item; items whose target equals
-                ``ignore_index`` are dropped first.
+            target: dense: bool / 0-1 integer or float ``[Q, G]`` mask, or integer
+                ``[Q]`` true column (``-1``: no true item in this gallery). Flat: bool /
+                0-1 integer or float ``[N]`` relevance of each item; items whose target
+                equals ``ignore_index`` are dropped first.
             indexes: flat form: integer ``[N]`` query id of each item (torchmetrics'
                 retrieval convention; any int64 value). Ids are global: the same id in
                 another call or on another process is the same query. Flat ids are

@@ -15,7 +15,7 @@ and device):
 - a callable: its scores as returned, per tile (outside the guarantee: they may depend
   on the tile's shape).
 
-Embeddings stored in float64 (``set_dtype``) have inexact products; the fixed order and
+Embeddings stored in float64 (float64 inputs) have inexact products; the fixed order and
 separate multiply and add still give one value per pair on every device. (For float32
 rows the canonical dot product uses a fused multiply-add per ``d``: the product being
 exact, it rounds exactly like a multiply then an add.)
