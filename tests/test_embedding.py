@@ -247,6 +247,10 @@ def test_single_k_is_a_scalar_and_bidirectional_keys() -> None:
     assert list(both.compute()) == ["i2t/r5", "t2i/r5"]
 
 
+# compute() after reset(): torchmetrics warns beside our NaN warning (expected here).
+@pytest.mark.filterwarnings(
+    "ignore:The ``compute`` method of metric .* called before the ``update``"
+)
 def test_reset_merge_pickle_and_collection() -> None:
     batches, kwargs = query_gallery_same_group()
     expected = run_metric(batches, **kwargs)

@@ -19,7 +19,7 @@ from _pytest.mark import ParameterSet
 from embedding_reference import query_gallery_junk, run_metric
 from helpers import tied_rows
 
-from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, functional
 from recall_at_k.functional import (
     embedding_recall_at_k,
     recall_at_k_from_ranks,
@@ -646,3 +646,39 @@ case(
 def test_error_message(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ---------------------------------------------------------------- torchmetrics' argument names
+
+
+@pytest.mark.parametrize("cls", [RetrievalRecallAtK, EmbeddingRecallAtK])
+def test_aggregation_is_an_error_naming_what_to_use(cls: type) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"`aggregation` is torchmetrics' choice .* \(got 'median'\); Recall@K here is"
+        r" always the mean .* use recall_at_k.functional.retrieval_first_hit_rank",
+    ):
+        cls(aggregation="median")
+
+
+FUNCTIONAL_CALLS = {
+    "retrieval_recall_at_k": lambda **kw: functional.retrieval_recall_at_k(
+        torch.rand(3, 4), torch.zeros(3, dtype=torch.long), **kw
+    ),
+    "retrieval_first_hit_rank": lambda **kw: functional.retrieval_first_hit_rank(
+        torch.rand(3, 4), torch.zeros(3, dtype=torch.long), **kw
+    ),
+    "recall_at_k_from_ranks": lambda **kw: functional.recall_at_k_from_ranks([1, 2], **kw),
+    "embedding_recall_at_k": lambda **kw: functional.embedding_recall_at_k(
+        torch.rand(3, 4), torch.zeros(3, dtype=torch.long), **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONAL_CALLS))
+def test_functional_top_k_and_aggregation_name_what_to_use(name: str) -> None:
+    call = FUNCTIONAL_CALLS[name]
+    with pytest.raises(ValueError, match=r"`top_k` is torchmetrics' name for one K; .* pass k=5"):
+        call(top_k=5)
+    with pytest.raises(ValueError, match=r"`aggregation` .*functional.retrieval_first_hit_rank"):
+        call(aggregation="median")

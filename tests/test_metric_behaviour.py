@@ -61,6 +61,10 @@ def test_forward_returns_the_batch_value_and_accumulates() -> None:
     assert metric.compute() == retrieval_recall_at_k(*everything, k=(1, 3))
 
 
+# compute() after reset(): torchmetrics warns beside our NaN warning (expected here).
+@pytest.mark.filterwarnings(
+    "ignore:The ``compute`` method of metric .* called before the ``update``"
+)
 def test_reset_merge_state_pickle_and_state_dict() -> None:
     a, b = RetrievalRecallAtK(ties="expected"), RetrievalRecallAtK(ties="expected")
     first, second = _batch(40, 8), _batch(25, 8)
@@ -196,3 +200,26 @@ def test_plot_accepts_logged_values_with_a_prefix() -> None:
     line = ax.get_lines()[0]
     assert list(line.get_ydata()) == [0.25, 0.75]
     assert list(ax.get_xticks()) == [1, 5]
+
+
+def test_plot_of_several_results_takes_labels_and_draws_a_legend() -> None:
+    metric = RetrievalRecallAtK(k=(1, 5))
+    first = {"recall@1": 0.25, "recall@5": 0.5}
+    second = {"recall@1": 0.5, "recall@5": 0.75}
+    _, ax = metric.plot([first, second], labels=["model A", "model B"])  # type: ignore[list-item]
+    assert [line.get_label() for line in ax.get_lines()] == ["model A", "model B"]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["model A", "model B"]
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[0.25, 0.5], [0.5, 0.75]]
+    _, one = metric.plot(first, labels=["model A"])  # type: ignore[arg-type]
+    assert [text.get_text() for text in one.get_legend().get_texts()] == ["model A"]
+    with pytest.raises(ValueError, match=r"`labels` must give one label per result: 2 result"):
+        metric.plot([first, second], labels=["model A"])  # type: ignore[list-item]
+
+
+def test_plot_labels_name_each_direction_of_a_bidirectional_result() -> None:
+    from recall_at_k import EmbeddingRecallAtK
+
+    metric = EmbeddingRecallAtK(k=(1, 2), bidirectional=True, directions=("i2t", "t2i"))
+    result = {"i2t/recall@1": 0.5, "i2t/recall@2": 1.0, "t2i/recall@1": 0.25, "t2i/recall@2": 0.5}
+    _, ax = metric.plot([result], labels=["epoch 3"])  # type: ignore[list-item]
+    assert [line.get_label() for line in ax.get_lines()] == ["epoch 3 (i2t)", "epoch 3 (t2i)"]

@@ -9,15 +9,52 @@ with ``validate_args=True`` (as the value checks beside each input form).
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Sequence
-from typing import Any, SupportsIndex, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 SIGNED_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+TORCHMETRICS_NAMES = {
+    "top_k": (
+        "`top_k` is torchmetrics' name for one K; Recall@K here takes `k`, an int or a"
+        " sequence of ints: pass k={value!r}"
+    ),
+    "aggregation": (
+        "`aggregation` is torchmetrics' choice of how per-query values combine (got"
+        " {value!r}); Recall@K here is always the mean of hit@K over the counted queries"
+        " (hit@K is 0 or 1 per query, so a median would be 0 or 1). For per-query"
+        " outcomes use recall_at_k.functional.retrieval_first_hit_rank: rank <= K is hit@K"
+    ),
+}
+
+
+def check_torchmetrics_names(kwargs: Mapping[str, Any]) -> None:
+    """Raise for a torchmetrics retrieval argument that has another name or no use here."""
+    for name, message in TORCHMETRICS_NAMES.items():
+        if name in kwargs:
+            raise ValueError(message.format(value=kwargs[name]))
+
+
+def refuse_torchmetrics_names(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A function that raises :func:`check_torchmetrics_names`' errors first (rather
+    than Python's ``TypeError: unexpected keyword argument``)."""
+
+    @functools.wraps(function)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        check_torchmetrics_names(kwargs)
+        return function(*args, **kwargs)
+
+    return checked
 
 
 def describe(tensor: Tensor) -> str:

@@ -147,6 +147,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ``compute``, per direction: the items whose fast float32 score lay within the
     certified rounding band around their query's best positive."""
 
+    _items_are_samples: ClassVar[bool] = True  # BootStrapper would copy gallery items
     _route: Route = AUTO_ROUTE
     """How tiles are counted (a private switch for tests; every route is exact)."""
 
@@ -404,12 +405,18 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """Counts that reveal a leaky or repeated protocol: ``"queries"`` (counted);
         ``"identical_positive"`` / ``"identical_negative"``: queries with a non-ignored
         gallery item whose embedding is bitwise-equal, another sample, of their label (a
-        guaranteed hit) / of another; with ``near_duplicate``, ``"near_positive"`` /
-        ``"near_negative"`` (an item scored at or above it, or identical) and
-        ``"near_hits_at_1"`` (the rank-1 hit scores at or above it);
-        ``"duplicate_gallery_items"`` (bitwise-equal to an earlier gallery item). From
-        the last ``compute()``, else computed now (collective under DDP).
-        Bidirectional: one dict per direction, keyed by its name.
+        guaranteed hit) / of another; ``"rounding_positive"`` / ``"rounding_negative"``:
+        the same for an item equal to the query up to float rounding but not bitwise
+        (every coordinate within ``2^-10`` of the larger of the two rows' largest
+        absolute coordinate: a DistributedSampler repeat computed in another batch
+        shape); with ``near_duplicate``, ``"near_positive"`` / ``"near_negative"`` (an
+        item scored at or above it, or a copy of either kind) and ``"near_hits_at_1"``
+        (the rank-1 hit scores at or above it); ``"duplicate_gallery_items"``
+        (bitwise-equal to an earlier gallery item) and
+        ``"rounding_duplicate_gallery_items"`` (the others equal up to rounding to an
+        earlier gallery item). From the last ``compute()``, else computed now
+        (collective under DDP). Bidirectional: one dict per direction, keyed by its
+        name.
         """
         if _audit.stale_anywhere(self, self._report is None):
             self._synced(self._audit_on_demand)
@@ -455,7 +462,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ) -> None:
         """Store the report made of ``audits`` (None: keep the one there is) and warn
         once per instance (never re-armed) of identical positives or duplicate gallery
-        items."""
+        items, bitwise or up to rounding."""
         if self._in_forward:
             return
         count = len(self._prefixes)

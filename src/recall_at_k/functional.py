@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from recall_at_k import _dense, _embedding_checks, _kernel
-from recall_at_k._checks import check_choice, check_k, check_key, check_positive_int
+from recall_at_k._checks import (
+    check_choice,
+    check_k,
+    check_key,
+    check_positive_int,
+    refuse_torchmetrics_names,
+)
 from recall_at_k._result import format_output, recall_values
 from recall_at_k._types import (
     DETERMINISTIC_TIES,
@@ -52,6 +58,7 @@ __all__ = [
 K = SupportsIndex | Sequence[SupportsIndex]
 
 
+@refuse_torchmetrics_names
 def retrieval_first_hit_rank(
     scores: Tensor,
     target: Tensor,
@@ -120,6 +127,7 @@ def retrieval_recall_at_k(
 ) -> dict[str, Tensor]: ...
 
 
+@refuse_torchmetrics_names
 def retrieval_recall_at_k(
     scores: Tensor,
     target: Tensor,
@@ -178,6 +186,7 @@ def recall_at_k_from_ranks(
 ) -> dict[str, Tensor]: ...
 
 
+@refuse_torchmetrics_names
 def recall_at_k_from_ranks(
     ranks: Tensor | Sequence[int], k: K, *, key: str = "recall@{k}"
 ) -> RecallOutput:
@@ -279,6 +288,7 @@ def embedding_recall_at_k(
 ) -> dict[str, Tensor]: ...
 
 
+@refuse_torchmetrics_names
 def embedding_recall_at_k(
     queries: Tensor,
     query_labels: Tensor,

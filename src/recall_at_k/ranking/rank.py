@@ -53,7 +53,7 @@ from recall_at_k.ranking.gallery import (
 )
 from recall_at_k.ranking.panels import panel_band
 from recall_at_k.ranking.progress import Progress
-from recall_at_k.ranking.score import may_produce_nan
+from recall_at_k.ranking.score import float64_products
 from recall_at_k.ranking.symmetric import rank_symmetric, symmetric_possible
 from recall_at_k.ranking.workers import Workers, worker_count
 
@@ -107,10 +107,9 @@ def rank(
     device = embeddings.device
     if queries.rows.numel() == 0:
         return _Tally(embeddings, None, options, None).result()
-    overflow = embeddings.dtype == torch.float32 and not callable(options.similarity)
-    if overflow and may_produce_nan(embeddings, options.similarity):
-        # Float32 products could overflow: the fast path runs in float64 (exact
-        # copies; the canonical scores are the same).
+    if float64_products(embeddings, options.similarity):
+        # Float32 products could overflow, or would come close to the subnormal range:
+        # the fast path runs in float64 (exact copies; the canonical scores are the same).
         embeddings = embeddings.to(torch.float64)
     gallery = gallery_of(embeddings, labels, groups, gallery_side, options.similarity)
     num_gallery = gallery.embeddings.shape[0]
