@@ -33,6 +33,7 @@ from recall_at_k._types import (
 from recall_at_k.ranking import bands as _bands
 from recall_at_k.ranking import gallery as _gallery
 from recall_at_k.ranking import outcomes as _ranking_outcomes
+from recall_at_k.ranking import progress as _progress
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 from recall_at_k.ranking.bands import AUTO_ROUTE, Route
@@ -101,6 +102,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         near_duplicate: a threshold in the metric's own similarity (0.95 for cosine,
             say): :meth:`protocol_report` then also counts queries with a gallery item
             scored at or above it (for now a separate pass: about one more ranking).
+        progress: show a tqdm progress bar on stderr over the queries ``compute``
+            ranks (under DDP only on the process of rank 0); needs tqdm
+            (``pip install tqdm``).
         key: template of the result's keys, ``"recall@{k}"`` by default.
         validate_args: check that embeddings are finite, and a callable similarity's
             scores free of NaN (these checks read values on the host).
@@ -162,6 +166,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -180,6 +185,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -198,6 +204,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -215,6 +222,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -238,6 +246,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.exclude = exclude
         self.bidirectional = bool(bidirectional)
         self.near_duplicate = _audit.check_near_duplicate(near_duplicate)
+        self.progress = _progress.check_progress(progress)
         self.last_compute_num_queries_ranked = {}
         # The protocol report of the last compute() (None once data changes); the
         # warning about identical positives is shown once per instance (never re-armed).
@@ -349,6 +358,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             self.chunk_bytes,
             self.validate_args and _score.may_produce_nan(embeddings, self.similarity),
             near,
+            self.progress,
         )
         known = None
         if near is not None and audits is not None:

@@ -44,6 +44,7 @@ from recall_at_k._types import (
 )
 from recall_at_k.ranking import bands as _bands
 from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import progress as _progress
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 
@@ -237,6 +238,7 @@ def embedding_recall_at_k(
     chunk_bytes: int = 256 * 2**20,
     key: str = "recall@{k}",
     validate_args: bool = True,
+    progress: bool = False,
 ) -> Tensor: ...
 
 
@@ -259,6 +261,7 @@ def embedding_recall_at_k(
     chunk_bytes: int = 256 * 2**20,
     key: str = "recall@{k}",
     validate_args: bool = True,
+    progress: bool = False,
 ) -> Tensor: ...
 
 
@@ -281,6 +284,7 @@ def embedding_recall_at_k(
     chunk_bytes: int = 256 * 2**20,
     key: str = "recall@{k}",
     validate_args: bool = True,
+    progress: bool = False,
 ) -> dict[str, Tensor]: ...
 
 
@@ -303,6 +307,7 @@ def embedding_recall_at_k(
     chunk_bytes: int = 256 * 2**20,
     key: str = "recall@{k}",
     validate_args: bool = True,
+    progress: bool = False,
 ) -> RecallOutput:
     """Recall@K of query embeddings ranked against a gallery, in one call.
 
@@ -335,6 +340,8 @@ def embedding_recall_at_k(
         chunk_bytes: upper bound of the bytes of one tile of scores.
         key: template of the dict keys.
         validate_args: check that embeddings are finite (reads values on the host).
+        progress: show a tqdm progress bar on stderr over the queries ranked (needs
+            tqdm: ``pip install tqdm``).
 
     Example:
         Leave-one-out over four items of two classes, then two queries against a
@@ -356,6 +363,7 @@ def embedding_recall_at_k(
     _embedding_checks.check_similarity(similarity)
     check_choice("exclude", exclude, EXCLUDES)
     chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    progress = _progress.check_progress(progress)
     query_names = ("queries", "query_labels", "query_groups", "query_ids")
     _embedding_checks.check_batch(queries, query_labels, query_groups, query_ids, query_names)
     if gallery is None:
@@ -421,6 +429,7 @@ def embedding_recall_at_k(
         max(ks),
         chunk_bytes,
         validate_args and _score.may_produce_nan(embeddings, similarity),
+        progress=progress,
     )
     prepared = _score.prepare(embeddings, similarity)
     counts = _rank.rank(prepared, labels, groups, query_side, gallery_side, options)
