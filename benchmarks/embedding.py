@@ -14,6 +14,8 @@ compares:
   same leave-one-out stated as queries against a gallery (each item added with
   ``role="query"`` and ``role="gallery"``, one id), which the general route ranks:
   leave-one-out computes each score once for both of its items, this row twice;
+- the same at D = 512 (CLIP-size embeddings): the floor, leave-one-out and the
+  query/gallery form, each row's ratio against the floor of its own D;
 - ``pytorch-metric-learning AccuracyCalculator``: ``precision_at_1`` (= R@1) with its
   default faiss-cpu k-NN (``IndexFlatL2`` on the normalised embeddings: the cosine
   order), ``k = 10`` neighbours, ``ref_includes_query=True`` (leave-one-out);
@@ -22,7 +24,9 @@ compares:
 
 Each contestant runs once per round (after a warm-up), in rounds that interleave them:
 time is the median over rounds (``update`` + ``compute`` for the metric), ratios the
-median of the per-round ratios; peak memory that of the compute step (the metric's
+median of the per-round ratios. Every contestant runs at the torch thread count of
+the run (``--threads``; the metric then ranks its tiles on that many worker threads);
+peak memory that of the compute step (the metric's
 embeddings already stored), in a child under :func:`measure.live_memory` settings. On
 CUDA all but pytorch-metric-learning (faiss-cpu) runs on the GPU. A peer not installed,
 or an option the metric lacks, keeps a row saying so. The metric's rows show the gallery
@@ -65,6 +69,7 @@ CLASSES = 100
 NOISE = 2.5  # per-dimension noise around the class centres: R@1 about 0.57 at N = 20,000
 TILE_BYTES = 32 * 2**20
 NEAR_DUPLICATE = 0.99
+WIDE_DIM = 512  # CLIP-size embeddings
 
 FLOOR = "matmul floor (32 MiB tiles)"
 FULL_MATMUL = "matmul, one N x N product"
@@ -75,22 +80,37 @@ OURS_QUANTISED = "EmbeddingRecallAtK, leave-one-out, quantised {-1, 0, 1}^D embe
 OURS_QUERY_GALLERY = (
     "EmbeddingRecallAtK, the same items as queries and as a gallery (ids=), no symmetry"
 )
+FLOOR_WIDE = f"matmul floor (32 MiB tiles), D = {WIDE_DIM}"
+OURS_WIDE = f"EmbeddingRecallAtK, leave-one-out, D = {WIDE_DIM}"
+OURS_QUERY_GALLERY_WIDE = f"EmbeddingRecallAtK, queries and gallery (ids=), D = {WIDE_DIM}"
 PML = "pytorch-metric-learning AccuracyCalculator (faiss-cpu)"
 FULL_TOPK = "full N x N matrix + topk"
-METRIC_ROWS = (OURS, OURS_TILED, OURS_NEAR_DUPLICATE, OURS_QUANTISED, OURS_QUERY_GALLERY)
-CONTESTANTS = (FLOOR, FULL_MATMUL, *METRIC_ROWS, PML, FULL_TOPK)
+METRIC_ROWS = (
+    OURS,
+    OURS_TILED,
+    OURS_NEAR_DUPLICATE,
+    OURS_QUANTISED,
+    OURS_QUERY_GALLERY,
+    OURS_WIDE,
+    OURS_QUERY_GALLERY_WIDE,
+)
+QUERY_GALLERY_ROWS = (OURS_QUERY_GALLERY, OURS_QUERY_GALLERY_WIDE)
+WIDE_ROWS = (FLOOR_WIDE, OURS_WIDE, OURS_QUERY_GALLERY_WIDE)
+CONTESTANTS = (FLOOR, FULL_MATMUL, *METRIC_ROWS, FLOOR_WIDE, PML, FULL_TOPK)
 
 
 class NotRunError(RuntimeError):
     """A contestant cannot run here (a peer's package is missing, an option too)."""
 
 
-def make_data(num: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[num, 128]`` float32 embeddings around 100 class centres, and their labels."""
+def make_data(num: int, seed: int = 0, dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num, dim]`` float32 embeddings around 100 class centres, and their labels
+    (the noise scaled with ``sqrt(dim / 128)``: about the same recall at every width)."""
     gen = torch.Generator().manual_seed(seed)
-    centres = torch.randn(CLASSES, DIM, generator=gen)
+    centres = torch.randn(CLASSES, dim, generator=gen)
     labels = torch.randint(0, CLASSES, (num,), generator=gen)
-    embeddings = centres[labels] + NOISE * torch.randn(num, DIM, generator=gen)
+    noise = NOISE * (dim / DIM) ** 0.5
+    embeddings = centres[labels] + noise * torch.randn(num, dim, generator=gen)
     return embeddings, labels
 
 
@@ -136,7 +156,7 @@ def _metric(name: str, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[
         metric = EmbeddingRecallAtK(KS, **options).to(embeddings.device)
         for start in range(0, num, BATCH):
             batch = embeddings[start : start + BATCH], labels[start : start + BATCH]
-            if name != OURS_QUERY_GALLERY:
+            if name not in QUERY_GALLERY_ROWS:
                 metric.update(*batch)
                 continue
             # Leave-one-out as a query/gallery protocol: each item's two copies share an
@@ -203,7 +223,7 @@ def _contestant(name: str, num: int, seed: int, device: str) -> tuple[Prepare, C
     Everything runs on ``device`` except pytorch-metric-learning, whose faiss-cpu k-NN
     runs on the CPU.
     """
-    embeddings, labels = make_data(num, seed)
+    embeddings, labels = make_data(num, seed, WIDE_DIM if name in WIDE_ROWS else DIM)
     if name == PML:
         return lambda: None, _pml(embeddings, labels)
     if name == OURS_QUANTISED:
@@ -212,7 +232,7 @@ def _contestant(name: str, num: int, seed: int, device: str) -> tuple[Prepare, C
     if name in METRIC_ROWS:
         return _metric(name, embeddings, labels)
     normalised = torch.nn.functional.normalize(embeddings, dim=1)
-    if name == FLOOR:
+    if name in (FLOOR, FLOOR_WIDE):
         return lambda: None, _matmul(normalised, max(1, TILE_BYTES // (num * 4)))
     if name == FULL_MATMUL:
         return lambda: None, _matmul(normalised, num)
@@ -271,8 +291,9 @@ def run(num: int, *, repeats: int, setup: Setup) -> Section:
     rows = [_row(name, rounds) for name, rounds in runs.items()]
     named = by_name(rows)
     title = (
-        f"N = {num:,} items, D = {DIM}, {CLASSES} classes, leave-one-out, cosine,"
-        f" K = {KS}, update in batches of {BATCH}, device {setup.device}"
+        f"N = {num:,} items, D = {DIM} (and {WIDE_DIM} where the row says), {CLASSES} classes,"
+        f" leave-one-out, cosine, K = {KS}, update in batches of {BATCH}, device"
+        f" {setup.device}, {setup.threads} torch thread(s)"
     )
     return Section(f"{title}.\n\n{_table(rows, num)}\n\n{_summary(named, num)}", named)
 
@@ -283,7 +304,13 @@ def matrix_over_peak(row: Measurement, num: int) -> float | None:
 
 
 def _table(rows: list[Measurement], num: int) -> str:
-    floor, ours = by_name(rows)[FLOOR], by_name(rows)[OURS]
+    named = by_name(rows)
+    floor, wide_floor, ours = named[FLOOR], named[FLOOR_WIDE], named[OURS]
+
+    def over_floor(row: Measurement) -> str:
+        """The row's time over the floor of its own D."""
+        base = wide_floor if row.name in WIDE_ROWS else floor
+        return fmt_ratio(time_ratio(row, base), row.at_least)
 
     def rescored(row: Measurement) -> str:
         return row.details.get("rescored", "—")
@@ -292,7 +319,7 @@ def _table(rows: list[Measurement], num: int) -> str:
         rows,
         [
             TIME_COLUMN,
-            time_ratio_column("time / floor", floor),
+            ("time / floor (of its D)", over_floor),
             time_ratio_column("time / this metric", ours),
             peak_column("peak memory during compute"),
             (
@@ -308,13 +335,14 @@ def _table(rows: list[Measurement], num: int) -> str:
 def _summary(rows: dict[str, Measurement], num: int) -> str:
     """Per setting of the metric: against the floor, the full matrix and the peer."""
     lines = []
-    for name in (OURS, OURS_TILED, OURS_QUERY_GALLERY):
+    for name in (OURS, OURS_TILED, OURS_QUERY_GALLERY, OURS_WIDE, OURS_QUERY_GALLERY_WIDE):
         row = rows[name]
+        floor = rows[FLOOR_WIDE if name in WIDE_ROWS else FLOOR]
         text = (
-            f"- {name}: {fmt_ratio(time_ratio(row, rows[FLOOR]))} the floor; peak memory"
+            f"- {name}: {fmt_ratio(time_ratio(row, floor))} the floor; peak memory"
             f" {fmt_ratio(matrix_over_peak(row, num), digits=1)} below the full matrix"
         )
-        peer = time_ratio(rows[PML], row)
+        peer = None if name in WIDE_ROWS else time_ratio(rows[PML], row)
         if peer is not None:
             text += f"; AccuracyCalculator takes {peer:.2f}x its time"
         lines.append(text + ".")

@@ -467,11 +467,7 @@ def machine(device: str) -> str:
         cpu = found.group(1).strip() if found else cpu
     except OSError:
         pass
-    threads = torch.get_num_threads()
-    text = (
-        f"CPU {cpu}, {os.cpu_count()} cores, torch {torch.__version__},"
-        f" {threads} thread{'' if threads == 1 else 's'}, device {device}"
-    )
+    text = f"CPU {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, device {device}"
     if device == "cuda":
         text += f" ({torch.cuda.get_device_name()})"
     return text

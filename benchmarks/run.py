@@ -7,18 +7,24 @@ writes them with the machine, the exact command and the targets, met or not. Rat
 measured side by side in one run; absolute times mean little on a shared machine.
 
 Run: ``python benchmarks/run.py [--quick | --tiny] [--device cpu|cuda]``. The full run
-(reference sizes, about ten minutes on two cores) rewrites the committed
+(reference sizes, about twenty minutes on two cores) rewrites the committed
 ``benchmarks/RESULTS.md`` and ``scaling.png``; ``--quick`` (minutes) and ``--tiny``
 (seconds, the tests) write under the git-ignored ``benchmarks/out/<mode>/``. ``--results
 PATH`` writes elsewhere (the figure beside it); ``--only dense,flat`` runs (and
-rewrites) only those sections; ``--threads N``: torch threads of every process (default
-1: steady ratios on a shared machine).
+rewrites) only those sections; ``--threads 1,all`` (the default): the thread counts at
+which every workload runs, side by side (``all`` = every core, ``os.cpu_count()``), each
+process with that many torch (and OpenMP) threads; ``--threads 1`` or ``--threads all``
+runs one of them.
+
+A workload is one entry of :data:`WORKLOADS` (its heading, its run at a mode's sizes,
+and whether it runs at every thread count) plus its rows in :data:`TARGETS`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 import time
@@ -36,6 +42,7 @@ import embedding
 import flat
 import scale
 import scaling
+import small
 from measure import (
     Measurement,
     Section,
@@ -73,6 +80,8 @@ class Mode:
     distributed_dense: tuple[int, int]  # (Q, G) over all processes
     distributed_embedding: int  # N over all processes
     distributed_repeats: int
+    small_calls: int  # update calls a timed block (small updates)
+    small_rounds: int  # interleaved rounds of blocks (small updates)
 
 
 # fmt: off
@@ -84,6 +93,7 @@ MODES = {
         scaling_k_size=(10_000, 5_000), scaling_k_counts=(1, 3, 10, 30, 100),
         scaling_state_queries=(10, 1_000, 100_000), scaling_repeats=5,
         distributed_dense=(4_096, 5_000), distributed_embedding=10_000, distributed_repeats=3,
+        small_calls=500, small_rounds=9,
     ),
     "quick": Mode(
         dense=(1_024, 2_000), flat=(1_024, 2_000), embedding=3_000,
@@ -92,6 +102,7 @@ MODES = {
         scaling_k_size=(1_000, 2_000), scaling_k_counts=(1, 3, 10, 30, 100),
         scaling_state_queries=(10, 1_000, 100_000), scaling_repeats=3,
         distributed_dense=(1_024, 1_000), distributed_embedding=2_000, distributed_repeats=2,
+        small_calls=200, small_rounds=5,
     ),
     "tiny": Mode(
         dense=(160, 200), flat=(160, 200), embedding=300,
@@ -100,6 +111,7 @@ MODES = {
         scaling_k_size=(256, 200), scaling_k_counts=(1, 3, 10),
         scaling_state_queries=(10, 100, 1_000), scaling_repeats=1,
         distributed_dense=(256, 100), distributed_embedding=300, distributed_repeats=1,
+        small_calls=20, small_rounds=1,
     ),
 }
 # fmt: on
@@ -155,9 +167,9 @@ TARGETS = (
            _time_over(dense.TORCHMETRICS, dense.OURS_INDEX_CHECKED)),
     Target("dense", f"{TORCHMETRICS} time / ours (mask target, defaults)", 300, True,
            _time_over(dense.TORCHMETRICS, dense.OURS_MASK_CHECKED)),
-    Target("dense", "ours / amax floor (index target, validate_args=False)", 3, False,
+    Target("dense", "ours / amax floor (index target, validate_args=False)", 2.5, False,
            _time_over(dense.OURS_INDEX, dense.FLOOR)),
-    Target("dense", "ours / amax floor (mask target, validate_args=False)", 6, False,
+    Target("dense", "ours / amax floor (mask target, validate_args=False)", 3, False,
            _time_over(dense.OURS_MASK, dense.FLOOR)),
     Target("flat", f"{TORCHMETRICS} time / ours", 50, True,
            _time_over(flat.TORCHMETRICS, flat.OURS)),
@@ -169,41 +181,78 @@ TARGETS = (
            _time_over(embedding.PML, embedding.OURS)),
     Target("embedding", "full N x N matrix / ours' peak memory during compute", 10, True,
            _matrix_over_peak),
+    Target("small", "ours / torchmetrics, one 8 x 100 update (dense index target)", 2.5, False,
+           _time_over(small.DENSE_INDEX, small.TORCHMETRICS)),
+    Target("small", "ours / torchmetrics, one 8 x 100 update (dense mask target)", 3.5, False,
+           _time_over(small.DENSE_MASK, small.TORCHMETRICS)),
+    Target("small", "ours / torchmetrics, one 8 x 100 update (flat form)", 4.5, False,
+           _time_over(small.FLAT, small.TORCHMETRICS)),
 )
 # fmt: on
 
-HEADINGS = {
-    "dense": "Dense workload",
-    "flat": "Flat workload",
-    "embedding": "Embedding workload",
-    "scaling": "Scaling",
-    "distributed": "Distributed cost",
-    "scale": "Large galleries",
+
+@dataclass(frozen=True)
+class Workload:
+    """A section of the results: its heading, its run at a mode's sizes (given how the
+    contestants run and where a figure goes, None: no figure) and whether it runs at
+    every thread count of the run (False: once, at the processes' own setting)."""
+
+    heading: str
+    run: Callable[[Mode, Setup, Path | None], Section]
+    threaded: bool = True
+
+
+# fmt: off
+WORKLOADS = {
+    "dense": Workload("Dense workload", lambda mode, setup, figure: dense.run(
+        mode.dense, repeats=mode.repeats, slow_repeats=mode.slow_repeats, setup=setup)),
+    "flat": Workload("Flat workload", lambda mode, setup, figure: flat.run(
+        mode.flat, repeats=mode.rounds, setup=setup)),
+    "embedding": Workload("Embedding workload", lambda mode, setup, figure: embedding.run(
+        mode.embedding, repeats=mode.rounds, setup=setup)),
+    "small": Workload("Small updates", lambda mode, setup, figure: small.run(
+        calls=mode.small_calls, rounds=mode.small_rounds, setup=setup)),
+    "scaling": Workload("Scaling", lambda mode, setup, figure: scaling.run(
+        list(mode.scaling_grid), k_size=mode.scaling_k_size,
+        k_counts=list(mode.scaling_k_counts),
+        state_queries=list(mode.scaling_state_queries), repeats=mode.scaling_repeats,
+        figure_path=figure, device=setup.device)),
+    # One torch thread a process, by design: it measures the cost of the sync.
+    "distributed": Workload("Distributed cost", lambda mode, setup, figure: distributed.run(
+        mode.distributed_dense, mode.distributed_embedding, repeats=mode.distributed_repeats),
+        threaded=False),
+    # Processes of one torch thread each, by design (as the distributed cost).
+    "scale": Workload("Large galleries", lambda mode, setup, figure: scale.run(
+        scale.sizes_for(mode.distributed_embedding), figure), threaded=False),
 }
+# fmt: on
+HEADINGS = {name: workload.heading for name, workload in WORKLOADS.items()}
 
 
-def workloads(mode: Mode, setup: Setup, figure: Path) -> dict[str, Callable[[], Section]]:
-    """Every workload's run at ``mode``'s sizes, by section name."""
-    # fmt: off
-    return {
-        "dense": lambda: dense.run(
-            mode.dense, repeats=mode.repeats, slow_repeats=mode.slow_repeats, setup=setup),
-        "flat": lambda: flat.run(mode.flat, repeats=mode.rounds, setup=setup),
-        "embedding": lambda: embedding.run(mode.embedding, repeats=mode.rounds, setup=setup),
-        "scaling": lambda: scaling.run(
-            list(mode.scaling_grid), k_size=mode.scaling_k_size,
-            k_counts=list(mode.scaling_k_counts),
-            state_queries=list(mode.scaling_state_queries), repeats=mode.scaling_repeats,
-            figure_path=figure, device=setup.device),
-        "distributed": lambda: distributed.run(
-            mode.distributed_dense, mode.distributed_embedding, repeats=mode.distributed_repeats),
-        "scale": lambda: scale.run(
-            scale.sizes_for(mode.distributed_embedding), figure.with_name("scale.png")),
-    }
-    # fmt: on
+def thread_counts(text: str) -> list[int]:
+    """``--threads``: comma-separated counts or ``all`` (every core), in order, distinct."""
+    counts: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "all":
+            count = os.cpu_count() or 1
+        elif part.isdigit() and int(part) > 0:
+            count = int(part)
+        else:
+            raise argparse.ArgumentTypeError(
+                f"thread counts are positive ints or 'all' (every core), got {part!r} in {text!r}"
+            )
+        if count not in counts:
+            counts.append(count)
+    return counts
 
 
-def header(mode_name: str, device: str, command: str, seconds: float) -> str:
+def threads_label(threads: int) -> str:
+    every = " (every core)" if threads == os.cpu_count() else ""
+    return f"{threads} thread{'' if threads == 1 else 's'}{every}"
+
+
+def header(mode_name: str, device: str, command: str, seconds: float, threads: list[int]) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     sizes = (
         "the reference sizes"
@@ -211,6 +260,7 @@ def header(mode_name: str, device: str, command: str, seconds: float) -> str:
         else f"{mode_name} sizes (the acceptance targets are set at the reference sizes;"
         f" run without `--{mode_name}` for those)"
     )
+    counts = " and at ".join(threads_label(count) for count in threads)
     return (
         f"Machine: {machine(device)}.\n\n"
         f"Command: `{command}` ({sizes}; {when}; {seconds:.0f} s in all).\n\n"
@@ -219,20 +269,31 @@ def header(mode_name: str, device: str, command: str, seconds: float) -> str:
         " resident-set high-water mark over what was resident before the contestant"
         " started (`torch.cuda.max_memory_allocated` on a GPU). A peer that cannot"
         " finish within the time or memory bound keeps its row, which says so. Every"
-        f" process runs {torch.get_num_threads()} torch thread(s) (`--threads`): on a"
-        " shared machine a multi-threaded kernel waits for its slowest thread, which"
-        " makes small kernels, the floors first, look slower than they are."
+        f" workload runs at {counts} (`--threads`): every process, peers included, with"
+        " that many torch (and OpenMP) threads, except the distributed one (one thread a"
+        " process). On a shared machine a multi-threaded kernel waits for its slowest"
+        " thread, which makes small kernels, the floors first, look slower than they are."
     )
 
 
-def targets_section(rows: dict[str, Rows], mode: Mode) -> str | None:
-    """The acceptance targets of the sections that ran (``rows`` by section), or None."""
-    measured = [
-        target.row(rows[target.workload], mode) for target in TARGETS if target.workload in rows
-    ]
+def targets_section(rows: dict[str, dict[int, Rows]], mode: Mode, threads: list[int]) -> str | None:
+    """The acceptance targets of the sections that ran (``rows`` by section, then by
+    thread count), one measured column and result a thread count; or None."""
+    measured = []
+    for target in TARGETS:
+        if target.workload not in rows:
+            continue
+        by_count = rows[target.workload]
+        cells: list[str] = []
+        for count in threads:
+            cells += target.row(by_count[count], mode)[3:] if count in by_count else ["—", "—"]
+        first = next(iter(by_count.values()))
+        measured.append([*target.row(first, mode)[:3], *cells])
     if not measured:
         return None
-    head = ["workload", "target", "bound", "measured", "result"]
+    head = ["workload", "target", "bound"]
+    for count in threads:
+        head += [f"measured, {threads_label(count)}", "result"]
     return f"## Acceptance targets\n\n{markdown_table(head, measured)}"
 
 
@@ -243,24 +304,38 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--tiny", action="store_true", help="tiny sizes (seconds; the tests)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--results", type=Path, help="markdown file to write")
-    parser.add_argument("--only", default=",".join(HEADINGS), help="comma-separated sections")
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated sections")
     parser.add_argument("--time-limit", type=float, help="time bound of the torchmetrics peers")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch (and OpenMP) threads of every process"
+        "--threads",
+        type=thread_counts,
+        default=thread_counts("1,all"),
+        help="comma-separated torch (and OpenMP) thread counts of every process, each one"
+        " a run of every workload; 'all' = every core (default: 1,all)",
     )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # measure.call's children
     args = parser.parse_args(argv)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(args.only) - set(HEADINGS))
+    unknown = sorted(set(args.only) - set(WORKLOADS))
     if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {tuple(HEADINGS)}")
+        parser.error(f"unknown sections {unknown}; choose from {tuple(WORKLOADS)}")
     return args
+
+
+def section_body(name: str, parts: dict[int, str], seconds: float) -> str:
+    """A workload's section: its body at each thread count, under a heading each when
+    there are several."""
+    if len(parts) == 1:
+        (body,) = parts.values()
+    else:
+        body = "\n\n".join(f"### {threads_label(count)}\n\n{part}" for count, part in parts.items())
+    return f"## {WORKLOADS[name].heading}\n\n{body}\n\n({name}: {seconds:.0f} s)"
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    torch.set_num_threads(args.threads)
     if args.child:
+        torch.set_num_threads(args.threads[0])
         child_main(*args.child)
         return
     mode_name = "tiny" if args.tiny else "quick" if args.quick else "full"
@@ -271,29 +346,33 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
     begin = time.perf_counter()
     time_limit = args.time_limit or mode.time_limit
-    setup = Setup(args.device, args.threads, mode.isolation, time_limit)
-    runs = workloads(mode, setup, results.with_name("scaling.png"))
+    threads: list[int] = args.threads
     bodies: dict[str, str] = {}
-    rows: dict[str, Rows] = {}
-    for name, heading in HEADINGS.items():
+    rows: dict[str, dict[int, Rows]] = {}
+    for name, workload in WORKLOADS.items():
         if name not in args.only:
             continue
         started = time.perf_counter()
-        section = runs[name]()
-        bodies[name] = (
-            f"## {heading}\n\n{section.body}\n\n({name}: {time.perf_counter() - started:.0f} s)"
-        )
+        parts: dict[int, str] = {}
+        for count in threads if workload.threaded else threads[:1]:
+            torch.set_num_threads(count)
+            setup = Setup(args.device, count, mode.isolation, time_limit)
+            # The figure (scaling) comes from the first thread count.
+            figure = results.with_name(f"{name}.png") if not parts else None
+            section = workload.run(mode, setup, figure)
+            parts[count] = section.body
+            rows.setdefault(name, {})[count] = section.rows
+        bodies[name] = section_body(name, parts, time.perf_counter() - started)
         print(bodies[name] + "\n", flush=True)
-        rows[name] = section.rows
-    targets = targets_section(rows, mode)
+    targets = targets_section(rows, mode, threads)
     if targets is not None:
         bodies["targets"] = targets
         print(targets + "\n")
-    bodies["header"] = header(mode_name, args.device, command, time.perf_counter() - begin)
+    bodies["header"] = header(mode_name, args.device, command, time.perf_counter() - begin, threads)
 
-    if set(args.only) == set(HEADINGS):
+    if set(args.only) == set(WORKLOADS):
         results.write_text("# Benchmark results\n")  # a full run rewrites the whole file
-    for name in ("header", "targets", *HEADINGS):
+    for name in ("header", "targets", *WORKLOADS):
         if name in bodies:
             write_section(name, bodies[name], results)
     print(f"wrote {results}")

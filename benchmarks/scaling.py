@@ -191,13 +191,17 @@ def run(
     k_counts: list[int],
     state_queries: list[int],
     repeats: int,
-    figure_path: Path,
+    figure_path: Path | None,
     device: str = "cpu",
 ) -> Section:
     """Time against every (Q, G) of ``grid``, against K = 1..n for every n of ``k_counts``
-    (at ``k_size``), state size at every Q of ``state_queries``; saves the figure."""
+    (at ``k_size``), state size at every Q of ``state_queries``; saves the figure (none
+    without ``figure_path``)."""
     size_rows = time_against_size(grid, repeats, device)
     k_rows = time_against_k(k_size, k_counts, repeats, device)
     state_rows = state_against_queries(state_queries, device)
+    body = tables(size_rows, k_rows, state_rows)
+    if figure_path is None:
+        return Section(body)
     figure(size_rows, k_rows, state_rows, figure_path)
-    return Section(f"{tables(size_rows, k_rows, state_rows)}\n\n![scaling]({figure_path.name})")
+    return Section(f"{body}\n\n![scaling]({figure_path.name})")

@@ -27,7 +27,7 @@ compute for that model.
 The script prints a per-epoch table (epoch, train loss, val R@1, R@5, R@10) and saves
 the final Recall@K curve as a PNG with the metric's ``plot()``.
 
-Run (about 20 s on two CPU cores; 30 s with ``--devices 2``)::
+Run (about 10 s on two CPU cores, more with ``--devices 2``)::
 
     python examples/lightning_digits.py                # one process
     python examples/lightning_digits.py --devices 2    # DDP on CPU, two processes (gloo)

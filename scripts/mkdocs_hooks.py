@@ -6,10 +6,15 @@
   ``benchmarks/RESULTS.md`` between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``
   (its own ``##`` heading and run-time line dropped); of the ``header`` block only the
   ``Machine:`` line is kept. A missing file or block fails the build.
+- In a page, the line ``<!-- readme:NAME -->`` is replaced by the section of README.md
+  marked ``<!-- readme:NAME:start -->`` / ``<!-- readme:NAME:end -->``
+  (``scripts/readme_sections.py``), so a text shared by the README and the site has one
+  source. A missing section fails the build.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -22,6 +27,20 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 FIGURE = ROOT / "benchmarks" / "scaling.png"
 RUN_TIME = re.compile(r"^\(\w+: [\d.]+ s\)$")  # "(scaling: 12 s)": how long that part ran
 PLACEHOLDER = re.compile(r"^<!-- benchmarks:(\w+) -->$", re.MULTILINE)
+
+
+def _readme_sections() -> Any:
+    """``scripts/readme_sections.py`` (hooks are loaded by path, not as a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "readme_sections", Path(__file__).with_name("readme_sections.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+readme_sections = _readme_sections()
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -50,4 +69,8 @@ def results_block(name: str) -> str:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    try:
+        markdown = readme_sections.fill(markdown)
+    except KeyError as err:
+        raise PluginError(f"{page.file.src_path}: {err.args[0]}") from err
     return PLACEHOLDER.sub(lambda match: results_block(match.group(1)), markdown)

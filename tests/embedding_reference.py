@@ -195,6 +195,26 @@ def reference_embedding_recall(
     return out
 
 
+def canonical_embedding_recall(
+    batches: Sequence[Batch], ks: Sequence[int], *, similarity: str, ties: str = "pessimistic"
+) -> dict[str, float]:
+    """:func:`reference_embedding_recall` (one direction, no exclusion, ``"neg"``) on the
+    canonical score instead of the float64 one: each stored row as the score sees it
+    (:func:`prepared_row`), then :func:`canonical_score` pair by pair."""
+    items = items_of(batches)
+    queries = members(items, ("query", "both"))
+    gallery = members(items, ("gallery", "both"))
+    rows = {item.position: prepared_row(item.embedding, similarity) for item in items}
+    scores = [
+        [canonical_score(rows[q.position], rows[g.position], similarity) for g in gallery]
+        for q in queries
+    ]
+    relevant = [[q.label == g.label for g in gallery] for q in queries]
+    ignore = [[ignored(q, g, "none") for g in gallery] for q in queries]
+    values = reference_recall(scores, relevant, ignore, ks, ties, "neg")
+    return {f"recall@{k}": value for k, value in zip(ks, values, strict=True)}
+
+
 # ---------------------------------------------------------------- scenarios
 
 KS = (1, 2, 5, 10)

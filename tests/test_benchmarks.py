@@ -25,6 +25,7 @@ SECTIONS = (
     "## Dense workload",
     "## Flat workload",
     "## Embedding workload",
+    "## Small updates",
     "## Scaling",
     "## Distributed cost",
     "## Acceptance targets",
@@ -40,8 +41,13 @@ ROWS = (
     "EmbeddingRecallAtK, leave-one-out",
     "EmbeddingRecallAtK, leave-one-out, near_duplicate = 0.99",
     "EmbeddingRecallAtK, leave-one-out, quantised {-1, 0, 1}^D embeddings",
+    "torchmetrics RetrievalHitRate(top_k=10).update",
+    "RetrievalRecallAtK, dense [Q] index target",
+    "RetrievalRecallAtK, dense [Q, G] mask target",
+    "RetrievalRecallAtK, flat (preds, target, indexes)",
 )
-TARGETS = 9  # rows of the acceptance targets table
+TARGETS = 12  # rows of the acceptance targets table
+EVERY_CORE = os.cpu_count() or 1
 
 
 def _committed() -> list[bytes | None]:
@@ -82,6 +88,50 @@ def test_run_tiny_writes_every_table(tmp_path: Path) -> None:
     assert "did not finish" not in text  # tiny sizes finish within every bound
     assert (tmp_path / "scaling.png").stat().st_size > 0
     assert _committed() == before
+    # By default every workload runs at 1 thread and at every core, side by side.
+    counts = [1] if EVERY_CORE == 1 else [1, EVERY_CORE]
+    labels = [
+        f"{n} thread{'' if n == 1 else 's'}{' (every core)' if n == EVERY_CORE else ''}"
+        for n in counts
+    ]
+    head = targets.split("\n")[2]
+    assert head.count("| measured, ") == len(counts), head
+    for label in labels:
+        assert f"measured, {label} | result" in head, head
+        if len(counts) > 1:
+            for section in ("dense", "flat", "embedding", "small", "scaling"):
+                body = text.split(f"<!-- {section}:start -->")[1].split(f"<!-- {section}:end")[0]
+                assert f"### {label}\n" in body, (section, label)
+    distributed = text.split("<!-- distributed:start -->")[1].split("<!-- distributed:end")[0]
+    assert "### " not in distributed  # one torch thread a process, run once
+
+
+@pytest.mark.timeout(300)
+def test_threads_all_runs_at_every_core_only(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    _run("--tiny", "--only", "small", "--threads", "all", "--results", str(results), timeout=280)
+    text = results.read_text()
+    label = f"{EVERY_CORE} thread{'' if EVERY_CORE == 1 else 's'} (every core)"
+    targets = text.split("## Acceptance targets")[1].split("<!--")[0]
+    assert f"measured, {label} | result" in targets
+    assert targets.count("| measured, ") == 1
+    assert targets.count("\n| small |") == 3  # one row per small-update target
+    assert "### " not in text  # one thread count: no sub-headings
+    assert f"runs at {label}" in text
+
+
+def test_thread_counts_parse() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        run = importlib.import_module("run")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert run.thread_counts("1,all") == ([1] if EVERY_CORE == 1 else [1, EVERY_CORE])
+    assert run.thread_counts("all") == [EVERY_CORE]
+    assert run.thread_counts("2, 1,2") == [2, 1]
+    for bad in ("0", "many", "1,", "-1"):
+        with pytest.raises(Exception, match="thread counts are positive ints or 'all'"):
+            run.thread_counts(bad)
 
 
 @pytest.mark.timeout(300)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +43,7 @@ from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR
 from torchmetrics.wrappers import BootStrapper, MetricTracker
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k.functional import retrieval_recall_at_k
 
 CASE_IDS = [case.name for case in CASES]
 CHECKS: dict[str, Callable[[Case], None]] = {
@@ -174,6 +174,60 @@ def test_positional_indexes_alone_and_in_a_collection_equal_hit_rate() -> None:
     mrr = RetrievalMRR()
     mrr.update(preds, target, indexes)
     assert float(result["RetrievalMRR"]) == pytest.approx(float(mrr.compute()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_float_relevance_in_a_collection_beside_torchmetrics_retrieval_metrics(
+    dtype: torch.dtype,
+) -> None:
+    """torchmetrics' retrieval metrics take float 0./1. relevance; a collection holding ours
+    beside them takes it too, in batches (forward) and with ``ignore_index``."""
+    preds, target, indexes = _flat_tie_free(2)
+    target[::7] = -1  # dropped by ignore_index
+    kept = target != -1
+    want = _flat_reference(preds[kept], target[kept], indexes[kept], (1, 5))
+    collection = MetricCollection(
+        {
+            "r1": RetrievalRecallAtK(k=1, ignore_index=-1),
+            "r5": RetrievalRecallAtK(k=5, ignore_index=-1),
+            "hit1": RetrievalHitRate(top_k=1, ignore_index=-1),
+            "hit5": RetrievalHitRate(top_k=5, ignore_index=-1),
+            "mrr": RetrievalMRR(ignore_index=-1),
+        }
+    )
+    for rows in torch.arange(preds.shape[0]).split(25):
+        collection(preds[rows], target[rows].to(dtype), indexes[rows])
+    result = {name: float(value) for name, value in collection.compute().items()}
+    assert result["r1"] == pytest.approx(want[0], abs=1e-6)
+    assert result["r5"] == pytest.approx(want[1], abs=1e-6)
+    assert result["r1"] == pytest.approx(result["hit1"], abs=1e-6)
+    assert result["r5"] == pytest.approx(result["hit5"], abs=1e-6)
+    mrr = RetrievalMRR()
+    mrr.update(preds[kept], target[kept], indexes[kept])
+    assert result["mrr"] == pytest.approx(float(mrr.compute()))
+
+
+@pytest.mark.parametrize("validate_args", [True, False])
+def test_float_mask_targets_count_as_their_integer_mask(validate_args: bool) -> None:
+    """The dense form takes a float 0./1. ``[Q, G]`` mask as the flat form takes float
+    relevance: the same values as the integer mask, on the CPU block path and with
+    ``ignore`` (the select path)."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 4, (40, 9), generator=gen).float()  # heavy ties
+    mask = (torch.rand(40, 9, generator=gen) < 0.2).long()
+    ignore = torch.rand(40, 9, generator=gen) < 0.1
+    ks = (1, 2, 5)
+    keys = [f"recall@{k}" for k in ks]
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        for extra in ({}, {"ignore": ignore}):
+            want = _dense_reference(scores, mask, ks, ignore=extra.get("ignore"))
+            got = retrieval_recall_at_k(
+                scores, mask.to(dtype), ks, validate_args=validate_args, **extra
+            )
+            assert as_values(got, keys) == pytest.approx(dict(zip(keys, want, strict=True)))
+            metric = RetrievalRecallAtK(k=ks, validate_args=validate_args)
+            metric.update(scores, mask.to(dtype), **extra)
+            assert as_values(metric.compute(), keys) == as_values(got, keys)
 
 
 @pytest.mark.parametrize("validate_args", [True, False])
@@ -458,32 +512,6 @@ def test_metric_tracker_with_several_k_through_a_collection() -> None:
         assert steps[key] == column.index(max(column))
 
 
-def test_wrappers_with_several_k_work_or_the_readme_says_what_to_use() -> None:
-    """MetricTracker and BootStrapper around a sequence ``k``: right values, or documented."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    tracker = MetricTracker(RetrievalRecallAtK(k=(1, 3)))
-    wants: list[list[float]] = []
-    for scores, target in _epochs():
-        tracker.increment()
-        tracker.update(scores, target)
-        wants.append(_dense_reference(scores, target, (1, 3)))
-    try:
-        best = tracker.best_metric()
-    except Exception:  # not supported: the README must say what to use instead
-        assert "MetricTracker" in readme, "the README does not say how to track several K"
-    else:
-        assert best == pytest.approx(
-            {"recall@1": max(w[0] for w in wants), "recall@3": max(w[1] for w in wants)}
-        )
-    scores, target = next(_epochs())
-    bootstrapper = BootStrapper(RetrievalRecallAtK(k=(1, 3)), num_bootstraps=5)
-    bootstrapper.update(scores, target)
-    try:
-        bootstrapper.compute()
-    except Exception:
-        assert "BootStrapper" in readme, "the README does not say how to bootstrap several K"
-
-
 @pytest.mark.parametrize("strategy", ["poisson", "multinomial"])
 def test_bootstrapper_with_an_int_k_resamples_queries(strategy: str) -> None:
     scores, target = next(_epochs())
@@ -662,6 +690,9 @@ class _Holder(torch.nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# torch.jit.script reads every property of the module, torchmetrics' deprecated
+# `_update_called` among them.
+@pytest.mark.filterwarnings("ignore:This property will be removed in 2.0.0:DeprecationWarning")
 @pytest.mark.parametrize("cls", [RetrievalRecallAtK, EmbeddingRecallAtK])
 def test_jit_script_of_a_module_holding_the_metric(cls: type[Metric]) -> None:
     torch.jit.script(_Holder(RetrievalHitRate()))  # torchmetrics' own: it scripts

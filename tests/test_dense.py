@@ -55,13 +55,21 @@ def _random_case(rng: random.Random) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("block_bytes", [None, 1], ids=["default-blocks", "one-row-blocks"])
+@pytest.mark.parametrize(
+    ("block_bytes", "small_batch"),
+    [(None, None), (None, 0), (1, 0)],
+    ids=["small-batch-paths", "default-blocks", "one-row-blocks"],
+)
 @pytest.mark.parametrize("seed", range(6))
-def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
+def test_agreement_with_reference(
+    seed: int, block_bytes: int | None, small_batch: int | None
+) -> None:
     """600 random cases: every tie policy, every empty-target action, batch splits.
 
-    Run twice: with the CPU mask path's default row blocks (a case fits in one) and with
-    blocks of one row, so that every row of a case is its own block.
+    Run three times through the metric: with the paths of small batches (bool
+    comparisons; every case here is small), and with those off, with the CPU mask path's
+    default row blocks (a case fits in one) and with blocks of one row, so that every
+    row of a case is its own block.
     """
     rng = random.Random(seed)
     for _ in range(100):
@@ -92,6 +100,8 @@ def test_agreement_with_reference(seed: int, block_bytes: int | None) -> None:
         metric = RetrievalRecallAtK(ks, ties=ties, empty_target_action=action)
         if block_bytes is not None:
             metric._dense_block_bytes = block_bytes
+        if small_batch is not None:
+            metric._dense_small_batch = small_batch
         cuts = sorted(rng.choices(range(scores.shape[0] + 1), k=rng.randint(0, 3)))
         bounds = [0, *cuts, scores.shape[0]]
         for lo, hi in itertools.pairwise(bounds):
@@ -174,6 +184,54 @@ def test_mask_path_counts_equal_the_select_path_for_every_count() -> None:
         assert torch.equal(a[has], b[has]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_small_batch_mask_path_counts_equal_the_other_paths(dtype: torch.dtype) -> None:
+    """The small-batch mask path (bool comparisons), the CPU block path and the select
+    path give the same g_>, g_> + e, p and has-positive on a small batch with heavy
+    ties, infinities, positives all at -inf and rows without a positive; the index path
+    of both sizes agrees on rows with one positive."""
+    scores, mask = _several_row_blocks_case()
+    scores, mask = scores[:40].to(dtype), mask[:40]
+    assert scores.numel() <= _dense.SMALL_BATCH
+    need = _kernel.needed_counts("expected")
+    small = _dense.dense_tie_counts(scores, mask, None, need)
+    blocks = _dense.dense_tie_counts(scores, mask, None, need, small_batch=0)
+    selects = _dense.dense_tie_counts(scores, mask, torch.zeros_like(mask), need)
+    has = small.has_positive
+    assert has.any() and not has.all()
+    for other in (blocks, selects):
+        assert torch.equal(small.has_positive, other.has_positive)
+        for name in ("greater", "at_or_above", "tied_positives"):
+            a, b = getattr(small, name), getattr(other, name)
+            assert torch.equal(a[has], b[has]), name
+    # Each row's first positive alone, as a [Q] index and as a mask.
+    column = torch.where(has, mask.to(torch.int64).argmax(dim=1), -1)
+    single = torch.zeros_like(mask)
+    single[has.nonzero().squeeze(1), column[has]] = True
+    small_index = _dense.dense_tie_counts(scores, column, None, need)
+    large_index = _dense.dense_tie_counts(scores, column, None, need, small_batch=0)
+    small_single = _dense.dense_tie_counts(scores, single, None, need)
+    for name in ("greater", "at_or_above", "tied_positives"):
+        a, b, c = (getattr(x, name)[has] for x in (small_index, large_index, small_single))
+        assert torch.equal(a, b) and torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("ties", ["pessimistic", "optimistic", "expected"])
+def test_state_histogram_equals_the_outcome_records(ties: str) -> None:
+    """The state update's histogram (one scatter of bins for a deterministic policy)
+    equals the sum of the per-query outcome records that query_ids keeps."""
+    scores, mask = _several_row_blocks_case()
+    for counts in (
+        _dense.dense_tie_counts(scores, mask, None, _kernel.needed_counts(ties)),
+        _kernel.no_positive_counts(5, scores.device),
+    ):
+        for max_k in (1, 3, 10, 1000):
+            hist, queries = _kernel.rank_histogram(counts, ties, max_k)
+            want = _kernel.histogram_of(_kernel.query_outcomes(counts, ties, max_k), max_k)
+            assert torch.equal(hist, want[0]) and torch.equal(queries, want[1])
+            assert hist.dtype == want[0].dtype and queries.dtype == torch.int64
+
+
 def test_worked_examples_through_the_metric() -> None:
     """The worked example of the definition: ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] -> R@1 0.5, R@5 0.8."""
     ranks = [1, 1, 2, 1, 8, 3, 1, 12, 1, 4]
@@ -197,17 +255,15 @@ def test_negative_and_zero_scores_are_ordinary() -> None:
     """Unlike torchmetrics >= 1.7.4, scores <= 0 rank like any others."""
     scores = torch.tensor([[-0.3, -0.9, -0.5], [0.0, -1.0, -2.0]])
     target = torch.tensor([0, 0])
-    assert float(retrieval_recall_at_k(scores, target, k=1)) == 1.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(scores, target, k=1)) == 1.0
 
 
 def test_collapsed_model_gets_zero_with_pessimistic_ties() -> None:
     scores = torch.ones(4, 100)
     target = torch.arange(4)
-    assert float(retrieval_recall_at_k(scores, target, k=1)) == 0.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(scores, target, k=1, ties="optimistic")) == 1.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(scores, target, k=1, ties="expected")) == pytest.approx(  # type: ignore[arg-type]
-        0.01
-    )
+    assert float(retrieval_recall_at_k(scores, target, k=1)) == 0.0
+    assert float(retrieval_recall_at_k(scores, target, k=1, ties="optimistic")) == 1.0
+    assert float(retrieval_recall_at_k(scores, target, k=1, ties="expected")) == pytest.approx(0.01)
 
 
 def test_expected_is_exact_for_ten_million_tied_items() -> None:
@@ -240,7 +296,7 @@ def _check(scores: torch.Tensor, mask: torch.Tensor, ks: tuple[int, ...], **kw: 
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = retrieval_recall_at_k(scores, mask, ks, ignore=ignore, ties=ties)  # type: ignore[arg-type]
+            got = retrieval_recall_at_k(scores, mask, ks, ignore=ignore, ties=ties)  # type: ignore[call-overload]
         assert isinstance(got, dict)
         # pytest.approx's default tolerance: relative 1e-6, absolute 1e-12
         assert_recall_close(got, want, ks, abs=1e-12, rel=1e-6, where=ties)
@@ -248,7 +304,7 @@ def _check(scores: torch.Tensor, mask: torch.Tensor, ks: tuple[int, ...], **kw: 
             column = torch.where(mask.any(1), mask.int().argmax(1), -1)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                by_index = retrieval_recall_at_k(scores, column, ks, ignore=ignore, ties=ties)  # type: ignore[arg-type]
+                by_index = retrieval_recall_at_k(scores, column, ks, ignore=ignore, ties=ties)  # type: ignore[call-overload]
             assert by_index == got
 
 
@@ -307,12 +363,12 @@ def test_half_precision_is_ranked_in_its_own_precision(dtype: torch.dtype) -> No
     # 1.0 and 1.0001 are distinct in float32 but the same float16/bfloat16 value: a real tie.
     scores32 = torch.tensor([[1.0001, 1.0, 0.5]])
     target = torch.tensor([1])
-    assert float(retrieval_recall_at_k(scores32, target, k=1, ties="optimistic")) == 0.0  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(scores32, target, k=1, ties="optimistic")) == 0.0
     half = scores32.to(dtype)
     assert half[0, 0] == half[0, 1]
-    assert float(retrieval_recall_at_k(half, target, k=1, ties="optimistic")) == 1.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(half, target, k=1)) == 0.0  # type: ignore[arg-type]
-    assert float(retrieval_recall_at_k(half, target, k=1, ties="expected")) == 0.5  # type: ignore[arg-type]
+    assert float(retrieval_recall_at_k(half, target, k=1, ties="optimistic")) == 1.0
+    assert float(retrieval_recall_at_k(half, target, k=1)) == 0.0
+    assert float(retrieval_recall_at_k(half, target, k=1, ties="expected")) == 0.5
     # ... and half scores agree with the reference applied to their own values.
     scores = torch.randint(0, 4, (6, 7)).to(dtype) / 3
     _check(scores, torch.rand(6, 7) < 0.3, (1, 2, 5))

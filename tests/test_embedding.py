@@ -247,6 +247,10 @@ def test_single_k_is_a_scalar_and_bidirectional_keys() -> None:
     assert list(both.compute()) == ["i2t/r5", "t2i/r5"]
 
 
+# compute() after reset(): torchmetrics warns beside our NaN warning (expected here).
+@pytest.mark.filterwarnings(
+    "ignore:The ``compute`` method of metric .* called before the ``update``"
+)
 def test_reset_merge_pickle_and_collection() -> None:
     batches, kwargs = query_gallery_same_group()
     expected = run_metric(batches, **kwargs)
@@ -285,10 +289,11 @@ def test_dtypes_and_counts_of_ranked_queries() -> None:
     metric.update(emb.double(), labels.to(torch.int32), ids=torch.arange(12, 24))
     metric.compute()
     assert metric.last_compute_num_queries_ranked == {"q2g": 24}
-    assert all(v.dtype == torch.float32 for v in metric.embedding_values)
+    # Each batch in the wider of float32 and its own dtype; set_dtype changes neither.
+    assert [v.dtype for v in metric.embedding_values] == [torch.float32, torch.float64]
     wide = EmbeddingRecallAtK(KS).set_dtype(torch.float64)
     wide.update(emb, labels)
-    assert wide.embedding_values[0].dtype == torch.float64
+    assert wide.embedding_values[0].dtype == torch.float32
 
 
 def test_validate_args_false_skips_value_checks() -> None:

@@ -19,8 +19,9 @@ from _pytest.mark import ParameterSet
 from embedding_reference import query_gallery_junk, run_metric
 from helpers import tied_rows
 
-from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, functional
 from recall_at_k.functional import (
+    embedding_recall_at_k,
     recall_at_k_from_ranks,
     retrieval_first_hit_rank,
     retrieval_recall_at_k,
@@ -132,14 +133,14 @@ DENSE: list[tuple[str, Any, Any, Any, str]] = [
         S,
         torch.zeros(3, 5, dtype=torch.bool),
         None,
-        r"`target` of two dimensions must be a bool or 0/1 integer tensor of the same shape as `scores` \[3, 4\], got shape \[3, 5\]",
+        r"`target` of two dimensions must be a bool, 0/1 integer or 0./1. float tensor of the same shape as `scores` \[3, 4\], got shape \[3, 5\]",
     ),
     (
-        "float-mask",
+        "complex-mask",
         S,
-        torch.zeros(3, 4),
+        torch.zeros(3, 4, dtype=torch.complex64),
         None,
-        r"`target` of two dimensions .* dtype torch.float32",
+        r"`target` of two dimensions .* dtype torch.complex64",
     ),
     (
         "3d-target",
@@ -198,6 +199,14 @@ DENSE: list[tuple[str, Any, Any, Any, str]] = [
         torch.tensor([[0, 1, 2, 0]] * 3),
         None,
         r"`target` mask values must be 0 or 1, got 3 other value\(s\), e.g. 2",
+    ),
+    (
+        "float-mask-values",
+        S,
+        torch.tensor([[0.0, 1.0, 0.5, 0.0]] * 3),
+        None,
+        r"`target` mask values must be 0 or 1, got 3 other value\(s\), e.g. 0.5; binarise"
+        r" graded relevance first, for example `target > 0`",
     ),
 ]
 for name, scores, target, ignore, match in DENSE:
@@ -268,7 +277,7 @@ case(
 case("ranks-empty-k", lambda: recall_at_k_from_ranks([1, 2], k=()), r"`k` must not be empty")
 case(
     "ranks-key",
-    lambda: recall_at_k_from_ranks([1, 2], k=1, key=5),  # type: ignore[arg-type]
+    lambda: recall_at_k_from_ranks([1, 2], k=1, key=5),  # type: ignore[call-overload]
     r"`key` must be a str template such as",
 )
 
@@ -287,9 +296,21 @@ for name, change, match in [
     ("int-preds", {"preds": torch.tensor([1, 2, 3])}, r"`preds` must be a floating point tensor"),
     ("list-preds", {"preds": [0.1, 0.2, 0.3]}, r"`preds` must be a torch.Tensor, got list"),
     (
-        "float-target",
-        {"target": torch.tensor([0.0, 1.0, 0.0])},
-        r"`target` must be a bool or 0/1 integer",
+        "complex-target",
+        {"target": torch.tensor([0.0, 1.0, 0.0], dtype=torch.complex64)},
+        r"`target` must be a bool, 0/1 integer or 0./1. float tensor of relevance, got shape"
+        r" \[3\] and dtype torch.complex64",
+    ),
+    (
+        "float-target-values",
+        {"target": torch.tensor([0.0, 0.5, 1.0])},
+        r"`target` values must be 0 or 1, got 1 other value\(s\), e.g. 0.5 \(pass `ignore_index`"
+        r" .*\); binarise graded relevance first, for example `target > 0`",
+    ),
+    (
+        "float-target-nan",
+        {"target": torch.tensor([0.0, float("nan"), 1.0])},
+        r"`target` values must be 0 or 1, got 1 other value\(s\), e.g. nan",
     ),
     (
         "float-indexes",
@@ -456,6 +477,24 @@ for name, call, match in [
     ),
 ]:
     case(f"embedding-update-{name}", lambda call=call: call(EmbeddingRecallAtK()), match)
+# Zero-width embeddings (D = 0): the same error from the metric and the function.
+ZERO_WIDTH = r"must have at least one column \(D >= 1\), got shape \[{}, 0\]"
+for rows in (3, 0):
+    case(
+        f"embedding-update-zero-width-{rows}",
+        lambda rows=rows: EmbeddingRecallAtK().update(torch.zeros(rows, 0), LABELS[:rows]),
+        r"`embeddings` " + ZERO_WIDTH.format(rows),
+    )
+    case(
+        f"embedding-functional-zero-width-queries-{rows}",
+        lambda rows=rows: embedding_recall_at_k(torch.zeros(rows, 0), LABELS[:rows], k=1),
+        r"`queries` " + ZERO_WIDTH.format(rows),
+    )
+case(
+    "embedding-functional-zero-width-gallery",
+    lambda: embedding_recall_at_k(EMB, LABELS, torch.zeros(3, 0), LABELS, k=1),
+    r"`gallery` " + ZERO_WIDTH.format(3),
+)
 case(
     "embedding-update-groups-required",
     lambda: EmbeddingRecallAtK(exclude="same_label_and_group").update(EMB, LABELS),
@@ -607,3 +646,39 @@ case(
 def test_error_message(call: Callable[[], object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ---------------------------------------------------------------- torchmetrics' argument names
+
+
+@pytest.mark.parametrize("cls", [RetrievalRecallAtK, EmbeddingRecallAtK])
+def test_aggregation_is_an_error_naming_what_to_use(cls: type) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"`aggregation` is torchmetrics' choice .* \(got 'median'\); Recall@K here is"
+        r" always the mean .* use recall_at_k.functional.retrieval_first_hit_rank",
+    ):
+        cls(aggregation="median")
+
+
+FUNCTIONAL_CALLS = {
+    "retrieval_recall_at_k": lambda **kw: functional.retrieval_recall_at_k(
+        torch.rand(3, 4), torch.zeros(3, dtype=torch.long), **kw
+    ),
+    "retrieval_first_hit_rank": lambda **kw: functional.retrieval_first_hit_rank(
+        torch.rand(3, 4), torch.zeros(3, dtype=torch.long), **kw
+    ),
+    "recall_at_k_from_ranks": lambda **kw: functional.recall_at_k_from_ranks([1, 2], **kw),
+    "embedding_recall_at_k": lambda **kw: functional.embedding_recall_at_k(
+        torch.rand(3, 4), torch.zeros(3, dtype=torch.long), **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONAL_CALLS))
+def test_functional_top_k_and_aggregation_name_what_to_use(name: str) -> None:
+    call = FUNCTIONAL_CALLS[name]
+    with pytest.raises(ValueError, match=r"`top_k` is torchmetrics' name for one K; .* pass k=5"):
+        call(top_k=5)
+    with pytest.raises(ValueError, match=r"`aggregation` .*functional.retrieval_first_hit_rank"):
+        call(aggregation="median")

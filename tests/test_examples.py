@@ -22,6 +22,12 @@ RUNS: dict[str, tuple[list[str], str]] = {
     "cross_modal.py": ([], "with ids, the result equals each image added once by hand: True"),
     "reid_protocol.py": ([], "4. Market-1501: + skip queries w/o a match"),
     "torchmetrics_collection.py": ([], "recall@K equals torchmetrics' hit rate@K: True"),
+    "compare_models.py": (
+        ["--plot", "compare.png"],
+        "the Wilson intervals of A and B overlap at every K: True\n"
+        "yet the paired test tells them apart at K = 1: True\n"
+        "saved both CMC curves to compare.png",
+    ),
 }
 TABLE_HEADER = "epoch  train loss     val R@1     val R@5    val R@10"
 
@@ -53,6 +59,10 @@ def test_example_runs(name: str, tmp_path: Path) -> None:
     if name == "lightning_digits.py":
         _check_digits_run(done.stdout, epochs=1)
         assert (tmp_path / "curve.png").stat().st_size > 0
+    if name == "compare_models.py":
+        assert (tmp_path / "compare.png").stat().st_size > 0
+        for key in ("recall@1", "recall@5", "recall@10"):
+            assert key in done.stdout
 
 
 def _table_rows(stdout: str) -> list[list[str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 
 import pytest
@@ -61,6 +62,10 @@ def test_forward_returns_the_batch_value_and_accumulates() -> None:
     assert metric.compute() == retrieval_recall_at_k(*everything, k=(1, 3))
 
 
+# compute() after reset(): torchmetrics warns beside our NaN warning (expected here).
+@pytest.mark.filterwarnings(
+    "ignore:The ``compute`` method of metric .* called before the ``update``"
+)
 def test_reset_merge_state_pickle_and_state_dict() -> None:
     a, b = RetrievalRecallAtK(ties="expected"), RetrievalRecallAtK(ties="expected")
     first, second = _batch(40, 8), _batch(25, 8)
@@ -113,19 +118,22 @@ def test_empty_batch_changes_nothing_and_empty_gallery_has_no_positive() -> None
 
 def test_update_is_sync_free_on_the_meta_device() -> None:
     """With validate_args=False nothing reads a tensor value on the host (meta would fail)."""
-    for ties in TIES:
+    # A large batch and a small one (the paths with the fewest tensor operations).
+    for (rows, gallery), ties in itertools.product([(256, 500), (8, 100)], TIES):
         metric = RetrievalRecallAtK(ties=ties, validate_args=False).to("meta")
-        scores = torch.empty(256, 500, device="meta")
-        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))
-        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"))
-        ignore = torch.empty(256, 500, dtype=torch.bool, device="meta")
-        metric.update(scores, torch.empty(256, dtype=torch.int64, device="meta"), ignore=ignore)
-        metric.update(scores, torch.empty(256, 500, dtype=torch.bool, device="meta"), ignore=ignore)
+        scores = torch.empty(rows, gallery, device="meta")
+        index = torch.empty(rows, dtype=torch.int64, device="meta")
+        mask = torch.empty(rows, gallery, dtype=torch.bool, device="meta")
+        metric.update(scores, index)
+        metric.update(scores, mask)
+        ignore = torch.empty(rows, gallery, dtype=torch.bool, device="meta")
+        metric.update(scores, index, ignore=ignore)
+        metric.update(scores, mask, ignore=ignore)
         assert metric.rank_histogram.device.type == "meta"
     # ... and the validating update does read values, so it fails there.
     checked = RetrievalRecallAtK().to("meta")
     with pytest.raises((RuntimeError, NotImplementedError)):
-        checked.update(scores, torch.empty(256, dtype=torch.int64, device="meta"))
+        checked.update(scores, torch.empty(rows, dtype=torch.int64, device="meta"))
 
 
 def test_requires_grad_scores_keep_no_graph() -> None:
@@ -196,3 +204,26 @@ def test_plot_accepts_logged_values_with_a_prefix() -> None:
     line = ax.get_lines()[0]
     assert list(line.get_ydata()) == [0.25, 0.75]
     assert list(ax.get_xticks()) == [1, 5]
+
+
+def test_plot_of_several_results_takes_labels_and_draws_a_legend() -> None:
+    metric = RetrievalRecallAtK(k=(1, 5))
+    first = {"recall@1": 0.25, "recall@5": 0.5}
+    second = {"recall@1": 0.5, "recall@5": 0.75}
+    _, ax = metric.plot([first, second], labels=["model A", "model B"])  # type: ignore[list-item]
+    assert [line.get_label() for line in ax.get_lines()] == ["model A", "model B"]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["model A", "model B"]
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[0.25, 0.5], [0.5, 0.75]]
+    _, one = metric.plot(first, labels=["model A"])  # type: ignore[arg-type]
+    assert [text.get_text() for text in one.get_legend().get_texts()] == ["model A"]
+    with pytest.raises(ValueError, match=r"`labels` must give one label per result: 2 result"):
+        metric.plot([first, second], labels=["model A"])  # type: ignore[list-item]
+
+
+def test_plot_labels_name_each_direction_of_a_bidirectional_result() -> None:
+    from recall_at_k import EmbeddingRecallAtK
+
+    metric = EmbeddingRecallAtK(k=(1, 2), bidirectional=True, directions=("i2t", "t2i"))
+    result = {"i2t/recall@1": 0.5, "i2t/recall@2": 1.0, "t2i/recall@1": 0.25, "t2i/recall@2": 0.5}
+    _, ax = metric.plot([result], labels=["epoch 3"])  # type: ignore[list-item]
+    assert [line.get_label() for line in ax.get_lines()] == ["epoch 3 (i2t)", "epoch 3 (t2i)"]

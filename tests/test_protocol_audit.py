@@ -2,10 +2,12 @@
 
 The brute force is a literal double loop over (query, gallery item) pairs that applies
 the ignore rules one by one (the query's own sample, ``exclude``, ids repeated within a
-role), compares embeddings bit for bit with ``torch.equal`` and scores pairs with the
-canonical score written literally (``embedding_reference.canonical_score``). The data
-plant exact copies and near copies (of the same and of another label) among random
-embeddings, and quantised embeddings whose scores equal the threshold exactly.
+role), compares embeddings bit for bit with ``torch.equal`` and coordinate by coordinate for
+the rounding copies (:func:`rounding_copy`), and scores pairs with the canonical score
+written literally (``embedding_reference.canonical_score``). The data plant exact
+copies, rounding copies (1-2 ulps per coordinate; a Linear layer's output for a batch
+of 1 against a batch of 10) and near copies (of the same and of another label) among
+random embeddings, and quantised embeddings whose scores equal the threshold exactly.
 
 The one two-process spawn of the audit and interval tests lives here too.
 """
@@ -16,6 +18,7 @@ import copy
 import math
 import warnings
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -44,6 +47,23 @@ def _bits(row: Tensor) -> Tensor:
 def dot(queries: Tensor, gallery: Tensor) -> Tensor:
     """A callable similarity (module level: the two-process test pickles it)."""
     return queries @ gallery.T
+
+
+TOLERANCE = 2.0**-12
+
+
+def rounding_copy(x: Tensor, y: Tensor) -> bool:
+    """Equal up to float rounding, literally: finite, not the same bits, and
+    ``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)`` -- squared, in exact rational arithmetic
+    (``fractions.Fraction``), so that the metric's float64 sums, within 2^-30 of the
+    boundary nowhere here, must agree."""
+    if torch.equal(_bits(x), _bits(y)) or not (x.isfinite().all() and y.isfinite().all()):
+        return False
+    a = [Fraction(v) for v in x.tolist()]
+    b = [Fraction(v) for v in y.tolist()]
+    gap = sum(((u - v) ** 2 for u, v in zip(a, b, strict=True)), Fraction(0))
+    norms = max(sum((u * u for u in a), Fraction(0)), sum((v * v for v in b), Fraction(0)))
+    return gap <= Fraction(TOLERANCE) ** 2 * norms
 
 
 def _score(query: Tensor, item: Tensor, similarity: Any) -> float:
@@ -99,6 +119,7 @@ def _brute_force(case: Case) -> dict[str, Any]:
     for name, (query_role, gallery_role) in zip(names, roles, strict=False):
         queries, gallery = side(query_role), side(gallery_role)
         report = {"queries": 0, "identical_positive": 0, "identical_negative": 0}
+        report.update(rounding_positive=0, rounding_negative=0)
         if near is not None:
             report.update(near_positive=0, near_negative=0, near_hits_at_1=0)
         for q in queries:
@@ -119,7 +140,11 @@ def _brute_force(case: Case) -> dict[str, Any]:
                 identical = torch.equal(_bits(eq), _bits(eg))
                 if identical:
                     found.add("identical_" + kind)
-                if near is not None and (score >= near or identical):  # identical: near too
+                rounding = rounding_copy(eq, eg)
+                if rounding:
+                    found.add("rounding_" + kind)
+                copy = identical or rounding
+                if near is not None and (score >= near or copy):  # copies: near too
                     found.add("near_" + kind)
             if not positives and action in ("skip", "error"):
                 continue
@@ -130,22 +155,34 @@ def _brute_force(case: Case) -> dict[str, Any]:
                 best = max(positives)
                 beaten = any(s > best if optimistic else s >= best for s in negatives)
                 report["near_hits_at_1"] += int(not beaten and best >= near)
-        duplicates = 0
+        duplicates = rounding_duplicates = 0
         for j, g in enumerate(gallery):
-            earlier = gallery[:j]
-            duplicates += any(
-                identity[e] != identity[g] and torch.equal(_bits(items[e][0]), _bits(items[g][0]))
-                for e in earlier
-            )
+            earlier = [e for e in gallery[:j] if identity[e] != identity[g]]
+            if any(torch.equal(_bits(items[e][0]), _bits(items[g][0])) for e in earlier):
+                duplicates += 1
+            elif any(rounding_copy(items[e][0], items[g][0]) for e in earlier):
+                rounding_duplicates += 1
         report["duplicate_gallery_items"] = duplicates
+        report["rounding_duplicate_gallery_items"] = rounding_duplicates
         reports[name] = report
     if not options.get("bidirectional", False):
         return reports[names[0]]
     return reports
 
 
+def ulps(row: Tensor, steps: Tensor) -> Tensor:
+    """``row`` moved by ``steps[d]`` float32 ulps in coordinate ``d`` (-2..2)."""
+    out = row.clone()
+    for _ in range(int(steps.abs().max())):
+        move = steps.sign() * (steps.abs() > 0)
+        out = torch.where(move != 0, torch.nextafter(out, out + move), out)
+        steps = steps - move
+    return out
+
+
 def planted(seed: int, num: int = 48, classes: int = 6, groups: int = 3) -> Batch:
-    """Random items plus exact and near copies of the same and of another label.
+    """Random items plus exact, rounding (1-2 ulps per coordinate) and near copies of
+    the same and of another label.
 
     Each planted copy has a base item of its own, so that no query has both an exact
     positive and an exact negative (which would tie at rank 1 by rounding alone)."""
@@ -154,11 +191,13 @@ def planted(seed: int, num: int = 48, classes: int = 6, groups: int = 3) -> Batc
     labels = torch.randint(0, classes, (num,), generator=gen)
     group = torch.randint(0, groups, (num,), generator=gen)
     extra_e, extra_l, extra_g = [], [], []
-    bases = torch.randperm(num, generator=gen)[:12].tolist()
+    bases = torch.randperm(num, generator=gen)[:18].tolist()
     for n, base in enumerate(bases):
         copy = embeddings[base].clone()
-        if n % 3 == 2:  # a near copy
-            copy = copy + 1e-3 * torch.randn(DIM, generator=gen)
+        if n >= 12:  # a rounding copy
+            copy = ulps(copy, torch.randint(-2, 3, (DIM,), generator=gen))
+        elif n % 3 == 2:  # a near copy (not within rounding)
+            copy = copy + 1e-2 * torch.randn(DIM, generator=gen)
         label = int(labels[base]) if n % 2 == 0 else (int(labels[base]) + 1) % classes
         extra_e.append(copy)
         extra_l.append(label)
@@ -217,6 +256,23 @@ def threshold_cases() -> list[Case]:
     return out
 
 
+def linear_padding(seed: int = 0) -> tuple[Batch, Tensor]:
+    """A Linear layer's embeddings of 41 inputs, computed in batches of 10, then the
+    first three inputs again, each in a batch of 1 (DistributedSampler padding): the
+    repeats differ from the originals in their last bits. Also returns the ids."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(64, DIM)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(DIM, 64, generator=gen))
+        layer.bias.copy_(torch.randn(DIM, generator=gen))
+        inputs = torch.randn(41, 64, generator=gen)
+        rows = [layer(inputs[i : i + 10]) for i in range(0, 41, 10)]
+        rows += [layer(inputs[i : i + 1]) for i in range(3)]
+    labels = torch.randint(0, 5, (41,), generator=gen)
+    ids = torch.cat([torch.arange(41), torch.arange(3)])
+    return Batch(torch.cat(rows), torch.cat([labels, labels[:3]])), ids
+
+
 def cases() -> list[Case]:
     data = planted(0)
     n = data.labels.shape[0]
@@ -237,6 +293,9 @@ def cases() -> list[Case]:
         q_rows & (torch.arange(n) % 2 == 0), (data.labels + 1) % 6, data.labels
     )
     regrouped = torch.where(q_rows & (torch.arange(n) % 4 < 2), (data.groups + 1) % 3, data.groups)
+    padding, pad_ids = linear_padding()
+    padding_queries = Batch(padding.embeddings[:-3], padding.labels[:-3], "query")
+    padding_gallery = Batch(padding.embeddings[-8:], padding.labels[-8:], "gallery")
     out = [
         Case("loo", split(data, 3), {**near}),
         Case(
@@ -300,6 +359,10 @@ def cases() -> list[Case]:
         # A threshold no score reaches: the near items are the identical ones.
         Case("loo_dot_unreachable", [data], {"similarity": "dot", "near_duplicate": 1e6}),
         Case("loo_euclidean", [data], {"similarity": "euclidean", "near_duplicate": -1e-2}),
+        Case("linear_padding", [padding], {}),
+        Case("linear_padding_near", split(padding, 2), {"near_duplicate": 0.999}),
+        Case("linear_padding_ids", [Batch(padding.embeddings, padding.labels, ids=pad_ids)]),
+        Case("linear_padding_qg", [padding_queries, padding_gallery], {"bidirectional": True}),
     ]
     return out
 
@@ -328,6 +391,9 @@ def test_cases_plant_what_they_should() -> None:
     for key in (
         "identical_positive",
         "identical_negative",
+        "rounding_positive",
+        "rounding_negative",
+        "rounding_duplicate_gallery_items",
         "near_positive",
         "near_negative",
         "near_hits_at_1",
@@ -351,9 +417,10 @@ def test_report_equals_brute_force(case: Case) -> None:
     # Keys in the documented order.
     first = next(iter(expected.values())) if case.options.get("bidirectional") else expected
     keys = ["queries", "identical_positive", "identical_negative"]
+    keys += ["rounding_positive", "rounding_negative"]
     if "near_duplicate" in case.options:
         keys += ["near_positive", "near_negative", "near_hits_at_1"]
-    assert list(first) == [*keys, "duplicate_gallery_items"]
+    assert list(first) == [*keys, "duplicate_gallery_items", "rounding_duplicate_gallery_items"]
 
 
 TILE_CASES = [CASES[0], CASES[1], CASES[3]]
@@ -439,7 +506,10 @@ def test_no_warning_for_a_clean_protocol() -> None:
         "queries": 30,
         "identical_positive": 0,
         "identical_negative": 0,
+        "rounding_positive": 0,
+        "rounding_negative": 0,
         "duplicate_gallery_items": 0,
+        "rounding_duplicate_gallery_items": 0,
     }
 
 
@@ -504,10 +574,13 @@ def test_empty_metric_reports_zeros() -> None:
         "queries": 0,
         "identical_positive": 0,
         "identical_negative": 0,
+        "rounding_positive": 0,
+        "rounding_negative": 0,
         "near_positive": 0,
         "near_negative": 0,
         "near_hits_at_1": 0,
         "duplicate_gallery_items": 0,
+        "rounding_duplicate_gallery_items": 0,
     }
 
 
@@ -521,7 +594,10 @@ def test_collapsed_model_counts_every_item() -> None:
         "queries": num,
         "identical_positive": num,
         "identical_negative": num,
+        "rounding_positive": 0,
+        "rounding_negative": 0,
         "duplicate_gallery_items": num - 1,
+        "rounding_duplicate_gallery_items": 0,
     }
 
 
@@ -732,3 +808,256 @@ def test_report_on_demand_leaves_the_last_compute_attributes() -> None:
     assert metric.protocol_report() == brute_force(case)
     assert metric.last_compute_num_queries_ranked == ranked
     assert metric.last_compute_rescored == rescored
+
+
+# ------------------------------------------------------------------ rounding copies
+
+
+def _pairs_brute_force(rows: Tensor) -> set[tuple[int, int]]:
+    """The pairs of bitwise classes (numbered as ``bitwise_classes`` numbers them) that
+    are rounding copies, literally."""
+    classes = _audit.bitwise_classes(rows).tolist()
+    first: dict[int, int] = {}
+    for n, c in enumerate(classes):
+        first.setdefault(c, n)
+    out = set()
+    for a, i in first.items():
+        for b, j in first.items():
+            if a != b and rounding_copy(rows[i], rows[j]):
+                out.add((a, b))
+    return out
+
+
+def _pairs(rows: Tensor) -> set[tuple[int, int]]:
+    found = _audit.rounding_pairs(rows, _audit.bitwise_classes(rows))
+    return {(int(a), int(b)) for a, b in found.tolist()}
+
+
+def _tricky_rows() -> Tensor:
+    """Random rows and their rounding copies (1-2 ulps per coordinate, chains of them),
+    copies exactly at the tolerance and one float beyond it, rows of very different
+    scales, zeros of both signs, a collapsed cluster of jittered copies."""
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(40, 6, generator=gen)
+    base[:10] *= torch.tensor([1e30, 1e-30, 3.0, 1e-3, 1e3]).repeat(2).unsqueeze(1)
+    rows = [base]
+    rows.append(ulps(base[:15], torch.randint(-2, 3, (15, 6), generator=gen)))
+    rows.append(ulps(rows[-1][:8], torch.randint(-2, 3, (8, 6), generator=gen)))  # chains
+    edge = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]).repeat(4, 1)
+    edge[1, 1] = 2.0**-12  # at the tolerance (of the larger norm): a copy
+    edge[2, 1] = torch.nextafter(edge[1, 1], torch.tensor(1.0))  # one float beyond: not
+    edge[3, 0] = 1.0 + 2.0**-12  # the norm grows by the tolerance: a copy
+    rows.append(edge)
+    rows.append(torch.tensor([[0.0] * 6, [-0.0] * 6, [0.0] * 5 + [-0.0]]))
+    rows.append(ulps(torch.ones(30, 6) * 0.7, torch.randint(-2, 3, (30, 6), generator=gen)))
+    rows.append(rows[0][20:25].clone())  # bitwise copies
+    return torch.cat(rows)
+
+
+def test_rounding_pairs_equal_the_brute_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pair of rounding copies is found, and only those, whatever the chunking of
+    the candidate pairs (chunks of 3)."""
+    rows = _tricky_rows()
+    expected = _pairs_brute_force(rows)
+    assert len(expected) > 30 * 29  # the collapsed cluster alone
+    classes = _audit.bitwise_classes(rows)
+    at = {(int(classes[i]), int(classes[j])) for i, j in ((40 + 15 + 8, 40 + 15 + 8 + 1),)}
+    assert at <= expected  # the copy at the tolerance
+    beyond = (int(classes[40 + 15 + 8]), int(classes[40 + 15 + 8 + 2]))
+    assert beyond not in expected
+    assert _pairs(rows) == expected
+    monkeypatch.setattr(_audit, "ROUNDING_CHUNK", 3)
+    assert _pairs(rows) == expected
+    # Every pair summed in the fixed order (not only those near the boundary).
+    monkeypatch.setattr(_audit, "IN_ORDER_MARGIN", math.inf)
+    assert _pairs(rows) == expected
+    # In float64 storage and reordered: the same pairs of rows.
+    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(2))
+    assert _pairs(rows[order]) == _pairs_brute_force(rows[order])
+
+
+def test_rounding_pairs_ignore_rows_that_are_not_finite() -> None:
+    rows = torch.tensor([[1.0, 2.0], [math.inf, 2.0], [math.inf, 2.0 + 1e-6], [math.nan, 0.0]])
+    rows = torch.cat([rows, torch.nextafter(rows[:1], torch.zeros(1, 2))])
+    assert _pairs(rows) == _pairs_brute_force(rows)
+    assert len(_pairs(rows)) == 2  # rows 0 and 4, both ways
+
+
+def _no_copies(rows: Tensor) -> None:
+    assert _pairs(rows) == set()
+    metric = EmbeddingRecallAtK(k=1)
+    metric.update(rows, torch.arange(rows.shape[0]) % 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metric.compute()
+    report = metric.protocol_report()
+    assert isinstance(report, dict)
+    keys = ("rounding_positive", "rounding_negative", "rounding_duplicate_gallery_items")
+    assert all(report[key] == 0 for key in keys)
+
+
+@pytest.mark.parametrize("kind", ["random", "int8_neighbours", "binary", "ternary", "float16"])
+def test_no_rounding_copies_among_distinct_embeddings(kind: str) -> None:
+    """No false positive: random embeddings; quantised embeddings that are distinct, down
+    to one quantisation step in one coordinate (int8 codes, binary and ternary codes);
+    float16 values distinct by more than 2^-10 of their largest coordinate."""
+    gen = torch.Generator().manual_seed(7)
+    if kind == "random":
+        rows = torch.randn(3000, 32, generator=gen)
+    elif kind == "int8_neighbours":
+        base = torch.randint(-127, 128, (300, 16), generator=gen)
+        rows = base.repeat(16, 1)
+        rows[torch.arange(300 * 16), torch.arange(16).repeat_interleave(300)] += 1  # one step
+        rows = torch.cat([base, rows]).clamp(-127, 127).unique(dim=0).float()
+    elif kind == "binary":
+        rows = (torch.randint(0, 2, (2000, 24), generator=gen) * 2 - 1).unique(dim=0).float()
+    elif kind == "ternary":
+        rows = torch.randint(-1, 2, (2000, 12), generator=gen).unique(dim=0).float()
+    else:
+        base = torch.randn(500, 8, generator=gen).half()
+        step = base.abs().amax(dim=1, keepdim=True) * 2.0**-9  # above the tolerance
+        moved = (base.float() + step * (torch.arange(8) == 3)).half()
+        rows = torch.cat([base, moved]).float().unique(dim=0)
+    _no_copies(rows)
+
+
+def test_the_documented_limits_of_the_tolerance() -> None:
+    """Distinct int8 codes of 1,040 dimensions at full scale (norm just below 4,096)
+    one step apart are not copies; a repeat one bfloat16 unit away in every coordinate
+    is not a copy; a float16 output whose rounding flips in a few coordinates is."""
+    codes = torch.full((1, 1040), 127.0) * torch.where(torch.arange(1040) % 2 == 0, 1, -1)
+    assert float(codes.norm()) < 4096
+    stepped = codes.clone()
+    stepped[0, 5] -= 1
+    assert _pairs(torch.cat([codes, stepped])) == set()
+    gen = torch.Generator().manual_seed(12)
+    row = torch.randn(1, 64, generator=gen).bfloat16()
+    away = torch.nextafter(row, torch.full_like(row, math.inf))
+    assert _pairs(torch.cat([row, away]).float()) == set()
+    half = torch.randn(1, 512, generator=gen).half()
+    flipped = half.clone()
+    flipped[0, :8] = torch.nextafter(half[0, :8], torch.full_like(half[0, :8], math.inf))
+    assert len(_pairs(torch.cat([half, flipped]).float())) == 2
+
+
+def test_a_padded_repeat_from_another_batch_shape_warns() -> None:
+    """The DistributedSampler case: a repeat computed by a Linear layer in a batch of 1
+    differs from the original (computed in a batch of 10) in its last bits; compute()
+    warns about it, R@K is what it is without the audit, and ``ids=`` fixes it."""
+    padding, ids = linear_padding()
+    assert not torch.equal(padding.embeddings[0], padding.embeddings[41])
+    metric = EmbeddingRecallAtK(k=(1, 5))
+    feed(metric, [padding])
+    with pytest.warns(
+        UserWarning,
+        match=r"6 of 44 counted queries \(13\.6%\) have an item of their own label equal to them"
+        r" up to float rounding in their gallery.*\[rounding_positive\]; 3 of 44 gallery"
+        r" items \(6\.8%\) are equal up to float rounding to another gallery item.*"
+        r"\[rounding_duplicate_gallery_items\]\. Fixes: pass `ids=`",
+    ):
+        values = metric.compute()
+    # The ranking never reads the audit: the functional (no audit) gives the same values.
+    from recall_at_k.functional import embedding_recall_at_k
+
+    assert values == embedding_recall_at_k(padding.embeddings, padding.labels, k=(1, 5))
+    fixed = EmbeddingRecallAtK(k=(1, 5))
+    fixed.update(padding.embeddings, padding.labels, ids=ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed.compute()
+
+
+# ------------------------------------------------------------------ planted rules
+#
+# Three rules of the audit that the random cases above do not pin on their own, each on a
+# small planted case whose counts are written out (and checked against the brute force).
+
+
+def _report_of(case: Case) -> dict[str, Any]:
+    metric = metric_of(case)
+    feed(metric, case.batches)
+    report = metric.protocol_report()
+    assert report == brute_force(case)
+    return dict(report)
+
+
+def _alone_with_a_copy(copy: Tensor, action: str, near: float | None = None) -> Case:
+    """Leave-one-out: item 0 is the only one of label 0; ``copy`` (of item 0) has
+    label 1, as have items 2 and 3 (far from both)."""
+    gen = torch.Generator().manual_seed(9)
+    first = torch.randn(1, DIM, generator=gen)
+    rest = torch.randn(2, DIM, generator=gen)
+    embeddings = torch.cat([first, copy(first), rest])
+    options: dict[str, Any] = {"empty_target_action": action}
+    if near is not None:
+        options["near_duplicate"] = near
+    return Case(f"alone_{action}", [Batch(embeddings, torch.tensor([0, 1, 1, 1]))], options)
+
+
+@pytest.mark.parametrize("action", ["neg", "pos", "skip", "error"])
+def test_a_query_without_positives_and_a_copy_of_another_label(action: str) -> None:
+    """Item 0 has no positive and a copy of another label (bitwise; then a rounding copy):
+    it is counted -- and its copy is an identical / rounding negative -- only when
+    ``empty_target_action`` counts it ("neg", "pos"); its copy (item 1, with positives)
+    has item 0 as an identical / rounding negative under every action."""
+    counted = action in ("neg", "pos")
+    for make, key in ((Tensor.clone, "identical_negative"), (_one_ulp, "rounding_negative")):
+        report = _report_of(_alone_with_a_copy(make, action))
+        assert report["queries"] == 3 + counted
+        assert report[key] == 1 + counted, (action, key)
+
+
+def _one_ulp(rows: Tensor) -> Tensor:
+    return ulps(rows, torch.ones_like(rows, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("action", ["neg", "skip", "error"])
+def test_near_negatives_of_queries_without_positives(action: str) -> None:
+    """``near_negative`` of a query without a valid positive (item 0, whose copy of
+    another label scores above the threshold) counts under "neg" only: "error" counts
+    like "skip" (on demand: compute() would raise)."""
+
+    def near(rows: Tensor) -> Tensor:
+        return rows + 1e-2 * torch.ones_like(rows)
+
+    report = _report_of(_alone_with_a_copy(near, action, near=0.99))
+    counted = action == "neg"
+    assert report["queries"] == 3 + counted
+    assert report["near_negative"] == 1 + counted
+    assert report["identical_negative"] == report["rounding_negative"] == 0
+    if action == "error":
+        metric = metric_of(_alone_with_a_copy(near, action, near=0.99))
+        feed(metric, _alone_with_a_copy(near, action, near=0.99).batches)
+        with pytest.raises(ValueError, match="empty_target_action"):
+            metric.compute()
+
+
+def test_one_id_with_different_embeddings_in_its_two_roles() -> None:
+    """Query id 7 is in the gallery too with another embedding (a rounding copy of
+    itself, or a far one) and another label: it is the query itself, never an identical
+    or rounding item; the bitwise copies of the query in the gallery (id 8 of its label,
+    id 13 of another) and its rounding copy (id 9, another label) are."""
+    gen = torch.Generator().manual_seed(10)
+    query = torch.randn(1, DIM, generator=gen)
+    others = torch.randn(3, DIM, generator=gen)
+    for own, own_label in ((_one_ulp(query), 1), (others[:1], 0), (others[:1], 1)):
+        gallery = torch.cat([own, query.clone(), _one_ulp(_one_ulp(query)), others, query])
+        batches = [
+            Batch(query, torch.tensor([0]), "query", torch.tensor([0]), torch.tensor([7])),
+            Batch(
+                gallery,
+                torch.tensor([own_label, 0, 1, 0, 1, 1, 1]),
+                "gallery",
+                torch.tensor([1, 1, 1, 1, 1, 1, 1]),
+                torch.tensor([7, 8, 9, 10, 11, 12, 13]),
+            ),
+        ]
+        for exclude in ("none", "same_group", "same_label_and_group"):
+            case = Case("one_id", batches, {"exclude": exclude, "bidirectional": True})
+            report = _report_of(case)
+            q2g = report["q2g"]
+            assert q2g["identical_positive"] == 1 and q2g["identical_negative"] == 1
+            assert q2g["rounding_positive"] == 0 and q2g["rounding_negative"] == 1
+            g2q = report["g2q"]  # gallery items 8, 13 (bitwise) and 9 (rounding) find it
+            assert g2q["identical_positive"] == 1 and g2q["identical_negative"] == 1
+            assert g2q["rounding_positive"] == 0 and g2q["rounding_negative"] == 1

@@ -2,6 +2,8 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from recall_at_k._outcomes import QueryOutcomes
+from recall_at_k._paired import PairedComparison, paired_comparison
 from recall_at_k.embedding import EmbeddingRecallAtK
 from recall_at_k.metric import RetrievalRecallAtK
 
@@ -10,4 +12,11 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ["EmbeddingRecallAtK", "RetrievalRecallAtK", "__version__"]
+__all__ = [
+    "EmbeddingRecallAtK",
+    "PairedComparison",
+    "QueryOutcomes",
+    "RetrievalRecallAtK",
+    "__version__",
+    "paired_comparison",
+]

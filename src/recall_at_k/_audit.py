@@ -5,11 +5,16 @@ What :meth:`~recall_at_k.EmbeddingRecallAtK.protocol_report` counts, per directi
 - ``identical_positive`` / ``identical_negative``: counted queries whose gallery holds a
   non-ignored item (not the query's own sample, not excluded by ``exclude``) with a
   bitwise-equal embedding, of the query's label / another label;
+- ``rounding_positive`` / ``rounding_negative``: the same for an item equal to the query
+  up to float rounding (:data:`ROUNDING_TOLERANCE`) but not bitwise;
 - ``duplicate_gallery_items``: gallery items bitwise-equal to an earlier gallery item
   (gallery items are distinct samples: ids repeated within a role count once);
+  ``rounding_duplicate_gallery_items``: the other gallery items equal up to rounding to
+  an earlier gallery item;
 - with a ``near_duplicate`` threshold, ``near_positive`` / ``near_negative`` (a
   non-ignored gallery item whose score -- the canonical score of the ranking -- is at or
-  above it; identical items count too, even where they score below it) and
+  above it; identical items and rounding copies count too, even where they score below
+  it) and
   ``near_hits_at_1`` (queries whose rank-1 hit scores at or above it).
 
 The identical and duplicate counts need no scores: one sort of the embeddings' bit
@@ -17,6 +22,14 @@ patterns gives each item the class of its bitwise-equal rows, and composite keys
 (class, label, group) turn "is there such an item in my gallery" into counts looked up
 per query. Everything is O(N log N) sorts and O(N) gathers, whatever the data (every
 embedding equal included): no loop over queries, no pairs.
+
+The rounding copies need pairs, but only the few candidate pairs that one sort finds:
+:func:`rounding_pairs` sorts the classes into the cells of a grid over random
+projections of their normalised embeddings, in which a rounding copy cannot lie
+further than the next cell (whatever the rounding of the projections), and checks the
+candidates of neighbouring cells by the definition. Only the classes in such pairs are
+looked at again per query. On ordinary data there are none; the work is O(N D) for the
+projections, a sort, and O(candidates x D) for the checks.
 
 The near counts need a score per (query, gallery item): the ranking counts them in its
 own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
@@ -44,6 +57,7 @@ class Codes(NamedTuple):
     class_label: Tensor
     class_group: Tensor
     class_label_group: Tensor
+    adjacent: Tensor  # [P, 2] class pairs equal up to rounding (rounding_pairs)
 
 
 class DirectionAudit(NamedTuple):
@@ -53,11 +67,19 @@ class DirectionAudit(NamedTuple):
     identical_positive: Tensor
     identical_negative: Tensor
     duplicate_gallery_items: int
+    rounding_positive: Tensor
+    rounding_negative: Tensor
+    rounding_duplicate_gallery_items: int
 
     def known(self) -> Tensor:
         """bool ``[2, Q]``: queries whose near positive / near negative is certain (an
-        identical item), whatever its score (``rank``'s ``known``)."""
-        return torch.stack([self.identical_positive, self.identical_negative])
+        identical item or a rounding copy), whatever its score (``rank``'s ``known``)."""
+        return torch.stack(
+            [
+                self.identical_positive | self.rounding_positive,
+                self.identical_negative | self.rounding_negative,
+            ]
+        )
 
 
 _COMPARE_BYTES = 2**20
@@ -139,6 +161,208 @@ def _row_hashes(words: Tensor) -> Tensor:
     return (keys[:, 0] * _HASH_PRIME + keys[:, 1]) * _HASH_PRIME + keys[:, 2]
 
 
+ROUNDING_TOLERANCE = 2.0**-12
+"""Two finite embeddings ``x``, ``y`` with different bits are *equal up to float
+rounding* when ``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)``, as stored (before any
+normalisation), decided in float64: ``sum_d (x_d - y_d)^2 <= 2^-24 max(sum_d x_d^2,
+sum_d y_d^2)``, each sum accumulated in the order ``d = 0 .. D-1`` (both rows first
+scaled by the same power of two, which changes nothing but keeps the squares from
+underflowing), so the decision is the same on every device, thread and process.
+
+Why ``2^-12``: the same input run through a model in another batch shape (another
+BLAS or cuDNN kernel, another summation order) differs by a few float32 units
+``u = 2^-24`` (measured, relative distance: at most 8 u for ``nn.Linear`` from 64 to
+2,048 inputs, batches of 1, 3, 7 against 10; 3 u for a small convolutional net), so the
+tolerance leaves a factor 512; a float16 output (16-bit mixed precision) differs in the
+few coordinates whose rounding flips, by one float16 unit each (measured: 0.3 x 2^-12).
+Embeddings further apart are never copies: two distinct points of an integer grid
+differ by at least 1, so grid rows of norm below 4,096 steps (int8 codes of up to 1,040
+dimensions, binary or ternary codes of up to 16 million) are never copies. A bfloat16
+unit (``2^-8``) is coarser: such copies need ``ids=``."""
+
+ROUNDING_CHUNK = 2**16
+"""Candidate pairs are enumerated and checked this many at a time."""
+
+IN_ORDER_MARGIN = 2.0**-30
+"""Pairs whose sums taken in any order lie within this relative distance of the boundary
+are summed again in the fixed order (a sum of D non-negative float64 terms in any order
+is within ``gamma64_D``, far below it, of the fixed-order one)."""
+
+_PROJECTIONS = 3
+"""Rounding copies are looked for among the rows in neighbouring cells of a grid over
+this many random projections of the normalised rows."""
+
+_FILTERS = 8
+"""Random projections in all (the grid's first): a candidate pair is checked in full
+only when each projection of the two is within a cell width."""
+
+
+def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
+    """int64 ``[P, 2]``: the pairs ``(a, b)``, ``a != b``, of bitwise classes whose
+    embeddings are equal up to float rounding (:data:`ROUNDING_TOLERANCE`), both
+    orientations, sorted.
+
+    No pair can be missed: a copy ``y`` of ``x`` has ``|x/|x| - y/|y|| <= 2 tau /
+    (1 - tau)`` (``tau`` the tolerance), so each projection ``w . x/|x|`` of the two
+    differs by at most ``h = |w| 2 tau / (1 - tau)`` (Cauchy-Schwarz), widened to cover
+    the float64 rounding of every step. With cells of width ``h`` per projection, the
+    two rows lie in the same or neighbouring cells in each of the projections (a copy
+    cannot straddle more than one cell edge a projection): the rows of each cell are
+    paired with those of its own cell and of the 13 neighbouring cells of one half-space
+    (each pair of cells once); the candidates whose other projections also lie within a
+    cell width of each other are checked, in float64, by the definition. Rows that are
+    not finite have no copies; all-zero rows are copies of each other (``-0.0``). The
+    result depends on the stored values alone.
+    """
+    device = embeddings.device
+    none = torch.zeros((0, 2), dtype=torch.int64, device=device)
+    num, width = embeddings.shape
+    if num < 2:
+        return none
+    count = int(classes.max()) + 1
+    first = torch.full((count,), num, dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, classes, torch.arange(num, device=device), reduce="amin")
+    tau = ROUNDING_TOLERANCE
+    generator = torch.Generator().manual_seed(20261204)
+    weights = torch.randn((width, _FILTERS), generator=generator, dtype=torch.float64)
+    weights = weights.to(device)
+    # Cell width: the bound on a copy's distance in a projection of the unit rows, widened
+    # (by 2^-20 relative and a float64 rounding term per step) to cover every rounding.
+    rounding = 8 * _gamma64(width + 2)
+    cell = float(weights.norm(dim=0).max()) * (2 * tau / (1 - tau) + rounding) * (1 + 2.0**-20)
+    projected = torch.zeros((count, _FILTERS), dtype=torch.float64, device=device)
+    finite = torch.ones(count, dtype=torch.bool, device=device)
+    step = max(1, _HASH_ROW_BYTES // (8 * max(1, width)))
+    for start in range(0, count, step):
+        rows = _scaled(embeddings[first[start : start + step]].to(torch.float64))
+        finite[start : start + step] = rows.isfinite().all(dim=1)
+        norms = rows.norm(dim=1, keepdim=True)
+        unit = torch.where(norms > 0, rows / norms.clamp(min=1e-300), 0.0)
+        projected[start : start + step] = unit @ weights
+    keep = (finite & projected.isfinite().all(dim=1)).nonzero().view(-1)
+    if keep.numel() < 2:
+        return none
+    radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
+    if radix**_PROJECTIONS >= 2**62:  # D beyond any embedding: one cell per projection
+        radix, cell = 8, 4.0
+    cells = torch.floor(projected[keep, :_PROJECTIONS] / cell).to(torch.int64) + radix // 2
+    key = torch.zeros(keep.shape[0], dtype=torch.int64, device=device)
+    for k in range(_PROJECTIONS):
+        key = key * radix + cells[:, k]
+    key, order = torch.sort(key)
+    members = keep[order]
+    offsets = []
+    for shift in _half_space_shifts():
+        offset = 0
+        for delta in shift:
+            offset = offset * radix + delta
+        offsets.append(offset)
+    found = []
+    # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
+    # entry per row and cell (14 a row), at most ROUNDING_CHUNK, never one for every row.
+    row_step = max(1, ROUNDING_CHUNK // len(offsets))
+    for row_start in range(0, members.shape[0], row_step):
+        position = torch.arange(
+            row_start, min(members.shape[0], row_start + row_step), device=device
+        )
+        own = key[position]
+        starts, counts = [], []
+        for offset in offsets:
+            if offset == 0:  # the row's own cell: the rows after it
+                stop = torch.searchsorted(key, own, right=True)
+                starts.append(position + 1)
+                counts.append(stop - position - 1)
+            else:
+                lo = torch.searchsorted(key, own + offset)
+                starts.append(lo)
+                counts.append(torch.searchsorted(key, own + offset, right=True) - lo)
+        begin = torch.stack(starts, dim=1).view(-1)
+        size = torch.stack(counts, dim=1).view(-1)
+        owner = position.repeat_interleave(len(starts))
+        ends = torch.cumsum(size, dim=0)
+        total = int(ends[-1])
+        for chunk in range(0, total, ROUNDING_CHUNK):
+            pair = torch.arange(chunk, min(chunk + ROUNDING_CHUNK, total), device=device)
+            at = torch.searchsorted(ends, pair, right=True)
+            a = members[owner[at]]
+            b = members[begin[at] + pair - (ends[at] - size[at])]
+            close = ((projected[a] - projected[b]).abs() <= cell).all(dim=1)
+            a, b = a[close], b[close]
+            within = _within(embeddings, first[a], first[b])
+            found.append(torch.stack([a[within], b[within]], dim=1))
+    if not found:
+        return none
+    pairs = torch.cat(found)
+    pairs = torch.cat([pairs, pairs.flip(1)])
+    return pairs[torch.argsort(pairs[:, 0] * count + pairs[:, 1])]
+
+
+def _half_space_shifts() -> list[tuple[int, ...]]:
+    """The cell offsets in ``{-1, 0, 1}^k`` that are ``>= 0`` lexicographically (the
+    zero offset first): each pair of neighbouring cells is visited from one side."""
+    shifts: list[tuple[int, ...]] = [()]
+    for _ in range(_PROJECTIONS):
+        shifts = [(*s, d) for s in shifts for d in (-1, 0, 1)]
+    zero = (0,) * _PROJECTIONS
+    return sorted((s for s in shifts if s >= zero), key=lambda s: s != zero)
+
+
+def _scaled(rows: Tensor) -> Tensor:
+    """float64 rows, each multiplied by the power of two that brings its largest
+    absolute coordinate into ``[0.5, 1)`` (exact; zero and non-finite rows as they are)."""
+    largest = rows.abs().amax(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
+    exponent = torch.frexp(torch.where(largest.isfinite(), largest, 1.0))[1]
+    return torch.ldexp(rows, -exponent.unsqueeze(1).to(rows.dtype))
+
+
+def _within(embeddings: Tensor, rows_a: Tensor, rows_b: Tensor) -> Tensor:
+    """bool per pair of rows: equal up to rounding (:data:`ROUNDING_TOLERANCE`), the
+    sums in the order ``d = 0 .. D-1`` (both rows scaled by one power of two).
+
+    The sums are first taken in any order (a relative error below ``gamma64_D``, all
+    terms being non-negative); only the pairs within ``IN_ORDER_MARGIN`` of the boundary
+    are summed again in the fixed order."""
+    out = torch.empty(rows_a.shape[0], dtype=torch.bool, device=rows_a.device)
+    width = embeddings.shape[1]
+    step = max(1, _HASH_ROW_BYTES // (8 * max(1, width)))
+    limit = ROUNDING_TOLERANCE**2
+    for start in range(0, rows_a.shape[0], step):
+        stop = start + step
+        a = embeddings[rows_a[start:stop]].to(torch.float64)
+        b = embeddings[rows_b[start:stop]].to(torch.float64)
+        if width == 0:
+            out[start:stop] = True
+            continue
+        largest = torch.maximum(a.abs().amax(dim=1), b.abs().amax(dim=1))
+        shift = -torch.frexp(largest)[1].to(torch.float64).unsqueeze(1)
+        a, b = torch.ldexp(a, shift), torch.ldexp(b, shift)
+        gap = (a - b).square_().sum(dim=1)
+        scale = torch.maximum(a.square().sum(dim=1), b.square().sum(dim=1)) * limit
+        decided = gap <= scale
+        unsure = ((gap - scale).abs() <= IN_ORDER_MARGIN * scale).nonzero().view(-1)
+        if unsure.numel():
+            decided[unsure] = _within_in_order(a[unsure], b[unsure])
+        out[start:stop] = decided
+    return out
+
+
+def _within_in_order(a: Tensor, b: Tensor) -> Tensor:
+    """:func:`_within` of scaled float64 rows, every sum in the order ``d = 0 .. D-1``."""
+    a, b = a.T.contiguous(), b.T.contiguous()
+    gap = torch.zeros(a.shape[1], dtype=torch.float64, device=a.device)
+    norm_a, norm_b, term = torch.zeros_like(gap), torch.zeros_like(gap), torch.empty_like(gap)
+    for d in range(a.shape[0]):
+        gap.add_(torch.sub(a[d], b[d], out=term).square_())
+        norm_a.add_(torch.square(a[d], out=term))
+        norm_b.add_(torch.square(b[d], out=term))
+    return gap <= ROUNDING_TOLERANCE**2 * torch.maximum(norm_a, norm_b)
+
+
+def _gamma64(terms: int) -> float:
+    unit = 2.0**-53
+    return terms * unit / (1 - terms * unit)
+
+
 def _code(values: Tensor) -> Tensor:
     return cast(Tensor, torch.unique(values, return_inverse=True)[1])
 
@@ -163,6 +387,7 @@ def codes(embeddings: Tensor, labels: Tensor, groups: Tensor) -> Codes:
         class_label,
         _pair(klass, group),
         _pair(class_label, group),
+        rounding_pairs(embeddings, klass),
     )
 
 
@@ -227,9 +452,100 @@ def audit_direction(
         counted = torch.ones_like(positives, dtype=torch.bool)
     gallery_classes = torch.bincount(keys.klass[g_rows], minlength=num)
     duplicates = int(g_rows.shape[0]) - int((gallery_classes > 0).sum())
+    rounding_pos, rounding_neg = torch.zeros_like(counted), torch.zeros_like(counted)
+    rounding_duplicates = 0
+    if keys.adjacent.numel():
+        selves = (has_self, self_row)
+        rounding_pos, rounding_neg = _rounding_flags(keys, q_rows, g_rows, selves, exclude)
+        rounding_duplicates = _rounding_duplicates(keys, g_rows)
     return DirectionAudit(
-        counted, counted & (identical_pos > 0), counted & (identical_neg > 0), duplicates
+        counted,
+        counted & (identical_pos > 0),
+        counted & (identical_neg > 0),
+        duplicates,
+        counted & rounding_pos,
+        counted & rounding_neg,
+        rounding_duplicates,
     )
+
+
+def _rounding_flags(
+    keys: Codes, q_rows: Tensor, g_rows: Tensor, selves: tuple[Tensor, Tensor], exclude: str
+) -> tuple[Tensor, Tensor]:
+    """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item, another
+    sample, of a class equal to the query's up to rounding (not its own class), of the
+    query's label / of another label.
+
+    Per (query, adjacent class ``b``) pair -- none on ordinary data -- the gallery items
+    of class ``b`` with the query's key are counted by binary search in the gallery's
+    sorted composite keys, with the ignore rules by inclusion-exclusion as in
+    :func:`audit_direction`, less the query's own sample where it is of class ``b``."""
+    num = keys.klass.shape[0]
+    device = q_rows.device
+    positive = torch.zeros(q_rows.shape, dtype=torch.bool, device=device)
+    negative = torch.zeros_like(positive)
+    adjacent = keys.adjacent
+    starts = adjacent[:, 0].contiguous()
+    q_class = keys.klass[q_rows]
+    begin = torch.searchsorted(starts, q_class)
+    degree = torch.searchsorted(starts, q_class, right=True) - begin
+    ends = torch.cumsum(degree, dim=0)
+    total = int(ends[-1]) if ends.numel() else 0
+    if total == 0:
+        return positive, negative
+
+    def table(*codes: Tensor) -> Tensor:
+        key = codes[0][g_rows]
+        for code in codes[1:]:
+            key = key * num + code[g_rows]
+        return torch.sort(key)[0]
+
+    def count(sorted_keys: Tensor, key: Tensor) -> Tensor:
+        right = torch.searchsorted(sorted_keys, key, right=True)
+        return right - torch.searchsorted(sorted_keys, key)
+
+    by_class, by_label = table(keys.klass), table(keys.klass, keys.label)
+    by_label_group = table(keys.klass, keys.label_group)
+    by_group = table(keys.klass, keys.group)
+    grouped, group_rule = exclude != "none", exclude == "same_group"
+    has_self, self_row = selves
+    for start in range(0, total, ROUNDING_CHUNK):
+        pair = torch.arange(start, min(start + ROUNDING_CHUNK, total), device=device)
+        query = torch.searchsorted(ends, pair, right=True)
+        other = adjacent[begin[query] + pair - (ends[query] - degree[query]), 1]
+        row = q_rows[query]
+        label, label_group = keys.label[row], keys.label_group[row]
+        same = count(by_label, other * num + label)
+        pos = same.clone()
+        neg = count(by_class, other) - same
+        if grouped:
+            pos -= count(by_label_group, other * num + label_group)
+        if group_rule:
+            neg -= count(by_group, other * num + keys.group[row])
+            neg += count(by_label_group, other * num + label_group)
+        own = self_row[query]
+        mine = has_self[query] & (keys.klass[own] == other)
+        same_label = keys.label[own] == label
+        same_group = keys.group[own] == keys.group[row]
+        pos -= (mine & same_label & ~(same_group & grouped)).long()
+        neg -= (mine & ~same_label & ~(same_group & group_rule)).long()
+        positive[query[pos > 0]] = True
+        negative[query[neg > 0]] = True
+    return positive, negative
+
+
+def _rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
+    """Gallery items whose class first appears in the gallery after a class equal to it
+    up to rounding (the bitwise repeats are ``duplicate_gallery_items``)."""
+    num, size = keys.klass.shape[0], g_rows.shape[0]
+    first = torch.full((num,), size, dtype=torch.int64, device=g_rows.device)
+    positions = torch.arange(size, device=g_rows.device)
+    first.scatter_reduce_(0, keys.klass[g_rows], positions, reduce="amin")
+    a, b = keys.adjacent[:, 0], keys.adjacent[:, 1]
+    later = (first[a] < first[b]) & (first[b] < size)
+    flagged = torch.zeros(num, dtype=torch.bool, device=g_rows.device)
+    flagged[b[later]] = True
+    return int(flagged.sum())
 
 
 # ------------------------------------------------------------------ options
@@ -367,6 +683,8 @@ def report(
         "queries": queries,
         "identical_positive": int(audit.identical_positive.sum()),
         "identical_negative": int(audit.identical_negative.sum()),
+        "rounding_positive": int(audit.rounding_positive.sum()),
+        "rounding_negative": int(audit.rounding_negative.sum()),
     }
     if near is not None:
         positive, negative, negative_alone, hits = (int(v) for v in near.tolist())
@@ -375,20 +693,24 @@ def report(
         result["near_negative"] = negative + (negative_alone if counts_all else 0)
         result["near_hits_at_1"] = hits
     result["duplicate_gallery_items"] = audit.duplicate_gallery_items
+    result["rounding_duplicate_gallery_items"] = audit.rounding_duplicate_gallery_items
     return result
 
 
 def empty_report(near: bool) -> dict[str, int]:
     """The report of a direction without queries or gallery: every count 0."""
     keys = ["queries", "identical_positive", "identical_negative"]
+    keys += ["rounding_positive", "rounding_negative"]
     keys += ["near_positive", "near_negative", "near_hits_at_1"] if near else []
-    return dict.fromkeys([*keys, "duplicate_gallery_items"], 0)
+    keys += ["duplicate_gallery_items", "rounding_duplicate_gallery_items"]
+    return dict.fromkeys(keys, 0)
 
 
 def warning_message(
     names: Sequence[str], reports: Sequence[dict[str, int]], directions: Sequence[Sides | None]
 ) -> str | None:
-    """The warning about identical positives or duplicate gallery items, or None.
+    """The warning about identical positives, duplicate gallery items or their rounding
+    copies, or None.
 
     Args:
         names: the direction names (``""`` for a metric with one direction).
@@ -400,20 +722,27 @@ def warning_message(
     findings = []
     for (name, found), size in zip(reports_named, gallery, strict=False):
         where = f"direction {name!r}: " if name else ""
-        identical, queries = found["identical_positive"], found["queries"]
-        duplicates = found["duplicate_gallery_items"]
-        if identical:
-            findings.append(
-                f"{where}{identical} of {queries} counted queries ({identical / queries:.1%})"
-                " have a bitwise-identical item of their own label in their gallery, a"
-                " guaranteed hit (leakage)"
-            )
-        if duplicates:
-            findings.append(
-                f"{where}{duplicates} of {size} gallery items ({duplicates / max(size, 1):.1%})"
-                " are bitwise-identical to another gallery item, so every query ranks each"
-                " repeat again"
-            )
+        queries = found["queries"]
+        for key, what in (
+            ("identical_positive", "a bitwise-identical item of their own label"),
+            ("rounding_positive", "an item of their own label equal to them up to float rounding"),
+        ):
+            if found[key]:
+                findings.append(
+                    f"{where}{found[key]} of {queries} counted queries"
+                    f" ({found[key] / queries:.1%}) have {what} in their gallery, a"
+                    f" guaranteed hit (leakage) [{key}]"
+                )
+        for key, what in (
+            ("duplicate_gallery_items", "bitwise-identical to"),
+            ("rounding_duplicate_gallery_items", "equal up to float rounding to"),
+        ):
+            if found[key]:
+                findings.append(
+                    f"{where}{found[key]} of {size} gallery items"
+                    f" ({found[key] / max(size, 1):.1%}) are {what} another gallery item, so"
+                    f" every query ranks each repeat again [{key}]"
+                )
     if not findings:
         return None
     return (

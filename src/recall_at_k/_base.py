@@ -10,18 +10,31 @@ A subclass declares its states with :meth:`RecallAtKMetric._add_count_state` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, cast
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from recall_at_k import _plot
-from recall_at_k._checks import check_choice, check_k, check_key, check_level
+from recall_at_k._checks import (
+    check_choice,
+    check_k,
+    check_key,
+    check_level,
+    check_torchmetrics_names,
+)
 from recall_at_k._kernel import Workspace
+from recall_at_k._misuse import HigherIsBetter, check_lightning_log, check_wrapper_caller
 from recall_at_k._result import format_output, recall_values, wilson_interval
-from recall_at_k._sync import ListLayout, empty_filled_list_states, fill_empty_list_states
+from recall_at_k._sync import (
+    ListLayout,
+    agree_float_dtypes,
+    empty_filled_list_states,
+    fill_empty_list_states,
+)
 from recall_at_k._types import EMPTY_TARGET_ACTIONS, TIES, OutputT
 from recall_at_k._views import RecallMetric, RecallView
 
@@ -43,7 +56,15 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         *Metric.__jit_unused_properties__,
         "output_keys",
         "_view_list",
+        "_returns_dict",
+        "_forward_cache",
     ]
+
+    # True, as a class attribute; read on an instance by ``MetricTracker`` when it is
+    # built, it raises where the tracker cannot take this metric's output.
+    higher_is_better = HigherIsBetter()
+    # Whether the rows of an update are samples that also make up the gallery.
+    _items_are_samples: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -56,11 +77,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         prefixes: Sequence[str] = ("",),
         **metric_kwargs: Any,
     ) -> None:
-        if "top_k" in metric_kwargs:
-            raise ValueError(
-                "`top_k` is torchmetrics' name for one K; this metric takes `k`, an int or"
-                f" a sequence of ints: pass k={metric_kwargs['top_k']!r}"
-            )
+        check_torchmetrics_names(metric_kwargs)
         super().__init__(**metric_kwargs)
         self.ks, self.single_k = check_k(k)
         self.max_k = max(self.ks)
@@ -88,6 +105,24 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """The keys of ``compute()``'s dict, in order (one per K and direction)."""
         return [prefix + key for prefix in self._prefixes for key in self.keys]
 
+    @property
+    def _returns_dict(self) -> bool:
+        """Whether ``compute()`` returns a dict (several K or directions), not one tensor."""
+        return not (self.__dict__.get("single_k", True) and self.__dict__.get("_prefixes") == ("",))
+
+    @property
+    def _forward_cache(self) -> Any:
+        """torchmetrics' batch value of ``forward``; Lightning's ``self.log`` reads it
+        when called, which raises for a metric whose ``compute()`` is a dict (see
+        :mod:`recall_at_k._misuse`)."""
+        if self._returns_dict:
+            check_lightning_log(type(self).__name__, self.output_keys)
+        return self.__dict__.get("_forward_cache")
+
+    @_forward_cache.setter
+    def _forward_cache(self, value: Any) -> None:
+        self.__dict__["_forward_cache"] = value
+
     # ------------------------------------------------------------------ states
 
     def _add_count_state(self, name: str, default: Tensor) -> None:
@@ -96,19 +131,19 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self._exact_states.append(name)
 
     def _add_list_state(self, name: str, layout: ListLayout) -> None:
-        """A ``"cat"`` list state of blocks of ``layout``; an exact one (``layout.dtype``
-        given) keeps its dtype under casts, one of the metric's dtype follows them."""
+        """A ``"cat"`` list state of blocks of ``layout``: its blocks keep their dtypes
+        under casts (see :meth:`_apply`; float embeddings are never rounded to half)."""
         self.add_state(name, [], dist_reduce_fx="cat")
         self._list_layouts[name] = layout
-        if layout.dtype is not None:
-            self._exact_states.append(name)
+        self._exact_states.append(name)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = ()) -> Any:
         """torchmetrics' ``_apply``, except that exact states only change device.
 
         A module cast (``.to(torch.float16)``, ``.half()``, ``set_dtype``, Lightning's
-        ``precision="16-true"``) would otherwise round counts kept in float64 or cast
-        int64 counts and float64 bit patterns to half precision.
+        ``precision="16-true"``) would otherwise round counts kept in float64, cast
+        int64 counts and float64 bit patterns to half precision, and round stored
+        embeddings (those stored before the cast too) to half precision.
         """
         exact: list[str] = self.__dict__.get("_exact_states", [])
         this: Any = super()._apply(fn, exclude_state=(*exclude_state, *exact))
@@ -139,6 +174,15 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         _forget_computed(self)
+
+    def _sync_dist(
+        self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None
+    ) -> None:
+        """torchmetrics' gather of the states, after the processes agree on the dtype of
+        float list states (:func:`recall_at_k._sync.agree_float_dtypes`)."""
+        group = process_group or self.process_group
+        agree_float_dtypes(self, self._list_layouts, dist_sync_fn, group)
+        super()._sync_dist(dist_sync_fn, process_group=process_group)
 
     def _will_sync(
         self, should_sync: bool, distributed_available: Callable[..., Any] | None
@@ -242,6 +286,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     def compute(self) -> OutputT:
         """Recall@K over everything seen (synchronised across processes)."""
+        check_wrapper_caller(self)
         return self._output([values for values, _ in self._recall_values()])
 
     def confidence_interval(self, level: float = 0.95) -> OutputT:
@@ -274,7 +319,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     # ------------------------------------------------------------------ logging, plots
 
-    def per_k(self, prefix: str = "") -> dict[str, RecallView]:
+    def per_k(self, prefix: str = "") -> Mapping[str, Metric]:
         """One ``Metric`` per output key, for ``self.log_dict`` in Lightning.
 
         Example:
@@ -302,6 +347,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         ax: Any | None = None,
         *,
         interval: OutputT | None = None,
+        labels: Sequence[str] | None = None,
     ) -> tuple[Any, Any]:
         """Draw Recall@K against K (a CMC curve; one per direction when bidirectional).
 
@@ -312,6 +358,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             ax: a matplotlib axis to draw on; a new figure when ``None``.
             interval: a result of :meth:`confidence_interval`, drawn as a band around
                 the curve of one result.
+            labels: one legend label per result of ``val`` (say, per model or epoch);
+                without it, a list of results is labelled by position ("step 0", ...).
 
         Returns:
             ``(fig, ax)``.
@@ -338,7 +386,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 for prefix in self._prefixes
             }
         title = type(self).__name__
-        return _plot.plot_curves(curves[0] if len(curves) == 1 else curves, ax, title, bands)
+        one = len(curves) == 1 and labels is None
+        return _plot.plot_curves(curves[0] if one else curves, ax, title, bands, labels)
 
 
 def _to_device_of(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:

@@ -9,15 +9,53 @@ with ``validate_args=True`` (as the value checks beside each input form).
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
-from collections.abc import Sequence
-from typing import Any, SupportsIndex, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec, SupportsIndex, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 SIGNED_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+TORCHMETRICS_NAMES = {
+    "top_k": (
+        "`top_k` is torchmetrics' name for one K; Recall@K here takes `k`, an int or a"
+        " sequence of ints: pass k={value!r}"
+    ),
+    "aggregation": (
+        "`aggregation` is torchmetrics' choice of how per-query values combine (got"
+        " {value!r}); Recall@K here is always the mean of hit@K over the counted queries"
+        " (hit@K is 0 or 1 per query, so a median would be 0 or 1). For per-query"
+        " outcomes use recall_at_k.functional.retrieval_first_hit_rank: rank <= K is hit@K"
+    ),
+}
+
+
+def check_torchmetrics_names(kwargs: Mapping[str, Any]) -> None:
+    """Raise for a torchmetrics retrieval argument that has another name or no use here."""
+    for name, message in TORCHMETRICS_NAMES.items():
+        if name in kwargs:
+            raise ValueError(message.format(value=kwargs[name]))
+
+
+def refuse_torchmetrics_names(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A function that raises :func:`check_torchmetrics_names`' errors first (rather
+    than Python's ``TypeError: unexpected keyword argument``)."""
+
+    @functools.wraps(function)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        check_torchmetrics_names(kwargs)
+        return function(*args, **kwargs)
+
+    return checked
 
 
 def describe(tensor: Tensor) -> str:
@@ -146,10 +184,33 @@ def check_no_nan(scores: Tensor, name: str = "scores", nan_rows: Tensor | None =
     if nan_rows is not None:
         found = bool(nan_rows.any())
     else:
-        found = bool(scores.numel()) and bool(torch.isnan(scores.detach().amax()))
+        found = bool(scores.numel()) and math.isnan(float(scores.detach().amax()))
     if found:
         count = int(torch.isnan(scores).sum())
         raise ValueError(f"`{name}` must not contain NaN, found {count} NaN value(s)")
+
+
+def check_binary(target: Tensor, what: str, hint: str = "") -> None:
+    """Relevance values 0 or 1 (bool passes unread; integer or float 0/1 values pass).
+
+    A value check (reads the tensor on the host): entry points run it only with
+    ``validate_args=True``.
+    """
+    if not target.numel() or target.dtype == torch.bool:
+        return
+    bad = (target != 0) & (target != 1)
+    if bool(bad.any()):
+        example = target[bad][0]
+        shown = float(example) if target.is_floating_point() else int(example)
+        remedy = (
+            "; binarise graded relevance first, for example `target > 0`"
+            if target.is_floating_point()
+            else ""
+        )
+        raise ValueError(
+            f"{what} must be 0 or 1, got {int(bad.sum())} other value(s),"
+            f" e.g. {shown}{hint}{remedy}"
+        )
 
 
 def check_level(level: object) -> float:

@@ -7,9 +7,15 @@ own reductions reveal (or one NaN check of the scores where they do not).
 Counting paths, all exact and equal:
 
 - ``[Q]`` index target (one true item a row): s* by gather, then one comparison pass;
+- ``[Q, G]`` mask target of at most :data:`SMALL_BATCH` scores without ``ignore``: one
+  select and bool comparisons, the fewest tensor operations (:func:`_mask_counts_small`);
 - ``[Q, G]`` mask target on CPU without ``ignore``: byte arithmetic, blocks of rows that
   stay in the core's cache (:func:`_mask_counts_in_blocks`);
 - otherwise two selects (``torch.where``) of the positives' and negatives' scores.
+
+A batch of at most :data:`SMALL_BATCH` scores costs the dispatch of its tensor
+operations rather than their arithmetic, so there every path counts through ``bool``
+comparisons without scratch buffers.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import Tensor
 
 from recall_at_k._checks import (
     SIGNED_INTEGER_DTYPES,
+    check_binary,
     check_no_nan,
     check_same_device,
     check_tensors,
@@ -32,6 +39,10 @@ from recall_at_k._kernel import (
     no_positive_counts,
     scratch,
 )
+
+SMALL_BATCH = 2**15
+"""Batches of at most this many scores take the paths with the fewest tensor operations
+(their per-call cost is dispatch, not arithmetic)."""
 
 CPU_BLOCK_BYTES = 512 * 2**10
 """The CPU mask path works on blocks of rows of about this many bytes of scores, so that
@@ -57,10 +68,11 @@ def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> No
                 f" got {describe(target)}"
             )
     elif target.dim() == 2:
-        if tuple(target.shape) != (num_queries, gallery) or target.is_floating_point():
+        if tuple(target.shape) != (num_queries, gallery) or target.is_complex():
             raise ValueError(
-                "`target` of two dimensions must be a bool or 0/1 integer tensor of the"
-                f" same shape as `scores` [{num_queries}, {gallery}], got {describe(target)}"
+                "`target` of two dimensions must be a bool, 0/1 integer or 0./1. float"
+                f" tensor of the same shape as `scores` [{num_queries}, {gallery}],"
+                f" got {describe(target)}"
             )
     else:
         raise ValueError(
@@ -99,19 +111,14 @@ def check_values(scores: Tensor, target: Tensor) -> None:
         return
     if target.dim() == 1:
         gallery = scores.shape[1]
-        low, high = int(target.min()), int(target.max())
+        low, high = (int(value) for value in torch.aminmax(target))
         if low < -1 or high >= gallery:
             raise ValueError(
                 f"`target` column indices must lie in [-1, {gallery}) (the gallery has"
                 f" {gallery} items; -1 = no true item), got values in [{low}, {high}]"
             )
-    elif target.dtype != torch.bool:
-        bad = (target != 0) & (target != 1)
-        if bool(bad.any()):
-            raise ValueError(
-                f"`target` mask values must be 0 or 1, got {int(bad.sum())} other"
-                f" value(s), e.g. {int(target[bad][0])}"
-            )
+    else:
+        check_binary(target, "`target` mask values")
 
 
 # ---------------------------------------------------------------------------- counting
@@ -125,12 +132,13 @@ def tie_counts(
     validate_args: bool,
     workspace: Workspace | None = None,
     block_bytes: int = CPU_BLOCK_BYTES,
+    small_batch: int = SMALL_BATCH,
 ) -> TieCounts:
     """Checks, then :func:`dense_tie_counts`, then the NaN check (``validate_args``)."""
     check_structure(scores, target, ignore)
     if validate_args:
         check_values(scores, target)
-    counts = dense_tie_counts(scores, target, ignore, needed, workspace, block_bytes)
+    counts = dense_tie_counts(scores, target, ignore, needed, workspace, block_bytes, small_batch)
     if validate_args:
         check_no_nan(scores, nan_rows=counts.nan_rows)
     return counts
@@ -143,17 +151,20 @@ def dense_tie_counts(
     needed: NeededCounts,
     workspace: Workspace | None = None,
     block_bytes: int = CPU_BLOCK_BYTES,
+    small_batch: int = SMALL_BATCH,
 ) -> TieCounts:
     """Per-query g_>, g_> + e and p of a dense ``[Q, G]`` score matrix.
 
     Args:
         scores: float ``[Q, G]`` (a NaN makes its row's counts meaningless).
-        target: bool/0-1 integer ``[Q, G]`` relevance mask, or integer ``[Q]`` column of
+        target: bool / 0-1 integer or float ``[Q, G]`` relevance mask, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         ignore: optional bool ``[Q, G]``; ignored items are neither positive nor negative.
         needed: which counts to compute.
         workspace: scratch buffers to reuse (fresh ones without).
         block_bytes: bytes of scores per block of rows on the CPU mask path.
+        small_batch: batches of at most this many scores take the paths with the fewest
+            tensor operations (every choice gives the same counts).
 
     Returns:
         :class:`TieCounts` of int64 ``[Q]`` tensors.
@@ -163,7 +174,10 @@ def dense_tie_counts(
     if gallery == 0 or num_queries == 0:
         return no_positive_counts(num_queries, scores.device)
     if target.dim() == 1:
-        return _index_counts(scores, target.long(), ignore, needed, workspace)
+        small = scores.numel() <= small_batch
+        return _index_counts(scores, target.long(), ignore, needed, workspace, small)
+    if ignore is None and scores.numel() <= small_batch:
+        return _mask_counts_small(scores, target, needed)
     if ignore is None and scores.device.type in ("cpu", "meta"):
         return _mask_counts_in_blocks(scores, target, needed, workspace, block_bytes)
     return _mask_counts_by_selects(scores, target, ignore, needed, workspace)
@@ -173,8 +187,14 @@ def _constant(value: float, like: Tensor) -> Tensor:
     return torch.full((), value, dtype=like.dtype, device=like.device)
 
 
-def _count(op: str, values: Tensor, threshold: Tensor, workspace: Workspace | None) -> Tensor:
-    """Row-wise count of ``values >= threshold`` (``"ge"``) or ``values > threshold``."""
+def _count(
+    op: str, values: Tensor, threshold: Tensor, workspace: Workspace | None, small: bool
+) -> Tensor:
+    """Row-wise count of ``values >= threshold`` (``"ge"``) or ``values > threshold``;
+    ``small``: through a ``bool`` comparison, fewer operations than a float buffer."""
+    if small:
+        above = values >= threshold if op == "ge" else values > threshold
+        return above.sum(dim=-1)
     shape = tuple(values.shape)
     out = scratch(workspace, "count", shape, count_dtype(shape[-1]), values.device)
     if op == "ge":
@@ -190,6 +210,7 @@ def _index_counts(
     ignore: Tensor | None,
     needed: NeededCounts,
     workspace: Workspace | None,
+    small: bool,
 ) -> TieCounts:
     """Counts for an int64 ``[Q]`` column-index target (one positive a row)."""
     column = target.clamp(min=0).unsqueeze(-1)
@@ -205,11 +226,11 @@ def _index_counts(
             scores,
             out=scratch(workspace, "negatives", tuple(scores.shape), scores.dtype, scores.device),
         )
-    greater = _count("gt", values, best, workspace) if needed.greater else None
+    greater = _count("gt", values, best, workspace, small) if needed.greater else None
     at_or_above = None
     if needed.at_or_above:
         # The positive itself is >= s*; subtract it (an ignored positive: no positive).
-        at_or_above = _count("ge", values, best, workspace) - 1
+        at_or_above = _count("ge", values, best, workspace, small) - 1
     tied = torch.ones_like(target) if needed.tied_positives else None
     return TieCounts(greater, at_or_above, tied, has_pos)
 
@@ -244,15 +265,37 @@ def _mask_counts_by_selects(
         scores,
         out=scratch(workspace, "negatives", shape, scores.dtype, scores.device),
     )
-    greater = _count("gt", negatives_only, best, workspace) if needed.greater else None
-    at_or_above = _count("ge", negatives_only, best, workspace) if needed.at_or_above else None
+    greater = _count("gt", negatives_only, best, workspace, False) if needed.greater else None
+    at_or_above = (
+        _count("ge", negatives_only, best, workspace, False) if needed.at_or_above else None
+    )
     tied = None
     if needed.tied_positives:
         # Positives at or above s* are exactly the ones tied at s*. When s* = -inf every
         # entry of positives_only is >= s*, but then every valid positive is tied.
-        tied = _count("ge", positives_only, best, workspace)
+        tied = _count("ge", positives_only, best, workspace, False)
         tied = torch.where(best.squeeze(-1) == float("-inf"), valid_pos.sum(dim=-1), tied)
     return TieCounts(greater, at_or_above, tied, _any_per_row(valid_pos))
+
+
+def _mask_counts_small(scores: Tensor, target: Tensor, needed: NeededCounts) -> TieCounts:
+    """Counts for a small ``[Q, G]`` mask without ignore, in few tensor operations.
+
+    s* is the row maximum of the positives' scores (-inf elsewhere). With ``at`` the
+    items scored at or above s*, ``at > relevant`` holds exactly for the negatives among
+    them and ``at & relevant`` for the positives tied at s*; no positive is above s*, so
+    g_> = #(scores > s*). When s* = -inf every item is at or above it, which gives the
+    number of negatives and of positives, the counts that case needs.
+    """
+    relevant = target if target.dtype == torch.bool else target != 0
+    best = torch.where(relevant, scores, float("-inf")).amax(dim=-1, keepdim=True)
+    greater = (scores > best).sum(dim=-1) if needed.greater else None
+    at_or_above = tied = None
+    if needed.at_or_above or needed.tied_positives:
+        at = scores >= best
+        at_or_above = (at > relevant).sum(dim=-1) if needed.at_or_above else None
+        tied = (at & relevant).sum(dim=-1) if needed.tied_positives else None
+    return TieCounts(greater, at_or_above, tied, relevant.any(dim=-1))
 
 
 def _any_per_row(mask: Tensor) -> Tensor:

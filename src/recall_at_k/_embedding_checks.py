@@ -32,6 +32,12 @@ def check_batch(
             f"`{names[0]}` must be a floating point tensor of shape [B, D],"
             f" got {describe(embeddings)}"
         )
+    if embeddings.shape[1] == 0:
+        raise ValueError(
+            f"`{names[0]}` must have at least one column (D >= 1), got shape"
+            f" {list(embeddings.shape)}: zero-width embeddings have no score to rank by;"
+            " pass the model's [B, D] features"
+        )
     batch = embeddings.shape[0]
     for name, value in zip(names[1:], (labels, groups, ids), strict=True):
         check_id_vector(name, value, batch, f"one entry per row of `{names[0]}`")

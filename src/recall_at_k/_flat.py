@@ -62,7 +62,13 @@ import torch
 from torch import Tensor
 
 from recall_at_k import _kernel
-from recall_at_k._checks import check_no_nan, check_same_device, check_tensors, describe
+from recall_at_k._checks import (
+    check_binary,
+    check_no_nan,
+    check_same_device,
+    check_tensors,
+    describe,
+)
 
 __all__ = [
     "COMPACT_SLACK",
@@ -71,6 +77,7 @@ __all__ = [
     "SegmentPath",
     "choose_path",
     "compact",
+    "flat_outcomes",
     "flat_partials",
     "flat_rank_histogram",
     "merge",
@@ -133,9 +140,10 @@ def check_structure(
         raise ValueError(
             f"`preds` must be a floating point tensor of item scores, got {describe(preds)}"
         )
-    if target.is_floating_point() or target.is_complex():
+    if target.is_complex():
         raise ValueError(
-            f"`target` must be a bool or 0/1 integer tensor of relevance, got {describe(target)}"
+            "`target` must be a bool, 0/1 integer or 0./1. float tensor of relevance,"
+            f" got {describe(target)}"
         )
     if indexes.is_floating_point() or indexes.is_complex() or indexes.dtype == torch.bool:
         raise ValueError(
@@ -153,18 +161,12 @@ def check_structure(
 def check_values(preds: Tensor, target: Tensor, ignore_index: int | None) -> None:
     """Value checks of a flat batch after dropping ``ignore_index`` items (host reads)."""
     check_no_nan(preds, name="preds")
-    if target.numel() and target.dtype != torch.bool:
-        bad = (target != 0) & (target != 1)
-        if bool(bad.any()):
-            hint = (
-                f" (items whose target equals `ignore_index`={ignore_index} are dropped)"
-                if ignore_index is not None
-                else " (pass `ignore_index` to drop items with a given target value)"
-            )
-            raise ValueError(
-                f"`target` values must be 0 or 1, got {int(bad.sum())} other value(s),"
-                f" e.g. {int(target[bad][0])}{hint}"
-            )
+    hint = (
+        f" (items whose target equals `ignore_index`={ignore_index} are dropped)"
+        if ignore_index is not None
+        else " (pass `ignore_index` to drop items with a given target value)"
+    )
+    check_binary(target, "`target` values", hint)
 
 
 def flat_partials(
@@ -525,3 +527,20 @@ def flat_rank_histogram(
         return None
     parts = merge(unpack(rows), max_k, complete_queries, path=path)
     return _kernel.rank_histogram(tie_counts(parts, max_k), ties, max_k)
+
+
+def flat_outcomes(
+    state: Tensor | Sequence[Tensor],
+    ties: str,
+    max_k: int,
+    complete_queries: bool = False,
+    *,
+    path: SegmentPath = "auto",
+) -> tuple[Tensor, Tensor] | None:
+    """Each flat query's id (ascending) and outcome record
+    (:func:`recall_at_k._kernel.query_outcomes`), or ``None`` when the state is empty."""
+    rows = _as_rows(state, max_k)
+    if rows is None:
+        return None
+    parts = merge(unpack(rows), max_k, complete_queries, path=path)
+    return parts.ids, _kernel.query_outcomes(tie_counts(parts, max_k), ties, max_k)

@@ -3,7 +3,10 @@ metadata row per item (label, group, id, role flags, embedding width); and the c
 that only the whole stored data can make (one width, groups where ``exclude`` reads them).
 
 Embeddings are stored flattened (1-D) so that a process without data sends an empty
-block of the same layout; the width lives in the metadata.
+block of the same layout; the width lives in the metadata. Each batch is stored in the
+wider of float32 and its own dtype (:func:`stored_dtype`), and ranked with the others
+in the widest stored (as ``torch.cat`` would promote; written block by block into the
+one copy the ranking makes), whatever dtype the module is cast to.
 """
 
 from __future__ import annotations
@@ -13,11 +16,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from recall_at_k._sync import FLOAT_FLOOR
+
 LABEL, GROUP, ID, FLAGS, WIDTH = range(5)
 META_COLUMNS = 5
 IS_QUERY, IS_GALLERY, HAS_GROUP, HAS_ID = 1, 2, 4, 8
 ROLE_FLAGS = {"query": IS_QUERY, "gallery": IS_GALLERY, "both": IS_QUERY | IS_GALLERY}
 _ROLE_NAMES = {flags: role for role, flags in ROLE_FLAGS.items()}
+
+
+def stored_dtype(embeddings: Tensor) -> torch.dtype:
+    """The dtype a batch of embeddings is stored in: the wider of float32 and its own
+    (half precision widens exactly; float64 stays float64)."""
+    return torch.promote_types(embeddings.dtype, FLOAT_FLOOR)
 
 
 def metadata(
@@ -56,21 +67,14 @@ def blocks(state: Any) -> list[Tensor]:
     return [block for block in parts if block.numel()]
 
 
-def stored(values_state: Any, meta_state: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The (possibly gathered) embeddings ``[N, D]`` and metadata ``[N, META_COLUMNS]``
-    (the embeddings concatenated: a whole copy; :func:`stored_blocks` makes none)."""
-    values, width, meta = stored_blocks(values_state, meta_state, dtype)
-    if not values:
-        return torch.zeros(0, width, dtype=dtype), meta
-    return torch.cat(values).reshape(-1, width), meta
-
-
 def stored_blocks(
-    values_state: Any, meta_state: Any, dtype: torch.dtype, check_values: bool = True
+    values_state: Any, meta_state: Any, check_values: bool = True
 ) -> tuple[list[Tensor], int, Tensor]:
     """The (possibly gathered) embeddings as they are stored, blocks of ``[b, D]``
-    (views, in order), their width ``D``, and the metadata ``[N, META_COLUMNS]``
-    (``check_values``: that the blocks hold the metadata's items)."""
+    (views, in order, each in its stored dtype: ranked together in the widest,
+    :func:`recall_at_k._sync.widest_float`), their width ``D``, and the metadata
+    ``[N, META_COLUMNS]`` (``check_values``: that the blocks hold the metadata's items).
+    Nothing is copied whole."""
     values = blocks(values_state)
     metas = [m.reshape(-1, META_COLUMNS) for m in blocks(meta_state)]
     if not metas:

@@ -215,8 +215,22 @@ def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
 
 
 def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Tensor]:
-    """A batch's contribution to the metric state (see :func:`histogram_of`)."""
-    return histogram_of(query_outcomes(counts, ties, max_k), max_k)
+    """A batch's contribution to the metric state (see :func:`histogram_of`).
+
+    The same as ``histogram_of(query_outcomes(counts, ties, max_k), max_k)``; for a
+    deterministic policy in fewer tensor operations (a small batch costs their dispatch):
+    one bin a query, 0 without a valid positive, the first-hit rank r for r <= max_k
+    and max_k + 1 for a later hit, summed by one ``scatter_add_``.
+    """
+    if ties == "expected":
+        return histogram_of(query_outcomes(counts, ties, max_k), max_k)
+    ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
+    assert ahead is not None
+    bins = (ahead + 1).clamp_(min=0, max=max_k + 1).mul_(counts.has_positive)
+    found = torch.zeros(max_k + 2, dtype=torch.int64, device=bins.device)
+    found.scatter_add_(0, bins, torch.ones_like(bins))
+    without = found[:1]
+    return found[1 : max_k + 1], torch.cat([torch.rsub(without, bins.shape[0]), without])
 
 
 def first_of_each_id(ids: Tensor) -> Tensor:

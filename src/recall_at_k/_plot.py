@@ -23,7 +23,11 @@ Bands = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
 
 def plot_curves(
-    results: Curves | Sequence[Curves], ax: Any | None, title: str, bands: Bands | None = None
+    results: Curves | Sequence[Curves],
+    ax: Any | None,
+    title: str,
+    bands: Bands | None = None,
+    labels: Sequence[str] | None = None,
 ) -> tuple[Any, Any]:
     """Draw Recall@K against K.
 
@@ -34,6 +38,7 @@ def plot_curves(
         ax: an existing matplotlib axis, or ``None`` for a new figure.
         title: axis title.
         bands: ``{label: (lows, highs)}`` drawn as shaded bands (confidence intervals).
+        labels: one legend label per result (in place of the step number).
 
     Returns:
         ``(fig, ax)``.
@@ -44,9 +49,17 @@ def plot_curves(
     else:
         fig = ax.get_figure()
     steps: Sequence[Curves] = [results] if isinstance(results, Mapping) else results
+    if labels is not None and len(labels) != len(steps):
+        raise ValueError(
+            f"`labels` must give one label per result: {len(steps)} result(s), got"
+            f" {len(labels)} label(s)"
+        )
     for step, curves in enumerate(steps):
         for label, (ks, values) in curves.items():
-            name = label if len(steps) == 1 else f"{label} (step {step})".strip()
+            if labels is not None:
+                name = f"{labels[step]} ({label})" if label else labels[step]
+            else:
+                name = label if len(steps) == 1 else f"{label} (step {step})".strip()
             (line,) = ax.plot(list(ks), list(values), marker="o", label=name or None)
             if bands is not None and label in bands:
                 lows, highs = bands[label]
@@ -58,7 +71,7 @@ def plot_curves(
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    if any(label for curves in steps for label in curves):
+    if labels is not None or any(label for curves in steps for label in curves):
         ax.legend()
     return fig, ax
 

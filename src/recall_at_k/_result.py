@@ -31,11 +31,7 @@ def recall_values(
     ``empty_target_action="error"`` and warning when nothing is counted."""
     values, counted, without_pos = recall_from_histogram(hist, queries, ks, empty_target_action)
     if empty_target_action == "error" and without_pos:
-        raise ValueError(
-            f"{without_pos} quer{'y' if without_pos == 1 else 'ies'} had no valid positive"
-            " target while `empty_target_action='error'`; pass 'neg', 'pos' or 'skip' to"
-            " count them differently"
-        )
+        raise no_positive_error(without_pos)
     if counted == 0:
         warnings.warn(
             "No query was counted for Recall@K (no update, or every query lacked a valid"
@@ -44,6 +40,15 @@ def recall_values(
             stacklevel=4,
         )
     return values, counted
+
+
+def no_positive_error(without_pos: int) -> ValueError:
+    """The error of ``empty_target_action="error"`` for queries without a valid positive."""
+    return ValueError(
+        f"{without_pos} quer{'y' if without_pos == 1 else 'ies'} had no valid positive"
+        " target while `empty_target_action='error'`; pass 'neg', 'pos' or 'skip' to"
+        " count them differently"
+    )
 
 
 def wilson_interval(values: Tensor, counted: int, level: float) -> Tensor:

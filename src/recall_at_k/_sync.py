@@ -7,11 +7,16 @@ float dtype instead, which cannot be gathered beside other processes' int64
 declares its layout, the trailing shape and dtype of its blocks, and an empty list is
 replaced by an empty block of that layout before the gather. Tensor (``"sum"``) states
 need nothing: every process always holds one of the same shape.
+
+A float list state (embeddings) keeps each block in the dtype it was stored in, float32
+or wider; processes may hold different ones (one was given float64 inputs), so before a
+gather they agree on the widest and widen their blocks to it (exactly), and every
+process gathers the same dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -19,12 +24,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
+FLOAT_FLOOR = torch.float32
+"""The narrowest dtype a float list state stores (half-precision inputs widen to it)."""
+
 
 class ListLayout(NamedTuple):
     """The blocks of a list state: ``[rows, *trailing]`` of ``dtype``.
 
-    ``dtype=None`` stands for the metric's own dtype (``Metric.dtype``), for float data
-    that follows the module's dtype casts.
+    ``dtype=None`` stands for float blocks of at least ``FLOAT_FLOOR``, each in the dtype
+    it was stored in (see :func:`agree_float_dtypes`). No module cast changes a list
+    state's dtype.
     """
 
     trailing: tuple[int, ...]
@@ -41,7 +50,7 @@ def fill_empty_list_states(metric: Metric, layouts: dict[str, ListLayout]) -> li
     for name, layout in layouts.items():
         value = getattr(metric, name)
         if isinstance(value, list) and not value:
-            dtype = metric.dtype if layout.dtype is None else layout.dtype
+            dtype = FLOAT_FLOOR if layout.dtype is None else layout.dtype
             value.append(torch.empty((0, *layout.trailing), dtype=dtype, device=metric.device))
             filled.append(name)
     return filled
@@ -65,7 +74,9 @@ class BroadcastRows:
     its place at once), process r's rows are broadcast from r a run at a time, in
     process order: every process sees the rows of the gathered state, in its order,
     holding one run of them at a time. Every process must read them together (a
-    collective); ``counts`` (the rows of each process) come from the gathered metadata.
+    collective); ``counts`` (the rows of each process) and ``dtype`` (the widest any
+    process stores, into which every process widens its rows exactly) come from
+    :func:`local_counts`.
     """
 
     def __init__(
@@ -120,10 +131,59 @@ class _Cursor:
                 self.block, self.row = self.block + 1, 0
 
 
-def local_counts(rows: int, group: Any, device: torch.device) -> list[int]:
-    """The rows each process of ``group`` holds (one all-gather of a count)."""
+def local_counts(
+    rows: int, dtype: torch.dtype, group: Any, device: torch.device
+) -> tuple[list[int], torch.dtype]:
+    """The rows each process of ``group`` holds and the widest float dtype any holds
+    them in (``dtype``: this process's, :func:`widest_float` of its blocks): one
+    all-gather of two integers. The rows are then read in that dtype (widened exactly),
+    as :func:`agree_float_dtypes` agrees before torchmetrics' gather."""
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows], dtype=torch.int64, device=device)
+    mine = torch.tensor([rows, _BITS[dtype]], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    return [int(count) for count in every]
+    widest = max(int(pair[1]) for pair in every)
+    return [int(pair[0]) for pair in every], _FLOAT_OF_BITS[widest]
+
+
+def agree_float_dtypes(
+    metric: Metric,
+    layouts: dict[str, ListLayout],
+    dist_sync_fn: Callable[..., Any],
+    process_group: Any | None,
+) -> None:
+    """Before a gather: every process widens its float list states' blocks to the widest
+    dtype any process holds (one small gather of each process's widest, with the
+    metric's own ``dist_sync_fn``), so that the gathered blocks share one dtype.
+
+    The states are replaced by new lists: the local copy torchmetrics keeps for
+    ``unsync`` stays as it was.
+    """
+    names = [name for name, layout in layouts.items() if layout.dtype is None]
+    if not names:
+        return
+    states = [_blocks(getattr(metric, name)) for name in names]
+    widest = [widest_float([block.dtype for block in blocks]) for blocks in states]
+    local = torch.tensor([_BITS[dtype] for dtype in widest], device=metric.device)
+    gathered = torch.stack([g.reshape(-1) for g in dist_sync_fn(local, group=process_group)])
+    for name, blocks, bits in zip(names, states, gathered.amax(dim=0).tolist(), strict=True):
+        dtype = _FLOAT_OF_BITS[int(bits)]
+        if any(block.dtype != dtype for block in blocks):
+            setattr(metric, name, [block.to(dtype) for block in blocks])
+
+
+def widest_float(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype float blocks of ``dtypes`` are ranked in together: the promotion of
+    them all and ``FLOAT_FLOOR`` (what ``torch.cat`` of the stored blocks gives)."""
+    widest = FLOAT_FLOOR
+    for dtype in dtypes:
+        widest = torch.promote_types(widest, dtype)
+    return widest
+
+
+_BITS = {torch.float32: 32, torch.float64: 64}
+_FLOAT_OF_BITS = {bits: dtype for dtype, bits in _BITS.items()}
+
+
+def _blocks(value: Any) -> list[Tensor]:
+    return [value] if isinstance(value, Tensor) else list(value)

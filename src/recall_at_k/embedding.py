@@ -19,6 +19,7 @@ from torch import Tensor
 from recall_at_k import _audit, _embedding_checks, _items, _sync
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
+from recall_at_k._outcomes import QueryOutcomes, embedding_outcomes
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import (
     EXCLUDES,
@@ -33,6 +34,8 @@ from recall_at_k._types import (
 from recall_at_k.ranking import bands as _bands
 from recall_at_k.ranking import gallery as _gallery
 from recall_at_k.ranking import ordered as _ordered
+from recall_at_k.ranking import outcomes as _ranking_outcomes
+from recall_at_k.ranking import progress as _progress
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 from recall_at_k.ranking.bands import AUTO_ROUTE, Route
@@ -66,13 +69,17 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     are summed with ``all_reduce``, so every process returns the single-process result.
     With ``sync_on_compute=False`` every process computes on its own data alone.
 
-    Embeddings are stored in the metric's dtype (``float32`` unless changed with
-    ``set_dtype`` or a module cast), which every process agrees on when states are
-    gathered. The stored states grow with the data: O(items x D). Items are ranked by a
-    canonical score, a fixed-order float64 sum over the stored float32 rows (cosine rows
-    normalised once each), so the result is identical for every ``chunk_bytes``, thread
-    count, number of processes and device; the float32 matrix product is the fast path,
-    and the items its rounding could misplace are re-scored (``last_compute_rescored``).
+    Embeddings are stored in the wider of float32 and their own dtype: half-precision
+    inputs are widened exactly, float64 inputs stay float64, and no module cast
+    (``.to(torch.float16)``, ``.half()``, ``set_dtype``, Lightning's ``"16-true"`` /
+    ``"bf16-true"``) changes them, before or after it. Once any stored batch (on any
+    process) is float64, all are ranked in float64, as
+    :func:`~recall_at_k.functional.embedding_recall_at_k` ranks the same inputs. The
+    stored states grow with the data: O(items x D). Items are ranked by a canonical
+    score, a fixed-order float64 sum over the stored rows (cosine rows normalised once
+    each), so the result is identical for every ``chunk_bytes``, thread count, number of
+    processes and device; the float32 matrix product is the fast path, and the items its
+    rounding could misplace are re-scored (``last_compute_rescored``).
 
     Args:
         k: an int or a sequence of distinct ints, as for
@@ -97,6 +104,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         near_duplicate: a threshold in the metric's own similarity (0.95 for cosine,
             say): :meth:`protocol_report` then also counts queries with a gallery item
             scored at or above it (for now a separate pass: about one more ranking).
+        progress: show a tqdm progress bar on stderr over the queries ``compute``
+            ranks (under DDP only on the process of rank 0); needs tqdm
+            (``pip install tqdm``).
         key: template of the result's keys, ``"recall@{k}"`` by default.
         validate_args: check that embeddings are finite, and a callable similarity's
             scores free of NaN (these checks read values on the host).
@@ -143,6 +153,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     embedding_values: Any  # the list state of embeddings (a tensor once gathered)
 
+    _items_are_samples: ClassVar[bool] = True  # BootStrapper would copy gallery items
     _route: Route = AUTO_ROUTE
     """How tiles are counted (a private switch for tests; every route is exact)."""
 
@@ -159,6 +170,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -177,6 +189,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -195,6 +208,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -212,6 +226,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         empty_target_action: EmptyTargetAction = "neg",
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
+        progress: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -235,6 +250,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.exclude = exclude
         self.bidirectional = bool(bidirectional)
         self.near_duplicate = _audit.check_near_duplicate(near_duplicate)
+        self.progress = _progress.check_progress(progress)
         self.last_compute_num_queries_ranked = {}
         # The protocol report of the last compute() (None once data changes); the
         # warning about identical positives is shown once per instance (never re-armed).
@@ -248,9 +264,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         # Within sync_context: this process's own embeddings (not gathered whole).
         self._lean_sync = False
         self._local_values: list[Tensor] | None = None
-        # Embeddings are stored flattened (1-D, in the metric's dtype) so that a process
-        # without data sends an empty block of the same layout; the width is in the
-        # metadata.
+        # Embeddings are stored flattened (1-D, float32 or wider: _items.stored_dtype)
+        # so that a process without data sends an empty block of the same layout; the
+        # width is in the metadata.
         self._add_list_state("embedding_values", ListLayout((), None))
         self._add_list_state("embedding_meta", ListLayout((_items.META_COLUMNS,), torch.int64))
 
@@ -293,7 +309,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if self.validate_args:
             _embedding_checks.check_finite(embeddings)
         # A copy of our own: the caller may reuse its tensor.
-        values.append(embeddings.detach().to(self.dtype, copy=True).reshape(-1))
+        stored = embeddings.detach().to(_items.stored_dtype(embeddings), copy=True)
+        values.append(stored.reshape(-1))
         meta_blocks.append(_items.metadata(labels, groups, ids, role, embeddings.shape[1]))
 
     # ------------------------------------------------------------------ sync hooks
@@ -390,6 +407,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             self.chunk_bytes,
             self.validate_args and _score.may_produce_nan(embeddings, self.similarity),
             near,
+            self.progress,
         )
         known = None
         if near is not None and audits is not None:
@@ -431,18 +449,100 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             directions.append(None if missing is not None else (queries, gallery))
         return directions
 
+    # ------------------------------------------------------------------ per query
+
+    def query_outcomes(self) -> QueryOutcomes | dict[str, QueryOutcomes]:
+        """Each counted query's hit@K and first-hit rank, synchronised as ``compute()``.
+
+        Computed from the stored items: the queries are ranked again, as ``compute()``
+        ranks them (under DDP each process ranks its share and the outcomes are
+        gathered), with one record per query kept instead of a histogram. The ids are
+        the queries' ``ids`` (of every query, or of none: then the position of each
+        query among the items added with its role, ``"query"`` or ``"both"`` -- or
+        ``"gallery"`` for the gallery -> query direction --, counted in the order of the
+        (gathered) state), ascending; ``hits.mean(0)`` is ``compute()``'s Recall@K.
+        With ``bidirectional=True``, a dict of one per direction, keyed by its name.
+        See :class:`recall_at_k.QueryOutcomes`.
+
+        Example:
+            >>> import torch
+            >>> from recall_at_k import EmbeddingRecallAtK
+            >>> metric = EmbeddingRecallAtK(k=1)
+            >>> embeddings = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8]])
+            >>> metric.update(embeddings, torch.tensor([0, 0, 1, 1]),
+            ...               ids=torch.tensor([10, 11, 12, 13]))
+            >>> outcomes = metric.query_outcomes()
+            >>> outcomes.ids, outcomes.first_hit_rank
+            (tensor([10, 11, 12, 13]), tensor([1, 2, 1, 2]))
+            >>> outcomes.hits.squeeze(1)
+            tensor([1., 0., 1., 0.], dtype=torch.float64)
+        """
+        outcomes: list[QueryOutcomes] = self._synced(self._query_outcomes)
+        if self.bidirectional:
+            return dict(zip(self.directions, outcomes, strict=False))
+        return outcomes[0]
+
+    def _query_outcomes(self) -> list[QueryOutcomes]:
+        try:
+            source, meta = self._stored()
+            directions = self._directions(meta) if meta.shape[0] else [None, None]
+            directions = directions[: len(self._prefixes)]
+            # The one whole copy, prepared, in the ranking's order; each direction's
+            # queries keep their order (the records'), renumbered to its rows.
+            ordered = _ordered.ordered_items(
+                source, meta[:, _items.LABEL], directions, self.similarity
+            )
+            embeddings, order = ordered.embeddings, ordered.order
+            check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
+            options = _bands.RankOptions(
+                self.similarity, self.exclude, self.ties, self.max_k, self.chunk_bytes, check_nan
+            )
+            records = _ranking_outcomes.rank_outcomes(
+                embeddings,
+                meta[order, _items.LABEL],
+                meta[order, _items.GROUP],
+                ordered.directions,
+                options,
+                self._route,
+                self._gathered,
+            )
+        finally:
+            self._gathered = None
+        single = self.single_k and not self.bidirectional
+        return [
+            embedding_outcomes(
+                meta,
+                index,
+                None if sides is None else sides[0],
+                rec,
+                self.ks,
+                self.max_k,
+                self.empty_target_action,
+                None if single else [prefix + key for key in self.keys],
+            )
+            for index, (prefix, sides, rec) in enumerate(
+                zip(self._prefixes, directions, records, strict=True)
+            )
+        ]
+
     # ------------------------------------------------------------------ protocol audit
 
     def protocol_report(self) -> dict[str, int] | dict[str, dict[str, int]]:
         """Counts that reveal a leaky or repeated protocol: ``"queries"`` (counted);
         ``"identical_positive"`` / ``"identical_negative"``: queries with a non-ignored
         gallery item whose embedding is bitwise-equal, another sample, of their label (a
-        guaranteed hit) / of another; with ``near_duplicate``, ``"near_positive"`` /
-        ``"near_negative"`` (an item scored at or above it, or identical) and
-        ``"near_hits_at_1"`` (the rank-1 hit scores at or above it);
-        ``"duplicate_gallery_items"`` (bitwise-equal to an earlier gallery item). From
-        the last ``compute()``, else computed now (collective under DDP).
-        Bidirectional: one dict per direction, keyed by its name.
+        guaranteed hit) / of another; ``"rounding_positive"`` / ``"rounding_negative"``:
+        the same for an item equal to the query up to float rounding but not bitwise
+        (every coordinate within ``2^-10`` of the larger of the two rows' largest
+        absolute coordinate: a DistributedSampler repeat computed in another batch
+        shape); with ``near_duplicate``, ``"near_positive"`` / ``"near_negative"`` (an
+        item scored at or above it, or a copy of either kind) and ``"near_hits_at_1"``
+        (the rank-1 hit scores at or above it); ``"duplicate_gallery_items"``
+        (bitwise-equal to an earlier gallery item) and
+        ``"rounding_duplicate_gallery_items"`` (the others equal up to rounding to an
+        earlier gallery item). From the last ``compute()``, else computed now
+        (collective under DDP). Bidirectional: one dict per direction, keyed by its
+        name.
         """
         if _audit.stale_anywhere(self, self._report is None):
             self._synced(self._audit_on_demand)
@@ -493,7 +593,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ) -> None:
         """Store the report made of ``audits`` (None: keep the one there is) and warn
         once per instance (never re-armed) of identical positives or duplicate gallery
-        items."""
+        items, bitwise or up to rounding."""
         if self._in_forward:
             return
         count = len(self._prefixes)
@@ -520,25 +620,24 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._report = None
 
     def _stored(self) -> tuple[_ordered.RowSource | _sync.BroadcastRows, Tensor]:
-        """The stored (or gathered) embeddings, read in blocks (nothing is copied whole),
-        and their metadata."""
+        """The stored (or gathered) embeddings, read in blocks (nothing is copied whole;
+        ranked in the widest dtype stored, on any process), and their metadata."""
         if self._local_values is None or self._gathered is None:
-            blocks, width, meta = _items.stored_blocks(
-                self.embedding_values, self.embedding_meta, self.dtype
-            )
-            return _ordered.RowSource(blocks, meta.shape[0], width, self.dtype), meta
+            blocks, width, meta = _items.stored_blocks(self.embedding_values, self.embedding_meta)
+            return _ordered.RowSource(blocks, meta.shape[0], width, _sync.FLOAT_FLOOR), meta
         # Synced within sync_context: the metadata gathered, the rows read from every
-        # process a run at a time.
-        _, width, meta = _items.stored_blocks([], self.embedding_meta, self.dtype, False)
+        # process a run at a time, in the widest dtype any process stores.
+        _, width, meta = _items.stored_blocks([], self.embedding_meta, False)
         local = _items.blocks(self._local_values)
         rows = sum(block.numel() for block in local) // max(1, width)
         group = self._gathered.group
-        counts = _sync.local_counts(rows, group, meta.device)
+        mine = _sync.widest_float([block.dtype for block in local])
+        counts, dtype = _sync.local_counts(rows, mine, group, meta.device)
         if sum(counts) != meta.shape[0]:
             raise ValueError(
                 f"`embeddings`: the processes hold {sum(counts)} items but {meta.shape[0]}"
                 " metadata rows; the state was corrupted"
             )
         device = local[0].device if local else meta.device
-        source = _sync.BroadcastRows(local, counts, width, self.dtype, device, group)
+        source = _sync.BroadcastRows(local, counts, width, dtype, device, group)
         return source, meta

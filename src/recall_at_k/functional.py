@@ -16,13 +16,19 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import SupportsIndex
+from typing import SupportsIndex, overload
 
 import torch
 from torch import Tensor
 
 from recall_at_k import _dense, _embedding_checks, _kernel
-from recall_at_k._checks import check_choice, check_k, check_key, check_positive_int
+from recall_at_k._checks import (
+    check_choice,
+    check_k,
+    check_key,
+    check_positive_int,
+    refuse_torchmetrics_names,
+)
 from recall_at_k._result import format_output, recall_values
 from recall_at_k._types import (
     DETERMINISTIC_TIES,
@@ -39,6 +45,7 @@ from recall_at_k._types import (
 from recall_at_k.ranking import bands as _bands
 from recall_at_k.ranking import gallery as _gallery
 from recall_at_k.ranking import ordered as _ordered
+from recall_at_k.ranking import progress as _progress
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 
@@ -52,6 +59,7 @@ __all__ = [
 K = SupportsIndex | Sequence[SupportsIndex]
 
 
+@refuse_torchmetrics_names
 def retrieval_first_hit_rank(
     scores: Tensor,
     target: Tensor,
@@ -66,7 +74,7 @@ def retrieval_first_hit_rank(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         ignore: optional bool ``[Q, G]``: items removed from that query's gallery.
         ties: ``"pessimistic"`` (rank = g_> + e + 1, ties count against the query) or
@@ -92,6 +100,35 @@ def retrieval_first_hit_rank(
     return _kernel.first_hit_rank(counts, ties)
 
 
+@overload
+def retrieval_recall_at_k(
+    scores: Tensor,
+    target: Tensor,
+    k: SupportsIndex,
+    *,
+    ignore: Tensor | None = None,
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> Tensor: ...
+
+
+@overload
+def retrieval_recall_at_k(
+    scores: Tensor,
+    target: Tensor,
+    k: Sequence[SupportsIndex] = (1, 5, 10),
+    *,
+    ignore: Tensor | None = None,
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+) -> dict[str, Tensor]: ...
+
+
+@refuse_torchmetrics_names
 def retrieval_recall_at_k(
     scores: Tensor,
     target: Tensor,
@@ -107,7 +144,7 @@ def retrieval_recall_at_k(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per complete query.
-        target: bool or 0/1 integer ``[Q, G]`` relevance, or integer ``[Q]`` column of
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
             the single true item (``-1``: none in this gallery).
         k: an int (returns a scalar tensor) or a sequence of ints (returns a dict).
         ignore: optional bool ``[Q, G]``: items neither positive nor negative.
@@ -138,6 +175,19 @@ def retrieval_recall_at_k(
     return format_output(values, keys, single)
 
 
+@overload
+def recall_at_k_from_ranks(
+    ranks: Tensor | Sequence[int], k: SupportsIndex, *, key: str = "recall@{k}"
+) -> Tensor: ...
+
+
+@overload
+def recall_at_k_from_ranks(
+    ranks: Tensor | Sequence[int], k: Sequence[SupportsIndex], *, key: str = "recall@{k}"
+) -> dict[str, Tensor]: ...
+
+
+@refuse_torchmetrics_names
 def recall_at_k_from_ranks(
     ranks: Tensor | Sequence[int], k: K, *, key: str = "recall@{k}"
 ) -> RecallOutput:
@@ -170,6 +220,76 @@ def recall_at_k_from_ranks(
     return format_output(values, keys, single)
 
 
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None,
+    gallery_labels: Tensor | None,
+    k: SupportsIndex,
+    *,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+    progress: bool = False,
+) -> Tensor: ...
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None = None,
+    gallery_labels: Tensor | None = None,
+    *,
+    k: SupportsIndex,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+    progress: bool = False,
+) -> Tensor: ...
+
+
+@overload
+def embedding_recall_at_k(
+    queries: Tensor,
+    query_labels: Tensor,
+    gallery: Tensor | None = None,
+    gallery_labels: Tensor | None = None,
+    k: Sequence[SupportsIndex] = (1, 5, 10),
+    *,
+    query_groups: Tensor | None = None,
+    gallery_groups: Tensor | None = None,
+    query_ids: Tensor | None = None,
+    gallery_ids: Tensor | None = None,
+    similarity: Similarity = "cosine",
+    exclude: Exclude = "none",
+    ties: Ties = "pessimistic",
+    empty_target_action: EmptyTargetAction = "neg",
+    chunk_bytes: int = 256 * 2**20,
+    key: str = "recall@{k}",
+    validate_args: bool = True,
+    progress: bool = False,
+) -> dict[str, Tensor]: ...
+
+
+@refuse_torchmetrics_names
 def embedding_recall_at_k(
     queries: Tensor,
     query_labels: Tensor,
@@ -188,6 +308,7 @@ def embedding_recall_at_k(
     chunk_bytes: int = 256 * 2**20,
     key: str = "recall@{k}",
     validate_args: bool = True,
+    progress: bool = False,
 ) -> RecallOutput:
     """Recall@K of query embeddings ranked against a gallery, in one call.
 
@@ -220,6 +341,8 @@ def embedding_recall_at_k(
         chunk_bytes: upper bound of the bytes of one tile of scores.
         key: template of the dict keys.
         validate_args: check that embeddings are finite (reads values on the host).
+        progress: show a tqdm progress bar on stderr over the queries ranked (needs
+            tqdm: ``pip install tqdm``).
 
     Example:
         Leave-one-out over four items of two classes, then two queries against a
@@ -241,6 +364,7 @@ def embedding_recall_at_k(
     _embedding_checks.check_similarity(similarity)
     check_choice("exclude", exclude, EXCLUDES)
     chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+    progress = _progress.check_progress(progress)
     query_names = ("queries", "query_labels", "query_groups", "query_ids")
     _embedding_checks.check_batch(queries, query_labels, query_groups, query_ids, query_names)
     if gallery is None:
@@ -311,6 +435,7 @@ def embedding_recall_at_k(
         max(ks),
         chunk_bytes,
         validate_args and _score.may_produce_nan(embeddings, similarity),
+        progress=progress,
     )
     labels, groups = labels[ordered.order], groups[ordered.order]
     counts = _rank.rank(embeddings, labels, groups, *sides_ordered, options)

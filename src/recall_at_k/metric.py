@@ -11,6 +11,7 @@ from torch import Tensor
 from recall_at_k import _dense, _flat, _kernel
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_optional_int
+from recall_at_k._outcomes import QueryOutcomes, by_id, from_records
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import EmptyTargetAction, OutputT, Ties
 
@@ -49,7 +50,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     positionally or by keyword, alone or in a ``MetricCollection``. Two input forms:
 
     - dense (``indexes=None``): ``preds`` float ``[Q, G]`` scores, one row per complete
-      query; ``target`` a bool / 0-1 integer ``[Q, G]`` mask or an integer ``[Q]``
+      query; ``target`` a bool / 0-1 integer or float ``[Q, G]`` mask or an integer ``[Q]``
       column of the single true item (-1: none); optional bool ``[Q, G]`` ``ignore``.
       The state is a histogram of first-hit ranks 1..max K plus two query counts (int64,
       exact far past 2**31 queries), summed across processes: its size does not depend
@@ -107,6 +108,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     _dense_block_bytes: int = _dense.CPU_BLOCK_BYTES
     """Bytes of scores per block of rows on the CPU mask path (a private switch for
     tests; every block size gives the same counts)."""
+    _dense_small_batch: int = _dense.SMALL_BATCH
+    """Dense batches of at most this many scores take the paths with the fewest tensor
+    operations (a private switch for tests; every choice gives the same counts)."""
     _flat_path: _flat.SegmentPath = "auto"
     """How the flat form finds each query's top K (a private switch for tests; every
     path gives the same counts)."""
@@ -215,10 +219,10 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         Args:
             preds: dense: float ``[Q, G]`` scores, one row per query (higher = more
                 similar). Flat: float ``[N]`` score of each item.
-            target: dense: bool / 0-1 integer ``[Q, G]`` mask, or integer ``[Q]`` true
-                column (``-1``: no true item in this gallery). Flat: bool / 0-1 integer
-                ``[N]`` relevance of each item; items whose target equals
-                ``ignore_index`` are dropped first.
+            target: dense: bool / 0-1 integer or float ``[Q, G]`` mask, or integer
+                ``[Q]`` true column (``-1``: no true item in this gallery). Flat: bool /
+                0-1 integer or float ``[N]`` relevance of each item; items whose target
+                equals ``ignore_index`` are dropped first.
             indexes: flat form: integer ``[N]`` query id of each item (torchmetrics'
                 retrieval convention; any int64 value). Ids are global: the same id in
                 another call or on another process is the same query. Flat ids are
@@ -261,14 +265,16 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             self.validate_args,
             self._workspace,
             self._dense_block_bytes,
+            self._dense_small_batch,
         )
-        outcomes = _kernel.query_outcomes(counts, self.ties, self.max_k)
         if query_ids is None:
-            hist, queries = _kernel.histogram_of(outcomes, self.max_k)
-            # Out of place: a state made under torch.inference_mode() stays usable.
-            setattr(self, self._hist_name, self.rank_histogram + hist)
-            setattr(self, self._queries_name, self.query_counts + queries)
+            hist, queries = _kernel.rank_histogram(counts, self.ties, self.max_k)
+            # Out of place: a state made under torch.inference_mode() stays usable. The
+            # states are plain attributes: object.__setattr__ skips Module's checks.
+            object.__setattr__(self, self._hist_name, self.rank_histogram + hist)
+            object.__setattr__(self, self._queries_name, self.query_counts + queries)
             return
+        outcomes = _kernel.query_outcomes(counts, self.ties, self.max_k)
         _dense.check_query_ids(query_ids, preds)
         getattr(self, self._ids_name).append(query_ids.to(torch.int64, copy=True))
         getattr(self, self._outcomes_name).append(outcomes)
@@ -333,6 +339,75 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         if deduplicated is not None:
             hist, queries = hist + deduplicated[0], queries + deduplicated[1]
         return [(hist, queries)]
+
+    def query_outcomes(self) -> QueryOutcomes:
+        """Each counted query's hit@K and first-hit rank, synchronised as ``compute()``.
+
+        The ids are the flat form's ``indexes`` or the dense form's ``query_ids`` (a
+        repeated id counts once, as in ``compute()``), ascending; ``hits.mean(0)`` is
+        ``compute()``'s Recall@K. The flat state already is one row per query; the
+        dense form keeps one record per query only when ``update`` is given
+        ``query_ids`` (O(Q) state; without them the state is a histogram of O(max K)
+        and this raises a ``ValueError``). See :class:`recall_at_k.QueryOutcomes`.
+
+        Example:
+            >>> import torch
+            >>> from recall_at_k import RetrievalRecallAtK
+            >>> metric = RetrievalRecallAtK(k=(1, 2))
+            >>> scores = torch.tensor([[0.1, 0.9, 0.3], [0.8, 0.7, -0.2]])
+            >>> metric.update(scores, torch.tensor([1, 2]), query_ids=torch.tensor([7, 3]))
+            >>> outcomes = metric.query_outcomes()
+            >>> outcomes.ids, outcomes.first_hit_rank
+            (tensor([3, 7]), tensor([3, 1]))
+            >>> outcomes.hits
+            tensor([[0., 0.],
+                    [1., 1.]], dtype=torch.float64)
+        """
+        outcomes: QueryOutcomes = self._synced(self._query_outcomes)
+        return outcomes
+
+    def _query_outcomes(self) -> QueryOutcomes:
+        without_ids = int(self.query_counts.sum())
+        if without_ids:
+            raise ValueError(
+                f"`query_ids`: query_outcomes() needs the id of every dense query row, but"
+                f" {without_ids} row(s) were added without `query_ids` (their state is a"
+                " rank histogram, not one record per query); pass"
+                " `update(scores, target, query_ids=ids)`"
+            )
+        flat = _flat.flat_outcomes(
+            getattr(self, self._flat_name),
+            self.ties,
+            self.max_k,
+            self.complete_queries,
+            path=self._flat_path,
+        )
+        dense = self._dense_records()
+        if flat is not None and dense is not None:
+            raise ValueError(
+                "query_outcomes(): this metric holds dense rows (ids from `query_ids`) and"
+                " flat items (ids from `indexes`), which are independent ids; give each"
+                " input form a metric of its own"
+            )
+        ids, records = flat or dense or self._no_records()
+        keys = None if self.single_k else self.output_keys
+        return from_records(ids, records, self.ks, self.max_k, self.empty_target_action, keys)
+
+    def _dense_records(self) -> tuple[Tensor, Tensor] | None:
+        """The dense records kept with ``query_ids``, sorted by id, each id once."""
+        ids, outcomes = getattr(self, self._ids_name), getattr(self, self._outcomes_name)
+        if isinstance(ids, list):  # not synchronised: still this process's list of blocks
+            ids = torch.cat(ids) if ids else None
+            outcomes = torch.cat(outcomes) if outcomes else None
+        if ids is None or ids.numel() == 0:
+            return None
+        return by_id(ids, outcomes)
+
+    def _no_records(self) -> tuple[Tensor, Tensor]:
+        ids = torch.zeros(0, dtype=torch.int64, device=self.query_counts.device)
+        if self.ties == "expected":
+            return ids, torch.zeros(0, self.max_k + 1, dtype=torch.float64, device=ids.device)
+        return ids, ids.clone()
 
     def _deduplicated_histogram(self) -> tuple[Tensor, Tensor] | None:
         """Histogram of the outcomes recorded with query_ids, each id counted once."""

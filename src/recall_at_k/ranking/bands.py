@@ -111,6 +111,7 @@ class RankOptions(NamedTuple):
     chunk_bytes: int
     check_nan: bool
     near_duplicate: float | None = None  # a threshold: count the near items (the audit)
+    progress: bool = False  # a tqdm bar over the queries ranked
 
 
 NEAR_COUNTS = (

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.score import bound_coefficient, gamma
+from recall_at_k.ranking.score import bound_absolute, bound_coefficient, norm_upper
 
 
 class Side(NamedTuple):
@@ -40,7 +40,8 @@ class Gallery(NamedTuple):
     embeddings: Tensor  # [G, D] in column order (not centred: see ``centre``)
     centre: Tensor | None  # [D] the mean subtracted, for "euclidean"
     neg_sq_norms: Tensor | None  # [1, G] negated squared norms, for "euclidean"
-    bound: float  # B / |q| ("dot", "cosine"), B / (|q| + max |g|)^2 ("euclidean")
+    bound: float  # B's relative part per |q| max |g| (or (|q| + max |g|)^2, "euclidean")
+    absolute: float  # B's absolute part (products rounded below the smallest normal)
     max_norm: float  # max_g |g| (of the centred vectors for "euclidean")
     labels: Tensor  # [G], ascending
     groups: Tensor  # [G]
@@ -116,18 +117,21 @@ def gallery_of(
             part = gallery_embeddings[start : start + step] - centre
             neg_sq_norms[0, start : start + step] = part.square_().sum(dim=1).neg_()
     max_norm = 0.0
+    dim, dtype = embeddings.shape[1], embeddings.dtype
     if gallery_embeddings.numel():
         # In the embeddings' own dtype, then raised past its rounding (relative error
-        # at most gamma_{D+2}): an upper bound of the exact largest norm.
+        # at most gamma_{D+2}, and squares below the smallest normal): an upper bound
+        # of the exact largest norm; a chunk of rows at a time.
         largest = 0.0
         for start in range(0, num, step):
             part = gallery_embeddings[start : start + step]
             if centre is not None:
                 part = part - centre
             largest = max(largest, float(torch.linalg.vector_norm(part, dim=1).max()))
-        unit = float(torch.finfo(gallery_embeddings.dtype).eps) / 2
-        max_norm = largest * (1 + 2 * gamma(embeddings.shape[1] + 2, unit))
-    bound = bound_coefficient(similarity, embeddings.shape[1], embeddings.dtype, embeddings.device)
+        upper = torch.tensor([largest], dtype=torch.float64)
+        max_norm = float(norm_upper(upper, dim, dtype))
+    bound = bound_coefficient(similarity, dim, dtype, embeddings.device)
+    absolute = bound_absolute(similarity, dim, dtype)
     block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
     block_starts = torch.cumsum(block_counts, dim=0) - block_counts
     identity_sorted, identity_column = torch.sort(side.identity[label_order])
@@ -137,6 +141,7 @@ def gallery_of(
         centre,
         neg_sq_norms,
         bound,
+        absolute,
         max_norm,
         labels_sorted,
         groups[rows],
@@ -184,14 +189,13 @@ def gallery_bounds(gallery: Gallery, similarity: Similarity) -> Tensor:
 def bounds(queries: Tensor, gallery: Gallery, similarity: Similarity) -> Tensor:
     """``[T, 1]`` float64: each query's bound ``B`` on ``|fast - canonical|``."""
     # In the queries' dtype, raised past its rounding: an upper bound of each norm.
-    unit = float(torch.finfo(queries.dtype).eps) / 2
     norms: Tensor = torch.linalg.vector_norm(queries, dim=1, keepdim=True).to(torch.float64)
-    norms.mul_(1 + 2 * gamma(queries.shape[1] + 2, unit))
+    norms = norm_upper(norms, queries.shape[1], queries.dtype)
     if similarity == "euclidean":
         norms = norms.add_(gallery.max_norm).square_().mul_(gallery.bound)
     else:
         norms.mul_(gallery.max_norm * gallery.bound)
-    return norms
+    return norms.add_(gallery.absolute)
 
 
 def queries_of(labels: Tensor, groups: Tensor, side: Side, gallery: Gallery) -> Queries:

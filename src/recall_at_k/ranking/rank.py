@@ -20,7 +20,7 @@ exact, hence the same, however tiles, threads and processes group the queries.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -52,8 +52,10 @@ from recall_at_k.ranking.gallery import (
     tile_scores,
 )
 from recall_at_k.ranking.panels import panel_band
-from recall_at_k.ranking.score import may_produce_nan
+from recall_at_k.ranking.progress import Progress
+from recall_at_k.ranking.score import float64_products
 from recall_at_k.ranking.symmetric import rank_symmetric, symmetric_possible
+from recall_at_k.ranking.workers import Workers, worker_count
 
 CPU_TILE_BYTES = 32 * 2**20
 """On CPU, tiles hold at most this many bytes of scores, whatever ``chunk_bytes`` allows:
@@ -62,6 +64,10 @@ larger tiles buy nothing (the product is as fast in 32 MiB tiles) and cost memor
 PENDING_PAIRS = 2**16
 """In-band pairs of successive tiles are re-scored together once this many wait (or at
 the end): one canonical pass over D for many tiles."""
+
+
+Collector = Callable[[Tensor, TieCounts], None]
+"""``collect(positions, counts)``: per-query tie counts as :func:`rank` decides them."""
 
 
 class RankCounts(NamedTuple):
@@ -86,6 +92,7 @@ def rank(
     options: RankOptions,
     route: Route = AUTO_ROUTE,
     known: Tensor | None = None,
+    collect: Collector | None = None,
 ) -> RankCounts:
     """Rank ``queries`` against ``gallery_side`` in tiles; the summed rank histogram.
 
@@ -101,22 +108,27 @@ def rank(
         known: bool ``[2, Q]`` (in the order of ``queries``): queries known to have a
             near positive / a near negative whatever their scores (the audit's identical
             items); read only with ``options.near_duplicate``.
+        collect: optional ``collect(positions, counts)``, called with the tie counts of
+            every decided group of queries and their positions in ``queries`` (for
+            per-query outcomes; none by default, at no cost).
     """
     device = embeddings.device
     if queries.rows.numel() == 0:
         return _Tally(embeddings, None, options, None).result()
-    overflow = embeddings.dtype == torch.float32 and not callable(options.similarity)
-    if overflow and may_produce_nan(embeddings, options.similarity):
-        # Float32 products could overflow: the fast path runs in float64 (exact
-        # copies; the canonical scores are the same).
+    if float64_products(embeddings, options.similarity):
+        # Float32 products could overflow, or would come close to the subnormal range:
+        # the fast path runs in float64 (exact copies; the canonical scores are the same).
         embeddings = embeddings.to(torch.float64)
     gallery = gallery_of(embeddings, labels, groups, gallery_side, options.similarity)
     num_gallery = gallery.embeddings.shape[0]
     share = queries_of(labels, groups, queries, gallery)
-    tally = _Tally(embeddings, gallery, options, known)
+    tally = _Tally(embeddings, gallery, options, known, collect, share.rows.shape[0])
+    workers = 1 if callable(options.similarity) else worker_count(device)
     tile_bytes = options.chunk_bytes
     if device.type == "cpu":
         tile_bytes = min(tile_bytes, CPU_TILE_BYTES)
+    # Each worker holds its own tile: together at most the one tile's bytes.
+    tile_bytes = max(1, tile_bytes // workers)
     itemsize = gallery.embeddings.element_size()
     rows_per_tile = max(1, tile_bytes // max(1, num_gallery * itemsize))
     panels_possible = (
@@ -126,36 +138,45 @@ def rank(
     done = 0
     if panels_possible and symmetric_possible(share, gallery, route):
         done = rank_symmetric(
-            gallery, share, options, route, tile_bytes, tally.workspace, tally.add_band
+            gallery, share, options, route, tile_bytes, tally.workspace, tally.add_band, workers
         )
-    num_queries = share.rows.shape[0]
-    for start in range(done, num_queries, rows_per_tile):
-        tile = Queries._make(t[start : start + rows_per_tile] for t in share)
+
+    def count_tile(tile: Queries, workspace: Workspace) -> tuple[Queries, Band | None, Tensor]:
+        """A tile's band (None: no query of it has a positive, nothing to decide) and
+        its queries whose scores hold NaN."""
+        nan = torch.zeros((), dtype=torch.int64, device=device)
+        widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
+        if widest == 0 and not options.check_nan and not near:
+            return tile, None, nan  # no query of the tile has an item of its label
         tile_embeddings = embeddings.index_select(0, tile.rows)
         if gallery.centre is not None:
             tile_embeddings.sub_(gallery.centre)
         bound = bounds(tile_embeddings, gallery, options.similarity)
-        widest = int(tile.block_count.max()) if tile.block_count.numel() else 0
         mode = tile_mode(route, widest, num_gallery, panels_possible and widest > 0)
-        if widest == 0 and not options.check_nan and not near:
-            # No query of the tile has an item of its label in the gallery.
-            tally.add_counts(_kernel.no_positive_counts(tile.rows.shape[0], device))
-            continue
         if mode == "panels":
-            workspace = tally.workspace
             band = panel_band(tile_embeddings, tile, gallery, bound, options, route, workspace)
+            return tile, band, nan
+        scores = tile_scores(tile_embeddings, gallery, options.similarity, workspace)
+        if options.check_nan:
+            nan = torch.isnan(scores).any(dim=1).sum()
+        ignore_in_place(scores, tile, gallery, options.exclude)
+        if mode == "dense":
+            band = dense_band(scores, tile, gallery, bound, options, workspace)
         else:
-            scores = tile_scores(tile_embeddings, gallery, options.similarity, tally.workspace)
-            if options.check_nan:
-                tally.nan += torch.isnan(scores).any(dim=1).sum()
-            ignore_in_place(scores, tile, gallery, options.exclude)
-            if mode == "dense":
-                band = dense_band(scores, tile, gallery, bound, options, tally.workspace)
+            columns = gallery.groups, gallery.labels
+            band = block_band(scores, tile, *columns, bound, options, workspace)
+        return tile, band, nan
+
+    starts = range(done, share.rows.shape[0], rows_per_tile)
+    tiles = (Queries._make(t[start : start + rows_per_tile] for t in share) for start in starts)
+    with Workers(count_tile, min(workers, len(starts)), tally.workspace) as pool:
+        for tile, band, nan in pool.map(tiles):
+            tally.nan += nan
+            if band is None:
+                tally.add_counts(_kernel.no_positive_counts(tile.rows.shape[0], device), [tile])
+                tally.progress.update(tile.rows.shape[0])
             else:
-                band = block_band(
-                    scores, tile, gallery.groups, gallery.labels, bound, options, tally.workspace
-                )
-        tally.add_band(tile, band)
+                tally.add_band(tile, band)
     return tally.result()
 
 
@@ -170,6 +191,8 @@ class _Tally:
         gallery: Gallery | None,
         options: RankOptions,
         known: Tensor | None,
+        collect: Collector | None = None,
+        num_queries: int = 0,
     ) -> None:
         device = embeddings.device
         hist_dtype = torch.float64 if options.ties == "expected" else torch.int64
@@ -182,20 +205,26 @@ class _Tally:
         self.gallery = gallery
         self.options = options
         self.known = known
+        self.collect = collect
         self.grid = _probability_grid(embeddings.shape[0])
         self.workspace = Workspace()
         self.pending: list[tuple[Queries, Band]] = []
         self.pending_pairs = 0
+        total = 0 if gallery is None else int(num_queries)
+        self.progress = Progress(total, options.progress)
 
-    def add_counts(self, counts: TieCounts) -> None:
-        """A tile counted without pairs to decide."""
+    def add_counts(self, counts: TieCounts, tiles: Sequence[Queries] = ()) -> None:
+        """The counts of ``tiles`` (their queries in order)."""
         hist, query_counts = _histogram(counts, self.options, self.grid)
         self.hist += hist
         self.queries += query_counts
+        if self.collect is not None:
+            self.collect(torch.cat([tile.position for tile in tiles]), counts)
 
     def add_band(self, tile: Queries, band: Band) -> None:
         """A scanned tile; decided with the pending ones once enough pairs wait."""
         self.pending.append((tile, band))
+        self.progress.update(tile.rows.shape[0])
         self.pending_pairs += band.pairs.rows.shape[0]
         if band.near_pairs is not None:
             self.pending_pairs += band.near_pairs.rows.shape[0]
@@ -212,11 +241,12 @@ class _Tally:
         )
         self.rescored += decided.rescored
         self.near += decided.near
-        self.add_counts(decided.counts)
+        self.add_counts(decided.counts, [tile for tile, _ in self.pending])
         self.pending, self.pending_pairs = [], 0
 
     def result(self) -> RankCounts:
         self.flush()
+        self.progress.close()
         return RankCounts(self.hist, self.queries, self.nan, self.rescored, self.near)
 
 
@@ -277,6 +307,8 @@ def rank_shared(
     if shared is not None and dist.is_available() and dist.is_initialized():
         group = shared.group
         world, me = dist.get_world_size(group), dist.get_rank(group)
+    if options.progress and dist.is_available() and dist.is_initialized() and dist.get_rank():
+        options = options._replace(progress=False)  # one bar: the process of rank 0's
     results: list[RankCounts | None] = []
     ranked: list[int] = []
     rescored: list[int] = []

@@ -15,7 +15,7 @@ and device):
 - a callable: its scores as returned, per tile (outside the guarantee: they may depend
   on the tile's shape).
 
-Embeddings stored in float64 (``set_dtype``) have inexact products; the fixed order and
+Embeddings stored in float64 (float64 inputs) have inexact products; the fixed order and
 separate multiply and add still give one value per pair on every device. (For float32
 rows the canonical dot product uses a fused multiply-add per ``d``: the product being
 exact, it rounds exactly like a multiply then an add.)
@@ -23,16 +23,21 @@ exact, it rounds exactly like a multiply then an add.)
 **Fast path and certificate.** The canonical scores are not what is computed for every
 pair: each tile (or panel) of scores is one float32 matrix product, the *fast* score.
 For each query a bound ``B`` with ``|fast - canonical| <= B`` for every gallery item is
-known in advance (:func:`bound_coefficient`): for a dot product of length D,
-``|fl(q.g) - q.g| <= gamma_D * sum_d |q_d g_d| <= gamma_D |q| |g|`` with
-``gamma_D = D u / (1 - D u)`` whatever the order or blocking of the sum, so
-``B = 2 (gamma32_D + gamma64_D) |q| max_g |g|`` (the factor 2 covers the norms' own
-rounding and the band's edges). With ``s*_f`` the best fast score of a query's valid
-positives, an item whose fast score exceeds ``s*_f + 2B`` is surely above the canonical
-``s*``, one below ``s*_f - 2B`` surely below; the items inside that band -- the positives
-near ``s*`` among them, the best always -- are re-scored canonically, and ``s*``, the
-ties and the order at ``s*`` are decided on those canonical scores. The result is thus
-exactly the ranking by canonical scores, and only the band costs more than the product.
+known in advance (:func:`bound_coefficient`, :func:`bound_absolute`): for a dot product
+of length D, ``|fl(q.g) - q.g| <= gamma_D * sum_d |q_d g_d| + D eta (1 + gamma_D)
+<= gamma_D |q| |g| + D eta (1 + gamma_D)`` with ``gamma_D = D u / (1 - D u)`` whatever
+the order or blocking of the sum, where ``eta`` (2**-150 in float32) is the absolute
+rounding of a product (or fused multiply-add) whose result falls below the smallest
+normal number (2**-126): those round in steps of 2**-149, not relatively. So
+``B = 2 (gamma32_D + gamma64_D) |q| max_g |g| + 2 D eta (1 + gamma32_{D+3})`` (the
+factor 2 covers the norms' own rounding and the band's edges; the norms are upper
+bounds, raised past their rounding and their squares' underflow). With ``s*_f`` the
+best fast score of a query's valid positives, an item whose fast score exceeds
+``s*_f + 2B`` is surely above the canonical ``s*``, one below ``s*_f - 2B`` surely
+below; the items inside that band -- the positives near ``s*`` among them, the best
+always -- are re-scored canonically, and ``s*``, the ties and the order at ``s*`` are
+decided on those canonical scores. The result is thus exactly the ranking by canonical
+scores, and only the band costs more than the product.
 
 ``"euclidean"`` is computed on vectors centred on the gallery's mean ``m``:
 ``q' = fl(q - m)``, ``g' = fl(g - m)``, fast score ``2 q'.g' - |q'|^2 - |g'|^2``, so a
@@ -40,13 +45,18 @@ common offset of every vector cancels before any product (no catastrophic cancel
 Its bound, over the centring's rounding (``|fl(a) - a| <= u |a|`` per coordinate, so the
 squared distance moves by at most ``u (2 + u) (|a| + |b|)^2``), the product and both
 squared norms (``gamma_{D+1}`` each), the two final additions and the canonical sum's
-own rounding: ``B = 2 (2 gamma32_{D+1} + 5 u32 + gamma64_{D+3}) (|q'| + max_g |g'|)^2``.
+own rounding: ``B = 2 (2 gamma32_{D+1} + 5 u32 + gamma64_{D+3}) (|q'| + max_g |g'|)^2``,
+plus ``2 * 4 D eta (1 + gamma32_{D+3})`` (the product counted twice, both norms).
 
 On CUDA with ``torch.get_float32_matmul_precision() != "highest"`` (TF32 or bfloat16
 products) the bound adds ``2 u_in + u_in^2`` per product for the inputs' unit roundoff
 ``u_in`` (2**-11 for ``"high"``, 2**-8 for ``"medium"``): the band is wider, the answer
 the same. Where float32 products could overflow (``"dot"``/``"euclidean"`` on huge
-values) the fast path runs in float64; the canonical scores do not change.
+values), or would all come close to the subnormal range (tiny values, where ``eta``
+would put most items in the band), the fast path runs in float64
+(:func:`float64_products`); the canonical scores do not change. The bound assumes
+IEEE gradual underflow (no flush-to-zero mode, which ``torch.set_flush_denormal(True)``
+would set).
 """
 
 from __future__ import annotations
@@ -166,8 +176,9 @@ def input_unit(dtype: torch.dtype, device: torch.device) -> float:
 def bound_coefficient(
     similarity: Similarity, dim: int, dtype: torch.dtype, device: torch.device
 ) -> float:
-    """``B`` per unit of ``|q| max |g|`` (dot, cosine) or ``(|q| + max |g|)^2``
-    (euclidean): the certified distance between a fast and a canonical score."""
+    """``B``'s relative part, per unit of ``|q| max |g|`` (dot, cosine) or
+    ``(|q| + max |g|)^2`` (euclidean): with :func:`bound_absolute`, the certified
+    distance between a fast and a canonical score."""
     if callable(similarity):
         return 0.0
     unit = float(torch.finfo(dtype).eps) / 2
@@ -180,6 +191,75 @@ def bound_coefficient(
     return SAFETY * (gamma(dim, unit) + rounded_inputs + gamma(dim, unit64))
 
 
+def subnormal_step(dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s subnormal numbers (2**-149 for float32, 2**-1074 for
+    float64): a rounding below the smallest normal number errs by up to half of it."""
+    info = torch.finfo(dtype)
+    return float(info.smallest_normal) * float(info.eps)
+
+
+def bound_absolute(similarity: Similarity, dim: int, dtype: torch.dtype) -> float:
+    """``B``'s absolute part: the rounding of products (and fused multiply-adds) whose
+    result falls below the smallest normal number, where rounding is absolute (up to
+    ``eta``, half the subnormal step), not relative. A dot product of length D rounds
+    at most D results that way (additions whose result is subnormal are exact), so
+    ``|fl(q.g) - q.g| <= gamma_D sum_d |q_d g_d| + D eta (1 + gamma_D)``; for
+    ``"euclidean"`` four such sums (``2 q'.g'`` counts twice, ``|q'|^2``, ``|g'|^2``).
+    The canonical sum adds ``D`` such roundings only for float64 embeddings (float32
+    products are exact in float64, never below 2**-298). For ordinary data this is
+    far below the relative part's last bit: the band does not change."""
+    if callable(similarity):
+        return 0.0
+    sums = 4 if similarity == "euclidean" else 1
+    roundings = sums * dim * subnormal_step(dtype) / 2  # the fast product's
+    if torch.finfo(dtype).bits > 32:  # the canonical sum's own inexact products
+        roundings += dim * subnormal_step(torch.float64) / 2
+    # Each rounded result is carried through at most D + 2 more roundings.
+    unit = float(torch.finfo(dtype).eps) / 2
+    return SAFETY * roundings * (1 + gamma(dim + 3, unit))
+
+
+def norm_slack(dim: int, dtype: torch.dtype) -> float:
+    """What a norm computed in ``dtype`` may lose to squares below the smallest normal
+    number: ``sqrt(D * step)`` (a sum of D squares errs by at most ``D step / 2``
+    beyond its relative error; ``sqrt(a + b) <= sqrt(a) + sqrt(b)``)."""
+    return math.sqrt(dim * subnormal_step(dtype))
+
+
+def norm_upper(norms: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
+    """Upper bounds of the exact norms of vectors of length ``dim`` whose norms were
+    computed in ``dtype`` as ``norms`` (float64; modified in place): raised past their
+    relative rounding (``gamma_{D+2}``) and the squares' underflow."""
+    unit = float(torch.finfo(dtype).eps) / 2
+    return norms.mul_(1 + 2 * gamma(dim + 2, unit)).add_(norm_slack(dim, dtype))
+
+
+UNDERFLOW_SCALE = 2.0**-100
+"""The fast path runs in float64 when the largest ``|x_d|^2`` is below this (every float32
+product is then within 2**26 of the subnormal range): :func:`bound_absolute` would
+widen the band of most queries."""
+
+
+def float64_products(embeddings: Tensor, similarity: Similarity) -> bool:
+    """Whether the fast path should run in float64 for float32 ``embeddings`` (prepared
+    rows; reads one value): float32 products could overflow (``"dot"``/``"euclidean"`` on
+    huge values), or all of them come close to float32's subnormal range (tiny values;
+    ``"cosine"`` rows of norm below 1e-12 stay unnormalised). Either way the canonical
+    scores, hence the result, are the same; only the band is narrower in float64."""
+    if callable(similarity) or embeddings.dtype != torch.float32 or embeddings.numel() == 0:
+        return False
+    largest = largest_magnitude(embeddings)
+    if 0 < largest * largest < UNDERFLOW_SCALE:
+        return True
+    return similarity != "cosine" and overflows(largest, embeddings.shape[1], embeddings.dtype)
+
+
+def overflows(largest: float, dim: int, dtype: torch.dtype) -> bool:
+    """Whether fast scores of vectors of length ``dim`` with values up to ``largest``
+    could overflow ``dtype`` (a euclidean score is at most ``16 D largest^2``)."""
+    return 4.0 * dim * largest * largest >= torch.finfo(dtype).max / 4
+
+
 def may_produce_nan(embeddings: Tensor, similarity: Similarity) -> bool:
     """Whether scores could be NaN although the embeddings are finite (reads one value)."""
     if callable(similarity):
@@ -187,7 +267,11 @@ def may_produce_nan(embeddings: Tensor, similarity: Similarity) -> bool:
     if similarity == "cosine" or embeddings.numel() == 0:
         return False
     # dot / euclidean overflow to inf (and inf - inf = NaN) only for huge values.
-    low, high = torch.aminmax(embeddings)  # no copy of the embeddings
-    largest = max(-float(low), float(high))
-    bound = 4.0 * embeddings.shape[1] * largest * largest
-    return bound >= torch.finfo(embeddings.dtype).max / 4
+    largest = largest_magnitude(embeddings)
+    return overflows(largest, embeddings.shape[1], embeddings.dtype)
+
+
+def largest_magnitude(embeddings: Tensor) -> float:
+    """``max |x|`` of non-empty ``embeddings``, without a copy of them (``aminmax``)."""
+    low, high = torch.aminmax(embeddings)
+    return max(-float(low), float(high))

@@ -1,0 +1,335 @@
+"""``paired_comparison(a, b)``: two models' Recall@K on the same queries, compared query
+by query (the exact McNemar test and Newcombe's paired score interval).
+
+Per K, with n queries, ``only_a`` of them hit by model A alone and ``only_b`` by B alone,
+the difference is R_b - R_a = (only_b - only_a) / n. The test and the interval use the
+2 x 2 table of the two models' hits on the same queries; pure Python arithmetic on four
+counts (exact integers), after one vectorised count per K.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from statistics import NormalDist
+from typing import Any, NamedTuple, overload
+
+import torch
+from torch import Tensor
+
+from recall_at_k._base import RecallAtKMetric
+from recall_at_k._checks import check_level
+from recall_at_k._outcomes import QueryOutcomes
+
+__all__ = [
+    "PairedComparison",
+    "mcnemar_p_value",
+    "newcombe_interval",
+    "paired_comparison",
+]
+
+
+EXACT_DISCORDANT = 4096
+"""Up to this many discordant queries the McNemar p-value is summed in exact integers."""
+
+
+class PairedComparison(NamedTuple):
+    """Model B against model A at one K, on the same queries.
+
+    Attributes:
+        difference: R_b - R_a, B's Recall@K minus A's (NaN without queries).
+        low: lower end of the paired score interval of the difference (Newcombe's
+            method 10), within [-1, 1].
+        high: upper end.
+        p_value: exact two-sided McNemar p-value: ``min(1, 2 P(X <= min(only_a,
+            only_b)))`` for X ~ Binomial(only_a + only_b, 1/2); 1.0 when the models
+            never disagree.
+        only_a: queries hit by A and missed by B.
+        only_b: queries hit by B and missed by A.
+        queries: the queries compared.
+    """
+
+    difference: float
+    low: float
+    high: float
+    p_value: float
+    only_a: int
+    only_b: int
+    queries: int
+
+
+Comparable = QueryOutcomes | Mapping[str, QueryOutcomes] | RecallAtKMetric[Any]
+"""A metric with ``query_outcomes()``, or what that method returned."""
+
+
+def mcnemar_p_value(only_a: int, only_b: int) -> float:
+    """The exact two-sided McNemar p-value of ``only_a`` against ``only_b`` discordant
+    queries: ``min(1, 2 sum_{i <= min} C(m, i) / 2^m)`` with m = only_a + only_b; 1.0
+    for m = 0. In exact integers up to :data:`EXACT_DISCORDANT` discordant queries
+    (correctly rounded); beyond, in floating point, summing only the terms that count
+    (O(sqrt(m)) of them; relative error below 1e-10 up to m = 2e9)."""
+    m = only_a + only_b
+    low = min(only_a, only_b)
+    if m == 0 or 2 * low >= m:
+        return 1.0
+    if m <= EXACT_DISCORDANT:
+        tail, term = 0, 1
+        for j in range(low + 1):
+            tail += term
+            term = term * (m - j) // (j + 1)
+        return min(1.0, (2 * tail) / (1 << m))
+    # Terms i = low, low - 1, ... relative to the largest, C(m, low): the ratio of one
+    # to the next is i / (m - i + 1); summed in chunks until they no longer count.
+    log_top = _log_binomial_half(low, m)
+    total, carry, start = 0.0, 0.0, low
+    while start >= 0:
+        i = torch.arange(start, max(-1, start - _CHUNK), -1, dtype=torch.float64)
+        steps = torch.log(i[:-1] / (m - i[:-1] + 1))
+        log_relative = carry + torch.cat([i.new_zeros(1), steps.cumsum(0)])
+        total += float(log_relative.exp().sum())
+        last, smallest = float(log_relative[-1]), int(i[-1])
+        if smallest == 0 or math.exp(last) < 2.0**-60 * total:
+            break
+        carry = last + math.log(smallest / (m - smallest + 1))
+        start = smallest - 1
+    return min(1.0, 2.0 * math.exp(log_top + math.log(total)))
+
+
+_CHUNK = 2**16
+
+
+def _log_binomial_half(x: int, n: int) -> float:
+    """log(C(n, x) / 2^n), accurate to about 1e-15 relative for any n (Loader's
+    saddle-point form, as in R's ``dbinom``: Stirling's error terms and a deviance
+    computed without cancellation, instead of differences of huge ``lgamma`` values)."""
+    if x == 0 or x == n:
+        return -n * math.log(2.0)
+    y = n - x
+    half = n / 2
+    log_c = _stirling_error(n) - _stirling_error(x) - _stirling_error(y)
+    log_c -= _deviance(x, half) + _deviance(y, half)
+    return log_c - 0.5 * (math.log(2 * math.pi) + math.log(x) + math.log1p(-x / n))
+
+
+def _stirling_error(n: int) -> float:
+    """log(n!) - log(sqrt(2 pi n) (n / e)^n)."""
+    if n <= 15:
+        return math.lgamma(n + 1) - (n + 0.5) * math.log(n) + n - 0.5 * math.log(2 * math.pi)
+    nn = float(n) * n
+    s0, s1, s2, s3, s4 = 1 / 12, 1 / 360, 1 / 1260, 1 / 1680, 1 / 1188
+    if n > 500:
+        return (s0 - s1 / nn) / n
+    if n > 80:
+        return (s0 - (s1 - s2 / nn) / nn) / n
+    if n > 35:
+        return (s0 - (s1 - (s2 - s3 / nn) / nn) / nn) / n
+    return (s0 - (s1 - (s2 - (s3 - s4 / nn) / nn) / nn) / nn) / n
+
+
+def _deviance(x: float, mean: float) -> float:
+    """x log(x / mean) + mean - x, without cancellation when x is near the mean."""
+    if abs(x - mean) < 0.1 * (x + mean):
+        v = (x - mean) / (x + mean)
+        total = (x - mean) * v
+        term = 2 * x * v
+        for j in range(1, 1000):
+            term *= v * v
+            updated = total + term / (2 * j + 1)
+            if updated == total:
+                return updated
+            total = updated
+        return total
+    return x * math.log(x / mean) + mean - x
+
+
+def _wilson(successes: int, n: int, z: float) -> tuple[float, float]:
+    p = successes / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    denominator = 1 + z * z / n
+    return (centre - spread) / denominator, (centre + spread) / denominator
+
+
+def newcombe_interval(
+    both: int, only_a: int, only_b: int, neither: int, level: float
+) -> tuple[float, float]:
+    """Newcombe's (1998) method 10 interval for R_b - R_a on paired data.
+
+    With n queries, P1 = R_b, P2 = R_a, (l1, u1) and (l2, u2) their Wilson score
+    intervals, and psi the correlation of the two models' hits corrected as Newcombe
+    does (A = both * neither - only_a * only_b, M = the product of the four margins:
+    psi = (A - n/2) / sqrt(M) if A > n/2, A / sqrt(M) if A < 0, else 0; 0 when a
+    margin is 0):
+
+        low  = (P1 - P2) - sqrt((P1 - l1)^2 - 2 psi (P1 - l1)(u2 - P2) + (u2 - P2)^2)
+        high = (P1 - P2) + sqrt((u1 - P1)^2 - 2 psi (u1 - P1)(P2 - l2) + (P2 - l2)^2)
+    """
+    n = both + only_a + only_b + neither
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    hits_b, hits_a = both + only_b, both + only_a
+    p1, p2 = hits_b / n, hits_a / n
+    l1, u1 = _wilson(hits_b, n, z)
+    l2, u2 = _wilson(hits_a, n, z)
+    margins = hits_b * (n - hits_b) * hits_a * (n - hits_a)
+    psi = 0.0
+    if margins > 0:
+        a = both * neither - only_a * only_b
+        if a > n / 2:
+            psi = (a - n / 2) / math.sqrt(margins)
+        elif a < 0:
+            psi = a / math.sqrt(margins)
+    d1, d2 = p1 - l1, u2 - p2
+    e1, e2 = u1 - p1, p2 - l2
+    low = (p1 - p2) - math.sqrt(max(0.0, d1 * d1 - 2 * psi * d1 * d2 + d2 * d2))
+    high = (p1 - p2) + math.sqrt(max(0.0, e1 * e1 - 2 * psi * e1 * e2 + e2 * e2))
+    return max(-1.0, low), min(1.0, high)
+
+
+@overload
+def paired_comparison(
+    a: RecallAtKMetric[Tensor], b: RecallAtKMetric[Tensor], level: float = 0.95
+) -> PairedComparison: ...
+
+
+@overload
+def paired_comparison(
+    a: RecallAtKMetric[dict[str, Tensor]],
+    b: RecallAtKMetric[dict[str, Tensor]],
+    level: float = 0.95,
+) -> dict[str, PairedComparison]: ...
+
+
+@overload
+def paired_comparison(
+    a: Comparable, b: Comparable, level: float = 0.95
+) -> PairedComparison | dict[str, PairedComparison]: ...
+
+
+def paired_comparison(
+    a: Comparable, b: Comparable, level: float = 0.95
+) -> PairedComparison | dict[str, PairedComparison]:
+    """Compare model B with model A query by query, on the same queries.
+
+    ``a`` and ``b`` are two metrics (``RetrievalRecallAtK`` or ``EmbeddingRecallAtK``,
+    with the same K; their ``query_outcomes()`` is taken, synchronised) or what their
+    ``query_outcomes()`` returned. They must hold the same set of query ids, in any
+    order and any split over batches and processes.
+
+    For each K: ``difference`` = R_b - R_a; ``only_a`` / ``only_b`` the queries hit by
+    one model alone; ``p_value`` the exact two-sided McNemar test (a binomial test of
+    ``only_b`` out of the ``only_a + only_b`` discordant queries at 1/2; 1.0 when there
+    are none); ``low`` / ``high`` Newcombe's paired score interval (method 10 of
+    Newcombe, 1998, Statistics in Medicine 17:2635) at ``level``, within [-1, 1].
+    Queries without a valid positive count as ``compute()`` counts them.
+
+    Hits must be 0 or 1: under ``ties="expected"`` a query whose hit is a probability
+    strictly between 0 and 1 (ties at the boundary) raises a ``ValueError``; compare
+    with ``"pessimistic"`` and ``"optimistic"`` instead, which bound it.
+
+    Returns:
+        In ``compute()``'s structure: one :class:`PairedComparison` for an int ``k``,
+        else a dict keyed like ``compute()``.
+
+    Example:
+        >>> import torch
+        >>> from recall_at_k import RetrievalRecallAtK, paired_comparison
+        >>> target = torch.tensor([0, 0, 0, 0])
+        >>> ids = torch.arange(4)
+        >>> a, b = RetrievalRecallAtK(k=1), RetrievalRecallAtK(k=1)
+        >>> a.update(torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.3, 0.7], [0.4, 0.6]]), target,
+        ...          query_ids=ids)
+        >>> b.update(torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4]]), target,
+        ...          query_ids=ids)
+        >>> result = paired_comparison(a, b)
+        >>> result.difference, result.only_a, result.only_b, result.p_value
+        (0.75, 0, 3, 0.25)
+    """
+    level = check_level(level)
+    outcomes_a, outcomes_b = _outcomes_of(a, "a"), _outcomes_of(b, "b")
+    if list(outcomes_a) != list(outcomes_b):
+        raise ValueError(
+            f"`a` and `b` must have the same directions to compare, got {list(outcomes_a)}"
+            f" and {list(outcomes_b)}"
+        )
+    results: dict[str, PairedComparison] = {}
+    single = False
+    for direction, first in outcomes_a.items():
+        second = outcomes_b[direction]
+        if first.ks != second.ks or first.keys != second.keys:
+            raise ValueError(
+                f"`a` and `b` must have the same K and keys to compare, got k={first.ks}"
+                f" (keys {first.keys}) and k={second.ks} (keys {second.keys})"
+            )
+        single = first.keys is None
+        keys = first.keys or (str(first.ks[0]),)
+        hits_a, hits_b = _aligned(first, second, direction)
+        for column, key in enumerate(keys):
+            results[key] = _compare(hits_a[:, column], hits_b[:, column], level)
+    if single:
+        return next(iter(results.values()))
+    return results
+
+
+def _outcomes_of(value: Comparable, name: str) -> dict[str, QueryOutcomes]:
+    """The outcomes of a metric or of ``query_outcomes()``, per direction ("" for one)."""
+    outcomes: object = value
+    query_outcomes = getattr(value, "query_outcomes", None)
+    if callable(query_outcomes):
+        outcomes = query_outcomes()
+    if isinstance(outcomes, QueryOutcomes):
+        return {"": outcomes}
+    if isinstance(outcomes, Mapping) and all(
+        isinstance(v, QueryOutcomes) for v in outcomes.values()
+    ):
+        return {str(key): v for key, v in outcomes.items()}
+    raise ValueError(
+        f"`{name}` must be a RetrievalRecallAtK or EmbeddingRecallAtK metric, or what its"
+        f" query_outcomes() returned, got {type(value).__name__}"
+    )
+
+
+def _aligned(a: QueryOutcomes, b: QueryOutcomes, direction: str) -> tuple[Tensor, Tensor]:
+    """Both models' hits, rows in the order of the sorted ids (which must be the same)."""
+    where = f" (direction {direction!r})" if direction else ""
+    for name, outcomes in (("a", a), ("b", b)):
+        distinct = torch.unique(outcomes.ids)
+        if distinct.numel() != outcomes.ids.numel():
+            raise ValueError(
+                f"`{name}`{where}: query ids must be unique, got"
+                f" {outcomes.ids.numel() - distinct.numel()} repeated id(s)"
+            )
+        hits = outcomes.hits
+        fractional = (hits != 0) & (hits != 1)
+        if bool(fractional.any()):
+            raise ValueError(
+                f"`{name}`{where}: {int(fractional.any(dim=1).sum())} queries have a hit"
+                " probability strictly between 0 and 1 (ties='expected' with ties at the"
+                " cut-off); McNemar's test needs 0/1 hits: compare with ties='pessimistic'"
+                " and ties='optimistic' instead"
+            )
+    ids_a, order_a = torch.sort(a.ids.cpu())
+    ids_b, order_b = torch.sort(b.ids.cpu())
+    if not torch.equal(ids_a, ids_b):
+        only_a = ids_a[~torch.isin(ids_a, ids_b)]
+        only_b = ids_b[~torch.isin(ids_b, ids_a)]
+        raise ValueError(
+            f"`a` and `b`{where} must hold the same query ids: {only_a.numel()} only in `a`"
+            f" (e.g. {only_a[:5].tolist()}), {only_b.numel()} only in `b` (e.g."
+            f" {only_b[:5].tolist()}), of {ids_a.numel()} and {ids_b.numel()} queries;"
+            " update both metrics with the same queries (and ids)"
+        )
+    return a.hits.cpu()[order_a], b.hits.cpu()[order_b]
+
+
+def _compare(hits_a: Tensor, hits_b: Tensor, level: float) -> PairedComparison:
+    hit_a, hit_b = hits_a == 1, hits_b == 1
+    both = int((hit_a & hit_b).sum())
+    only_a = int((hit_a & ~hit_b).sum())
+    only_b = int((~hit_a & hit_b).sum())
+    n = hit_a.numel()
+    neither = n - both - only_a - only_b
+    p_value = mcnemar_p_value(only_a, only_b)
+    if n == 0:
+        return PairedComparison(math.nan, math.nan, math.nan, p_value, 0, 0, 0)
+    low, high = newcombe_interval(both, only_a, only_b, neither, level)
+    return PairedComparison((only_b - only_a) / n, low, high, p_value, only_a, only_b, n)

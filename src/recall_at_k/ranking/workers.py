@@ -1,0 +1,124 @@
+"""Worker threads for the CPU routes: independent tiles and blocks ranked on every core.
+
+Between the matrix products, a tile's scan is many small tensor operations, too small
+for torch's own threads to share well, and a Python loop between them. So on CPU with
+``torch.get_num_threads() > 1`` the routes hand whole tiles (or symmetric blocks) to
+that many worker threads, each of which runs torch on one thread (torch operations
+release the GIL): every core runs a product and its scan. The caller merges each
+task's results in the order the tasks were given; what a task returns depends only on
+its inputs (copies taken when it was given), so the counts are integer sums over
+independent tiles, exact and the same for any number of threads. Each worker has its
+own scratch :class:`~recall_at_k._kernel.Workspace`; tasks never write shared tensors.
+
+With one thread (or on a GPU, or for a callable similarity, whose thread safety is
+the user's) the tasks run one after the other in the calling thread, the same code.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+import torch
+
+from recall_at_k._kernel import Workspace
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+WINDOW_PER_WORKER = 2
+"""Tasks given ahead of the one being merged, per worker: enough to keep every worker
+busy while the caller merges, few enough that copies of what they read stay current."""
+
+
+def worker_count(device: torch.device) -> int:
+    """How many worker threads rank on ``device``: torch's threads on CPU, else 1."""
+    if device.type != "cpu":
+        return 1
+    return max(1, torch.get_num_threads())
+
+
+class Workers(Generic[Item, Result]):
+    """``count`` threads running ``task(item, workspace)``, each torch on one thread.
+
+    Use as a context manager; :meth:`map` yields the results in the items' order.
+    """
+
+    def __init__(
+        self,
+        task: Callable[[Item, Workspace], Result],
+        count: int,
+        workspace: Workspace,
+    ) -> None:
+        self.task = task
+        self.count = count
+        self.workspace = workspace  # the caller's, for one worker
+        self.pool: ThreadPoolExecutor | None = None
+        self.local = threading.local()
+
+    def __enter__(self) -> Workers[Item, Result]:
+        if self.count > 1:
+            self.pool = _single_threaded_pool(self.count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def _run(self, item: Item) -> Result:
+        workspace = getattr(self.local, "workspace", None)
+        if workspace is None:
+            workspace = self.local.workspace = Workspace()
+        return self.task(item, workspace)
+
+    def map(self, items: Iterable[Item]) -> Iterator[Result]:
+        """The task's result for each item, in order. ``items`` is read lazily: an item
+        is taken (and may copy the caller's state) only after the result
+        ``WINDOW_PER_WORKER * count`` places before it was yielded and merged, so what
+        every task sees is the same whatever the threads' timing."""
+        if self.pool is None:
+            for item in items:
+                yield self.task(item, self.workspace)
+            return
+        window = WINDOW_PER_WORKER * self.count
+        source = iter(items)
+        running: deque[Future[Result]] = deque()
+        try:
+            for item in source:
+                running.append(self.pool.submit(self._run, item))
+                if len(running) >= window:
+                    yield running.popleft().result()
+            while running:
+                yield running.popleft().result()
+        finally:
+            for future in running:
+                future.cancel()
+
+
+def _single_threaded_pool(count: int) -> ThreadPoolExecutor:
+    """A pool of ``count`` started threads, each running torch on one thread.
+
+    ``torch.set_num_threads(1)`` in a thread sets that thread's OpenMP and MKL thread
+    counts, and also the count that threads starting later take: so the pool's threads
+    start, each sets its own, and then the caller's count is put back for the others.
+    """
+    before = torch.get_num_threads()
+    ready = threading.Barrier(count + 1)
+
+    def start() -> None:
+        torch.get_num_threads()  # this thread takes its count now, not later
+        torch.set_num_threads(1)
+        ready.wait()
+
+    pool = ThreadPoolExecutor(count, thread_name_prefix="recall-at-k")
+    try:
+        for _ in range(count):
+            pool.submit(start)
+        ready.wait()
+    finally:
+        torch.set_num_threads(before)
+    return pool

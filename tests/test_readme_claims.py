@@ -1,0 +1,178 @@
+"""Claims of README.md (and of the site, which includes the same sections) that are not
+code blocks: numbers, the score's definition, the install commands, and that the site
+shows every shared README section (``scripts/readme_sections.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from embedding_reference import Batch, reference_embedding_recall
+
+from recall_at_k import RetrievalRecallAtK
+from recall_at_k.functional import embedding_recall_at_k
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = {path.name: path.read_text(encoding="utf-8") for path in (ROOT / "docs").glob("*.md")}
+
+
+def _module(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+readme_sections = _module(ROOT / "scripts" / "readme_sections.py")
+
+
+def _flat(text: str) -> str:
+    """Markdown text with line breaks as spaces (claims are wrapped across lines)."""
+    return re.sub(r"\s+", " ", text)
+
+
+# ------------------------------------------------------------------ one source
+
+
+def test_every_shared_section_is_on_the_site_and_every_placeholder_resolves() -> None:
+    shared = readme_sections.sections(README)
+    assert {"two-commands", "score", "wrappers", "protocol", "uncertainty"} <= set(shared)
+    used = set()
+    for name, page in DOCS.items():
+        used |= set(readme_sections.PLACEHOLDER.findall(page))
+        filled = readme_sections.fill(page)
+        assert "<!-- readme:" not in filled, name
+    assert used == set(shared), "a README section is marked but shown nowhere on the site"
+
+
+def test_shared_sections_are_adapted_to_the_site() -> None:
+    shared = readme_sections.sections(README)
+    assert shared["score"].startswith("**The score**")  # a bullet becomes a paragraph
+    assert "\n  " not in shared["score"]
+    assert "[the score](input-forms.md#the-score)" in shared["protocol"]
+    assert "(benchmarks.md)" in shared["protocol"]
+    assert "](examples/" not in shared["protocol"]  # repository files: their names only
+    with pytest.raises(KeyError, match=r"README\.md has no section"):
+        readme_sections.fill("<!-- readme:nothing -->", README)
+
+
+def test_the_site_no_longer_says_what_the_readme_corrected() -> None:
+    site = _flat(" ".join(readme_sections.fill(page) for page in DOCS.values()))
+    assert "BLAS" not in site  # identical vectors always tie: the score is canonical
+    assert '"the score" above' not in site
+    assert "last_compute_rescored" in site
+
+
+# ------------------------------------------------------------------ numbers
+
+
+def _interval(queries: int, recall: float) -> str:
+    hits = round(queries * recall)
+    scores = torch.zeros(queries, 2)
+    scores[:hits, 0] = 1.0
+    scores[hits:, 1] = 1.0
+    metric = RetrievalRecallAtK(k=1)
+    metric.update(scores, torch.zeros(queries, dtype=torch.long))
+    low, high = metric.confidence_interval().tolist()
+    return f"[{low:.3f}, {high:.3f}]"
+
+
+def test_wilson_examples() -> None:
+    text = _flat(README)
+    assert (
+        f"a model with R@1 = 0.620 has {_interval(1000, 0.620)} and one with 0.645 has"
+        f" {_interval(1000, 0.645)}"
+    ) in text
+    assert (
+        f"On 10,000 queries the same values give {_interval(10000, 0.620)} and"
+        f" {_interval(10000, 0.645)}, which no longer overlap"
+    ) in text
+
+
+def _mcnemar(b: int, c: int) -> tuple[str, str]:
+    statistic = (b - c) ** 2 / (b + c)
+    p = math.erfc(math.sqrt(statistic / 2))  # chi-square, one degree of freedom
+    return f"{statistic:.1f}", f"{p:.2f}"
+
+
+def test_mcnemar_examples() -> None:
+    text = _flat(README)
+    assert (62 - 37) == (162 - 137) == 25  # the 2.5-point gap on 1,000 queries
+    statistic, p = _mcnemar(62, 37)
+    assert (
+        f"disagree on 99 queries (b = 62, c = 37), the statistic is {statistic} (p = {p})" in text
+    )
+    statistic, p = _mcnemar(162, 137)
+    assert f"disagree on 299 queries (b = 162, c = 137), it is {statistic} (p = {p})" in text
+
+
+# ------------------------------------------------------------------ the score
+
+
+def test_cosine_clamps_the_norm_at_1e_12() -> None:
+    """A row of norm 1e-13 is scaled by 10^12 (to norm 0.1), not normalised to 1."""
+    assert "x / max(sqrt(S), 1e-12)" in _flat(README)
+    query = torch.tensor([[1.0, 0.0]])
+    gallery = torch.tensor([[1e-13, 0.0], [0.6, 0.8]])  # the positive, then a negative
+    labels = torch.tensor([0, 1])
+    # normalised, the positive would score 1.0 > 0.6; clamped it scores 0.1 < 0.6
+    value = embedding_recall_at_k(query, torch.tensor([0]), gallery, labels, k=1)
+    assert float(value) == 0.0
+    assert (
+        float(embedding_recall_at_k(query, torch.tensor([0]), gallery * 1e12, labels, k=1)) == 1.0
+    )
+
+
+def test_euclidean_score_is_of_the_stored_vectors_whatever_a_common_offset() -> None:
+    """The fast path centres on the gallery's mean; what is ranked is still minus the
+    squared distance of the stored (offset, float32) vectors, as the reference has it."""
+    text = _flat(README)
+    assert "the fast path centres every vector on the gallery's mean first" in text
+    assert "the score itself is that of the stored vectors" in text
+    gen = torch.Generator().manual_seed(3)
+    embeddings = torch.randn(60, 6, generator=gen) * 0.05 + 1e4
+    labels = torch.randint(0, 6, (60,), generator=gen)
+    got = embedding_recall_at_k(embeddings, labels, k=(1, 2, 5), similarity="euclidean")
+    want = reference_embedding_recall(
+        [Batch(embeddings=embeddings.double(), labels=labels)], (1, 2, 5), similarity="euclidean"
+    )
+    assert {key: float(value) for key, value in got.items()} == pytest.approx(want, abs=1e-6)
+
+
+# ------------------------------------------------------------------ install and suite
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+
+
+def test_torch_is_pinned_alike_everywhere_and_the_cpu_index_is_an_alternative() -> None:
+    pins = set(re.findall(r"torch==([\d.]+)", README))
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    lowest = (ROOT / ".ci" / "lowest-versions.txt").read_text(encoding="utf-8")
+    assert pins == set(re.findall(r"torch==([\d.]+)", ci)) == {"2.13.0"}
+    assert "torch==2.13.0" in lowest.splitlines()
+    blocks = _bash_blocks(README)
+    first = blocks[0]
+    # The two commands themselves install torch from PyPI (this project's machines carry
+    # a local CPU wheel); the CPU index is an alternative in a block of its own.
+    assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==")
+    assert "--index-url" not in first and blocks[1].strip() == "python -m pytest -q"
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu\n"
+    assert cpu in blocks
+    assert "TORCH_INDEX_URL" in ci  # CI can take the same index
+
+
+def test_the_readme_says_cuda_tests_skip_without_a_gpu() -> None:
+    assert "the CUDA tests (`tests/test_cuda.py`) are skipped on a machine without a GPU" in _flat(
+        README
+    )
+    source = (ROOT / "tests" / "test_cuda.py").read_text(encoding="utf-8")
+    assert "pytestmark = pytest.mark.skipif(" in source and "torch.cuda.is_available()" in source

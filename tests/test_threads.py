@@ -1,0 +1,122 @@
+"""The CPU ranking on worker threads: with torch.get_num_threads() > 1 the tiles and the
+symmetric blocks run on that many threads, each running torch on one thread; the
+result, the protocol report and the caller's thread count are the same as with one."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from embedding_reference import Batch, gen
+
+from recall_at_k import EmbeddingRecallAtK
+from recall_at_k._kernel import Workspace
+from recall_at_k.ranking import panels as _panels
+from recall_at_k.ranking import rank as _rank
+from recall_at_k.ranking import symmetric as _symmetric
+from recall_at_k.ranking.bands import Route
+from recall_at_k.ranking.workers import Workers
+
+KS = (1, 2, 5)
+
+
+@contextmanager
+def _threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _batches(layout: str) -> list[Batch]:
+    """Quantised embeddings (real scores tie) with a few exact copies (the audit)."""
+    embeddings = torch.randint(-1, 2, (240, 12), generator=gen(3)).float()
+    embeddings[200:210] = embeddings[:10]
+    labels = torch.randint(0, 15, (240,), generator=gen(4))
+    if layout == "leave-one-out":
+        return [Batch(embeddings, labels)]
+    ids = torch.arange(240)
+    return [
+        Batch(embeddings[:80], labels[:80], role="query", ids=ids[:80]),
+        Batch(embeddings[80:], labels[80:], role="gallery", ids=ids[80:]),
+    ]
+
+
+def _run(batches: list[Batch], route: Route, **kwargs: Any) -> tuple[Any, Any, Any]:
+    metric = EmbeddingRecallAtK(KS, near_duplicate=0.9, **kwargs)
+    metric._route = route
+    for batch in batches:
+        metric.update(batch.embeddings, batch.labels, **batch.kwargs())
+    values = {key: float(value) for key, value in metric.compute().items()}
+    return values, metric.protocol_report(), metric.confidence_interval()
+
+
+@pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
+@pytest.mark.parametrize("ties", ["pessimistic", "expected"])
+def test_bit_identical_for_one_two_and_three_threads(layout: str, ties: str) -> None:
+    batches = _batches(layout)
+    routes = (Route(), Route("symmetric", block_bytes=2**10), Route("tiles"), Route("dense"))
+    first = None
+    for threads in (1, 2, 3):
+        with _threads(threads):
+            for chunk in (1, 4 * 240 * 9, 256 * 2**20):
+                for route in routes:
+                    got = _run(batches, route, ties=ties, chunk_bytes=chunk)
+                    first = got if first is None else first
+                    assert str(got) == str(first), (threads, chunk, route)
+
+
+@pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
+def test_tiles_and_blocks_run_on_worker_threads(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 2 threads each tile (query/gallery) or block (leave-one-out) runs on a worker
+    thread whose torch runs on one thread; the caller's count is unchanged after."""
+    seen: list[tuple[str, int]] = []
+    name = "_scan_block" if layout == "leave-one-out" else "panel_band"
+    module: Any = _symmetric if layout == "leave-one-out" else _panels
+    original = getattr(module, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    if layout == "query-gallery":
+        monkeypatch.setattr(_rank, "panel_band", spy)
+    batches = _batches(layout)
+    # Blocks of 60 rows (leave-one-out), tiles of 10 queries (query/gallery).
+    route = Route("symmetric", block_bytes=4 * 60 * 60) if layout == "leave-one-out" else Route()
+    with _threads(1):
+        one = _run(batches, route, chunk_bytes=4 * 160 * 20)
+    assert seen and all(thread == threading.current_thread().name for thread, _ in seen)
+    seen.clear()
+    with _threads(2):
+        two = _run(batches, route, chunk_bytes=4 * 160 * 20)
+        assert torch.get_num_threads() == 2
+        with ThreadPoolExecutor(1) as fresh:  # threads started later keep the count too
+            assert fresh.submit(torch.get_num_threads).result() == 2
+    assert str(one) == str(two)
+    workers = {thread for thread, _ in seen}
+    assert len(workers) == 2 and all(t.startswith("recall-at-k") for t in workers), seen
+    assert all(count == 1 for _, count in seen)
+
+
+def test_results_come_in_order_and_errors_reach_the_caller() -> None:
+    def task(item: int, workspace: Workspace) -> int:
+        if item == 7:
+            raise RuntimeError("task 7 failed")
+        return item * item
+
+    for count in (1, 3):
+        with Workers(task, count, Workspace()) as pool:
+            assert list(pool.map(range(7))) == [i * i for i in range(7)]
+        with Workers(task, count, Workspace()) as pool, pytest.raises(RuntimeError, match="7"):
+            list(pool.map(range(20)))
