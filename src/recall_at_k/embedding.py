@@ -44,6 +44,10 @@ from recall_at_k.ranking.gallery import Side
 __all__ = ["EmbeddingRecallAtK"]
 
 
+_VALUES = "embedding_values"
+"""The list state of embeddings (a tensor once gathered): swapped by the lean sync."""
+
+
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     r"""Recall@K of embeddings ranked against a gallery that is complete only at the end.
 
@@ -150,8 +154,6 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     """(query, gallery item) pairs this process re-scored canonically in the last
     ``compute``, per direction: the items whose fast float32 score lay within the
     certified rounding band around their query's best positive."""
-
-    embedding_values: Any  # the list state of embeddings (a tensor once gathered)
 
     _items_are_samples: ClassVar[bool] = True  # BootStrapper would copy gallery items
     _route: Route = AUTO_ROUTE
@@ -328,8 +330,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         embeddings are not gathered whole: inside it each process keeps its own, and
         the ranking reads every process's rows a run at a time
         (:class:`recall_at_k._sync.BroadcastRows`), writing each to its place in its
-        one copy. An explicit ``sync()`` gathers them as torchmetrics does."""
-        self._lean_sync = dist_sync_fn is None  # a custom gather function gathers all
+        one copy. An explicit ``sync()`` gathers them as torchmetrics does, and so does
+        a context that leaves the states synced (``should_unsync=False``: ``forward``
+        with ``dist_sync_on_step=True`` keeps the gathered batch state)."""
+        # A custom gather function gathers all.
+        self._lean_sync = dist_sync_fn is None and should_unsync
         try:
             with super().sync_context(
                 dist_sync_fn, process_group, should_sync, should_unsync, distributed_available
@@ -352,13 +357,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._gathered = None
         lean = will_sync and self._lean_sync and self._local_values is None
         if lean:
-            self._local_values = cast(list[Tensor], self.embedding_values)
-            self.embedding_values = []
+            self._local_values = cast(list[Tensor], getattr(self, _VALUES))
+            setattr(self, _VALUES, [])
         try:
             super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         except BaseException:
             if lean:
-                self.embedding_values, self._local_values = self._local_values, None
+                setattr(self, _VALUES, self._local_values)
+                self._local_values = None
             raise
         if will_sync:
             self._gathered = _rank.ProcessGroup(process_group or self.process_group)
@@ -369,7 +375,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if should_unsync:
             self._gathered = None
             if self._local_values is not None:
-                self.embedding_values, self._local_values = self._local_values, None
+                setattr(self, _VALUES, self._local_values)
+                self._local_values = None
 
     # ------------------------------------------------------------------ compute
 
