@@ -96,21 +96,25 @@ def test_wilson_examples() -> None:
     ) in text
 
 
-def _mcnemar(b: int, c: int) -> tuple[str, str]:
-    statistic = (b - c) ** 2 / (b + c)
-    p = math.erfc(math.sqrt(statistic / 2))  # chi-square, one degree of freedom
-    return f"{statistic:.1f}", f"{p:.2f}"
+def _exact_mcnemar(b: int, c: int) -> float:
+    """The exact two-sided McNemar p-value: a binomial test of b + c at 1/2."""
+    n, low = b + c, min(b, c)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(low + 1)) / 2**n)
 
 
 def test_mcnemar_examples() -> None:
     text = _flat(README)
     assert (62 - 37) == (162 - 137) == 25  # the 2.5-point gap on 1,000 queries
-    statistic, p = _mcnemar(62, 37)
+    statistic = (62 - 37) ** 2 / 99
+    chi_square_p = math.erfc(math.sqrt(statistic / 2))  # one degree of freedom
     assert (
-        f"disagree on 99 queries (b = 62, c = 37), the statistic is {statistic} (p = {p})" in text
-    )
-    statistic, p = _mcnemar(162, 137)
-    assert f"disagree on 299 queries (b = 162, c = 137), it is {statistic} (p = {p})" in text
+        "disagree on 99 of the 1,000 queries (37 hit by A alone, 62 by B alone), the exact"
+        f" p-value is {_exact_mcnemar(62, 37):.3f} (the chi-square approximation"
+        f" (62 - 37)^2 / 99 = {statistic:.1f} gives {chi_square_p:.3f})"
+    ) in text
+    assert (
+        f"disagree on 299 queries (137 against 162), p = {_exact_mcnemar(162, 137):.2f}"
+    ) in text
 
 
 # ------------------------------------------------------------------ the score

@@ -395,13 +395,19 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
 
     def _dense_records(self) -> tuple[Tensor, Tensor] | None:
         """The dense records kept with ``query_ids``, sorted by id, each id once."""
+        kept = self._kept_ids_and_outcomes()
+        return None if kept is None else by_id(*kept)
+
+    def _kept_ids_and_outcomes(self) -> tuple[Tensor, Tensor] | None:
+        """The ``query_ids`` and outcomes kept by dense updates (one tensor each, local
+        blocks joined when not synchronised), or None when there are none."""
         ids, outcomes = getattr(self, self._ids_name), getattr(self, self._outcomes_name)
         if isinstance(ids, list):  # not synchronised: still this process's list of blocks
             ids = torch.cat(ids) if ids else None
             outcomes = torch.cat(outcomes) if outcomes else None
         if ids is None or ids.numel() == 0:
             return None
-        return by_id(ids, outcomes)
+        return ids, outcomes
 
     def _no_records(self) -> tuple[Tensor, Tensor]:
         ids = torch.zeros(0, dtype=torch.int64, device=self.query_counts.device)
@@ -411,11 +417,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
 
     def _deduplicated_histogram(self) -> tuple[Tensor, Tensor] | None:
         """Histogram of the outcomes recorded with query_ids, each id counted once."""
-        ids, outcomes = getattr(self, self._ids_name), getattr(self, self._outcomes_name)
-        if isinstance(ids, list):  # not synchronised: still this process's list of blocks
-            ids = torch.cat(ids) if ids else None
-            outcomes = torch.cat(outcomes) if outcomes else None
-        if ids is None or ids.numel() == 0:
+        kept = self._kept_ids_and_outcomes()
+        if kept is None:
             return None
+        ids, outcomes = kept
         keep = _kernel.first_of_each_id(ids)
         return _kernel.histogram_of(outcomes[keep], self.max_k)
