@@ -574,21 +574,24 @@ Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def audit_directions(
-    stored: tuple[Tensor, Tensor], directions: Sequence[Sides | None], options: AuditOptions
+    stored: tuple[Tensor, Tensor] | Callable[[], Codes],
+    directions: Sequence[Sides | None],
+    options: AuditOptions,
 ) -> list[DirectionAudit | None]:
     """:func:`audit_direction` of each direction (None where it is None; a direction with
     the same sides as the one before is audited once).
 
     Args:
         stored: the stored embeddings ``[N, D]`` (bit patterns compared as stored) and
-            metadata ``[N, >= 2]`` (label, group first).
+            metadata ``[N, >= 2]`` (label, group first); or a function that makes their
+            :func:`codes` (a sharded gallery's, whose rows no process holds whole).
         directions: ``((query rows, identity), (gallery rows, identity))`` per
             direction, or None for a direction without queries or gallery.
         options: the metric's options.
     """
     if all(sides is None for sides in directions):
         return [None for _ in directions]
-    keys = codes(stored[0], stored[1][:, 0], stored[1][:, 1])
+    keys = stored() if callable(stored) else codes(stored[0], stored[1][:, 0], stored[1][:, 1])
     audits: list[DirectionAudit | None] = []
     previous: Sides | None = None
     for sides in directions:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 import torch
 from torch import Tensor
 
-from recall_at_k import _audit, _embedding_checks, _items, _sync
+from recall_at_k import _audit, _audit_sharded, _embedding_checks, _items, _sync
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
 from recall_at_k._outcomes import QueryOutcomes, embedding_outcomes
@@ -38,6 +38,7 @@ from recall_at_k.ranking import outcomes as _ranking_outcomes
 from recall_at_k.ranking import progress as _progress
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
+from recall_at_k.ranking import sharded as _sharded
 from recall_at_k.ranking.bands import AUTO_ROUTE, Route
 from recall_at_k.ranking.gallery import Side
 
@@ -173,6 +174,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
         progress: bool = False,
+        sharded: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -192,6 +194,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
         progress: bool = False,
+        sharded: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -211,6 +214,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
         progress: bool = False,
+        sharded: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -229,6 +233,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         chunk_bytes: int = 256 * 2**20,
         near_duplicate: float | None = None,
         progress: bool = False,
+        sharded: bool = False,
         key: str = "recall@{k}",
         validate_args: bool = True,
         **metric_kwargs: Any,
@@ -253,6 +258,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.bidirectional = bool(bidirectional)
         self.near_duplicate = _audit.check_near_duplicate(near_duplicate)
         self.progress = _progress.check_progress(progress)
+        self.sharded = _sharded.check_sharded(sharded, similarity)
         self.last_compute_num_queries_ranked = {}
         # The protocol report of the last compute() (None once data changes); the
         # warning about identical positives is shown once per instance (never re-armed).
@@ -396,6 +402,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             empty = torch.zeros(self.max_k, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
             self._audit([None, None], [None, None], [0, 0], [None, None], computing)
             return [empty for _ in self._prefixes]
+        if self.sharded and isinstance(source, _sync.BroadcastRows):
+            return self._rank_sharded(source, meta, computing)
         # The one whole copy: the stored items in the ranking's order, bit for bit
         # (audited so), then prepared in place.
         ordered = _ordered.ordered_items(
@@ -437,6 +445,55 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         counted = _audit.counted_queries(shared.histograms, self.empty_target_action)
         self._audit(audits, shared.near, counted, directions, computing)
         return shared.histograms
+
+    def _rank_sharded(
+        self, source: _sync.BroadcastRows, meta: Tensor, computing: bool
+    ) -> list[Histogram]:
+        """:meth:`_rank_directions` with the gallery sharded (``sharded=True``, states in
+        the lean sync): each process ranks the queries it holds against every process's
+        rows as they pass by (:func:`recall_at_k.ranking.sharded.rank_sharded`); the
+        audit's codes are made without any process holding every row."""
+        directions = self._directions(meta)
+        audits = self._audits(self._sharded_codes(source, meta), directions)
+        near = self.near_duplicate if audits is not None else None
+        options = _bands.RankOptions(
+            self.similarity,
+            self.exclude,
+            self.ties,
+            self.max_k,
+            self.chunk_bytes,
+            self.validate_args,
+            near,
+            self.progress,
+        )
+        known = None
+        if near is not None and audits is not None:
+            known = [None if audit is None else audit.known() for audit in audits]
+        labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
+        shared = _sharded.rank_sharded(source, labels, groups, directions, options, known)
+        if computing:
+            ranked = zip(self.directions, shared.ranked, strict=False)
+            self.last_compute_num_queries_ranked = dict(ranked)
+            self.last_compute_rescored = dict(zip(self.directions, shared.rescored, strict=False))
+        counted = _audit.counted_queries(shared.histograms, self.empty_target_action)
+        self._audit(audits, shared.near, counted, directions, computing)
+        return shared.histograms
+
+    @staticmethod
+    def _sharded_codes(source: _sync.BroadcastRows, meta: Tensor) -> Callable[[], _audit.Codes]:
+        """The audit's codes of every process's rows (a collective), made on demand."""
+
+        def codes() -> _audit.Codes:
+            width = source.shape[1]
+            dtype = torch.promote_types(source.dtype, _sync.FLOAT_FLOOR)
+            blocks = [block.to(dtype) for block in source.local]
+            local = torch.cat(blocks) if blocks else torch.zeros((0, width), dtype=dtype)
+            labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
+            return _audit_sharded.sharded_codes(
+                local.to(source.device), source.counts, labels, groups, source.group
+            )
+
+        return codes
 
     def _directions(self, meta: Tensor) -> list[tuple[Side, Side] | None]:
         """Each direction's (queries, gallery), None for one that cannot be ranked
@@ -492,6 +549,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def _query_outcomes(self) -> list[QueryOutcomes]:
         try:
             source, meta = self._stored()
+            if self.sharded and isinstance(source, _sync.BroadcastRows):
+                raise ValueError(
+                    "query_outcomes() gathers every query's record on every process,"
+                    " which `sharded=True` does not do (no process holds the whole"
+                    " gallery): use a metric with sharded=False for per-query outcomes"
+                )
             directions = self._directions(meta) if meta.shape[0] else [None, None]
             directions = directions[: len(self._prefixes)]
             # The one whole copy, prepared, in the ranking's order; each direction's
@@ -565,18 +628,23 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 return
             source, meta = self._stored()
             sides = self._directions(meta) if meta.shape[0] else [None, None]
-            stored = torch.zeros(0, 0)
-            if meta.shape[0]:
+            stored: tuple[Tensor, Tensor] | Callable[[], _audit.Codes]
+            stored = torch.zeros(0, 0), meta
+            if meta.shape[0] and self.sharded and isinstance(source, _sync.BroadcastRows):
+                stored = self._sharded_codes(source, meta)  # no whole copy of the rows
+            elif meta.shape[0]:
                 ordered = _ordered.ordered_items(source, meta[:, _items.LABEL], sides, None)
-                stored, sides = ordered.embeddings, ordered.directions
-                meta = meta.index_select(0, ordered.order)
-            audits = self._audits((stored, meta), sides)
+                sides = ordered.directions
+                stored = ordered.embeddings, meta.index_select(0, ordered.order)
+            audits = self._audits(stored, sides)
             self._audit(audits, [None, None], [None, None], sides, warn=False)
         finally:
             self._gathered = None
 
     def _audits(
-        self, stored: tuple[Tensor, Tensor], sides: Sequence[Any]
+        self,
+        stored: tuple[Tensor, Tensor] | Callable[[], _audit.Codes],
+        sides: Sequence[Any],
     ) -> list[_audit.DirectionAudit | None] | None:
         """The identical-item audit of each direction, or None when the report is kept
         (not in ``forward``, whose report would be the batch's; kept while the local data

@@ -39,13 +39,16 @@ def _tqdm() -> Any:
 
 
 class Progress:
-    """A bar over ``total`` queries (``enabled``), advanced as tiles or blocks of queries
-    are ranked; nothing at all when not enabled."""
+    """A bar over ``total`` queries (``enabled``), or over other units (a sharded gallery's
+    blocks), advanced as tiles or blocks of queries are ranked; nothing at all when not
+    enabled."""
 
-    def __init__(self, total: int, enabled: bool, description: str = "ranking") -> None:
+    def __init__(
+        self, total: int, enabled: bool, description: str = "ranking", unit: str = "query"
+    ) -> None:
         self.bar: Any = None
         if enabled and total > 0:
-            self.bar = _tqdm()(total=total, desc=description, unit="query", leave=False)
+            self.bar = _tqdm()(total=total, desc=description, unit=unit, leave=False)
 
     def update(self, count: int) -> None:
         if self.bar is not None:

@@ -126,6 +126,27 @@ def canonical_scores(
     and square) and one add per ``d``: never a BLAS product or a reduction whose order
     could depend on shapes, threads or the device.
     """
+    return canonical_pair_scores(
+        embeddings, embeddings, query_rows, gallery_rows, similarity, workspace, batch_bytes
+    )
+
+
+def canonical_pair_scores(
+    queries: Tensor,
+    gallery: Tensor,
+    query_rows: Tensor,
+    gallery_rows: Tensor,
+    similarity: Similarity,
+    workspace: Workspace | None = None,
+    batch_bytes: int = CANONICAL_BATCH_BYTES,
+) -> Tensor:
+    """:func:`canonical_scores` of the pairs ``(queries[query_rows[i]],
+    gallery[gallery_rows[i]])``, the two sides' prepared rows in two tensors of one
+    dtype (a process's own queries and a block of the gallery passing by): the same
+    numbers, computed the same way."""
+    if queries.dtype != gallery.dtype:
+        raise TypeError(f"rows of one dtype expected, got {queries.dtype} and {gallery.dtype}")
+    embeddings = queries
     num, dim = query_rows.shape[0], embeddings.shape[1]
     device, wide = embeddings.device, torch.float64
     workspace = Workspace() if workspace is None else workspace
@@ -139,7 +160,7 @@ def canonical_scores(
         g = workspace.get("canonical_g", (dim, count), wide, device)
         torch.index_select(embeddings, 0, query_rows[start : start + count], out=pair)
         q.copy_(pair.T)  # [D, m], exact
-        torch.index_select(embeddings, 0, gallery_rows[start : start + count], out=pair)
+        torch.index_select(gallery, 0, gallery_rows[start : start + count], out=pair)
         g.copy_(pair.T)
         total = torch.zeros(count, dtype=wide, device=device)
         term = torch.empty_like(total)

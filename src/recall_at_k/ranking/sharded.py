@@ -1,0 +1,504 @@
+"""A gallery sharded across processes: each process ranks its own queries against the
+gallery as it passes by, a block at a time; no process ever holds the whole gallery.
+
+With ``EmbeddingRecallAtK(sharded=True)`` under DDP each process keeps the items it was
+given. The metadata (labels, groups, ids, roles: a few integers an item) is gathered
+whole, so every process knows every direction's sides; the embeddings are read with
+:class:`recall_at_k._sync.BroadcastRows`: each process broadcasts its own rows in
+turn, in runs of at most a tile's bytes, and every process sees every run once per
+pass, holding one run at a time. A process's queries are the queries (each sample once)
+whose stored row it holds; it keeps them prepared, and per query only what the exact
+decision needs (O(queries) numbers).
+
+The decision is the one-process ranking's, on the same canonical scores
+(:mod:`recall_at_k.ranking.score`): per query, ``s*`` the best canonical score of its
+valid positives, ``p`` the valid positives scored ``s*``, ``g_>`` / ``g_> + e`` the
+valid negatives scored above / at or above ``s*``. The fast float32 product of a
+query tile and a run only finds the pairs to re-score: with ``B`` a certified bound on
+``|fast - canonical|`` for every pair of the tile and run (the query's norm and the
+run's largest gallery norm), two passes over the gallery decide exactly:
+
+- pass A: per query, a running ``c*`` (the best canonical score of a positive so far)
+  and the positives equal to it. A run's positives whose fast score plus ``B`` reaches
+  ``max(c*, the run's best fast positive minus B)`` are re-scored (any other scores
+  below a proven lower bound of ``s*``); at the end ``c* = s*``. The near-duplicate
+  negatives (canonical score at or above the threshold) are found in the same pass.
+- pass B: valid negatives with a fast score above ``s* + B`` are above ``s*``; those
+  within ``B`` of it are re-scored and compared with ``s*`` (above or equal). A query
+  with ``max K`` negatives above ``s*`` misses at every K and is not scanned further.
+
+Each query's counts go through :func:`recall_at_k.ranking.rank._histogram` (whose
+``"expected"`` probabilities are rounded to a grid on which float64 sums are exact) and
+are summed over the processes as :func:`recall_at_k.ranking.rank.rank_shared` sums
+them, with its failure protocol: a process that fails keeps taking part in every
+collective, then every process raises. The result is bit for bit the one-process
+ranking's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from recall_at_k._kernel import TieCounts, Workspace
+from recall_at_k._sync import BroadcastRows
+from recall_at_k.ranking.bands import NEAR_COUNTS, RankOptions
+from recall_at_k.ranking.gallery import Side
+from recall_at_k.ranking.ordered import RowSource
+from recall_at_k.ranking.progress import Progress
+from recall_at_k.ranking.rank import (
+    CPU_TILE_BYTES,
+    RankCounts,
+    Shared,
+    _histogram,
+    _probability_grid,
+    same_sides,
+    sum_over_processes,
+)
+from recall_at_k.ranking.score import (
+    CANONICAL_BATCH_BYTES,
+    UNDERFLOW_SCALE,
+    bound_absolute,
+    bound_coefficient,
+    canonical_pair_scores,
+    norm_upper,
+    overflows,
+    prepare_rows,
+)
+
+PREPARE_ROWS_BYTES = 2**20
+"""This process's rows are prepared (normalised for ``"cosine"``) this many bytes at a
+time."""
+
+
+class _Direction:
+    """One direction's queries held by this process, the gallery's membership, and the
+    per-query state of the two passes."""
+
+    def __init__(
+        self, sides: tuple[Side, Side], local: Tensor, offset: int, mine: int, num: int
+    ) -> None:
+        queries, gallery = sides
+        rows = queries.rows
+        here = ((rows >= offset) & (rows < offset + mine)).nonzero().view(-1)
+        self.position = here  # [q] index of each of this process's queries in the side
+        self.rows = rows[here]  # [q] stored rows
+        self.local = local[self.rows - offset]  # [q] rows of the prepared queries
+        self.identity = queries.identity[here]
+        device = rows.device
+        # identity of each stored row that is a gallery item (the first of its id), else -1
+        self.gallery_identity = torch.full((num,), -1, dtype=torch.int64, device=device)
+        self.gallery_identity[gallery.rows] = gallery.identity
+        count = here.shape[0]
+        wide = torch.float64
+        self.best = torch.full((count,), -math.inf, dtype=wide, device=device)  # c*, then s*
+        self.tied = torch.zeros(count, dtype=torch.int64, device=device)  # p
+        self.has_positive = torch.zeros(count, dtype=torch.bool, device=device)
+        self.greater = torch.zeros(count, dtype=torch.int64, device=device)  # g_>
+        self.equal = torch.zeros(count, dtype=torch.int64, device=device)  # e
+        self.near_negative = torch.zeros(count, dtype=torch.bool, device=device)
+        self.nan = torch.zeros(count, dtype=torch.bool, device=device)
+        self.rescored = 0
+
+
+class _Fast(NamedTuple):
+    """How fast scores are computed: their dtype, the centre (``"euclidean"``), the
+    bound's relative and absolute parts, whether to look for NaN."""
+
+    dtype: torch.dtype
+    centre: Tensor | None
+    coefficient: float
+    absolute: float
+    check_nan: bool
+
+
+class _Guard:
+    """Runs this process's own work; after a failure, skips it (the process still takes
+    part in every collective) and keeps the error to raise once all have reduced."""
+
+    def __init__(self) -> None:
+        self.failure: Exception | None = None
+
+    def run(self, work: Callable[..., None], *args: Any) -> None:
+        if self.failure is not None:
+            return
+        try:
+            work(*args)
+        except Exception as err:  # raised after the reduction, on every process
+            self.failure = err
+
+
+def rank_sharded(
+    rows: BroadcastRows,
+    labels: Tensor,
+    groups: Tensor,
+    directions: Sequence[tuple[Side, Side] | None],
+    options: RankOptions,
+    known: Sequence[Tensor | None] | None = None,
+) -> Shared:
+    """Rank every direction with the gallery sharded over ``rows.group``'s processes.
+
+    Args:
+        rows: every process's stored rows, read in runs (this process's own blocks in
+            ``rows.local``); collective: every process of the group calls this.
+        labels: int64 ``[N]`` of every stored item (gathered), in stored order.
+        groups: int64 ``[N]``, read by ``options.exclude``.
+        directions: each direction's (queries, gallery) as rows in stored order (the
+            same on every process), or None.
+        options: as for :func:`recall_at_k.ranking.rank.rank` (a callable similarity is
+            not supported: its scores are not canonical).
+        known: per direction, the audit's known near items ``[2, Q]`` (side order).
+
+    Returns:
+        What :func:`recall_at_k.ranking.rank.rank_shared` returns: counts summed over
+        the processes, and this process's own queries ranked and pairs re-scored.
+    """
+    group = rows.group
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    counts = rows.counts
+    offset, mine, num = sum(counts[:me]), counts[me], sum(counts)
+    width = rows.shape[1]
+    dtype = torch.promote_types(rows.dtype, torch.float32)
+    device = rows.device
+    guard = _Guard()
+    # This process's queries (of any direction), prepared once.
+    needed = torch.zeros(mine, dtype=torch.bool, device=device)
+    for sides in directions:
+        if sides is not None:
+            query_rows = sides[0].rows.to(device)
+            inside = query_rows[(query_rows >= offset) & (query_rows < offset + mine)]
+            needed[inside - offset] = True
+    local_index = torch.cumsum(needed, dim=0) - 1
+    prepared = torch.empty((int(needed.sum()), width), dtype=dtype, device=device)
+    largest = torch.zeros(1, dtype=torch.float64, device=device)
+    total = torch.zeros(width, dtype=torch.float64, device=device)
+
+    def prepare_local() -> None:
+        step = max(1, PREPARE_ROWS_BYTES // (8 * max(1, width)))
+        source = RowSource(rows.local, mine, width, dtype)
+        for first, part in source.runs(step):
+            ready = prepare_rows(part, options.similarity, dtype)
+            if ready.numel():
+                low, high = torch.aminmax(ready)
+                largest[0] = max(float(largest[0]), -float(low), float(high))
+                if options.similarity == "euclidean":
+                    total.add_(ready.to(torch.float64).sum(dim=0))
+            keep = needed[first : first + part.shape[0]]
+            prepared[local_index[first : first + part.shape[0]][keep]] = ready[keep]
+
+    guard.run(prepare_local)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    if options.similarity == "euclidean":
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    fast = _fast_scores(float(largest[0]), total, num, width, dtype, device, options)
+    states: list[_Direction | None] = []
+    unique: list[_Direction] = []
+    for index, sides in enumerate(directions):
+        before = directions[index - 1] if index else None
+        if sides is None:
+            states.append(None)
+        elif before is not None and same_sides(before, sides):
+            states.append(states[-1])
+        else:
+            made = _Direction(sides, local_index, offset, mine, num)
+            states.append(made)
+            unique.append(made)
+    tile_bytes = options.chunk_bytes
+    if device.type == "cpu":
+        tile_bytes = min(tile_bytes, CPU_TILE_BYTES)
+    run_rows = max(1, tile_bytes // (8 * max(1, width)))
+    runs = sum(-(-count // run_rows) for count in counts)
+    shown = options.progress and me == 0 and bool(unique)
+    progress = Progress(2 * runs, shown, "sharded gallery", "block")
+    scan = _Scan(prepared, labels.to(device), groups.to(device), options, fast, tile_bytes)
+    for positives in (True, False):  # pass A, then pass B
+        for first, part in rows.runs(run_rows):
+            for state in unique:
+                guard.run(scan.run, state, first, part, positives)
+            progress.update(1)
+    progress.close()
+    grid = _probability_grid(num)
+    results: list[RankCounts | None] = []
+    for index, entry in enumerate(states):
+        if entry is None:
+            results.append(None)
+        else:
+            flags = None if known is None else known[index]
+            results.append(_counts(entry, options, grid, flags))
+    histograms, near = sum_over_processes(results, world, group, guard.failure)
+    ranked = [0 if s is None else int(s.rows.shape[0]) for s in states]
+    rescored = [0 if s is None else s.rescored for s in states]
+    return Shared(histograms, near, ranked, rescored)
+
+
+def _fast_scores(
+    largest: float,
+    total: Tensor,
+    num: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    options: RankOptions,
+) -> _Fast:
+    """The fast path's dtype (float64 where float32 products could overflow or come close
+    to the subnormal range: :func:`recall_at_k.ranking.score.float64_products` on every
+    process's rows), the euclidean centre (the mean of every item) and the bound."""
+    similarity = options.similarity
+    fast = dtype
+    huge = similarity != "cosine" and overflows(largest, width, dtype)
+    if dtype == torch.float32 and (0 < largest * largest < UNDERFLOW_SCALE or huge):
+        fast = torch.float64
+    centre = None
+    if similarity == "euclidean":
+        centre = total.div(max(1, num)).to(fast)
+    return _Fast(
+        fast,
+        centre,
+        bound_coefficient(similarity, width, fast, device),
+        bound_absolute(similarity, width, fast),
+        options.check_nan and huge,
+    )
+
+
+class _Scan:
+    """The work on one run of the gallery, per direction and pass."""
+
+    def __init__(
+        self,
+        prepared: Tensor,
+        labels: Tensor,
+        groups: Tensor,
+        options: RankOptions,
+        fast: _Fast,
+        tile_bytes: int,
+    ) -> None:
+        self.prepared, self.labels, self.groups = prepared, labels, groups
+        self.options, self.fast, self.tile_bytes = options, fast, tile_bytes
+        self.workspace = Workspace()
+        self.batch_bytes = min(CANONICAL_BATCH_BYTES, max(1, options.chunk_bytes // 8))
+
+    def run(self, state: _Direction, first: int, part: Tensor, positives: bool) -> None:
+        """Pass A (``positives``) or pass B of ``state``'s queries over the stored rows
+        ``first:first + len(part)``."""
+        count = state.rows.shape[0]
+        if count == 0:
+            return
+        if not positives and not bool(
+            (state.has_positive & (state.greater < self.options.max_k)).any()
+        ):
+            return
+        identity = state.gallery_identity[first : first + part.shape[0]]
+        columns = (identity >= 0).nonzero().view(-1)
+        if columns.numel() == 0:
+            return
+        options, fast = self.options, self.fast
+        gallery = prepare_rows(
+            part.index_select(0, columns), options.similarity, self.prepared.dtype
+        )
+        stored = columns + first
+        column_labels, column_groups = self.labels[stored], self.groups[stored]
+        column_identity = identity[columns]
+        gallery_fast = gallery.to(fast.dtype)
+        if fast.centre is not None:
+            gallery_fast = gallery_fast - fast.centre
+        dim = gallery.shape[1]
+        largest = float(torch.linalg.vector_norm(gallery_fast, dim=1).max())
+        gallery_norm = float(
+            norm_upper(torch.tensor([largest], dtype=torch.float64), dim, fast.dtype)
+        )
+        neg_sq_norms = None
+        if fast.centre is not None:
+            neg_sq_norms = gallery_fast.square().sum(dim=1).neg_().unsqueeze(0)
+        step = max(1, self.tile_bytes // (8 * columns.shape[0]))
+        for start in range(0, count, step):
+            tile = slice(start, min(count, start + step))
+            queries = self.prepared[state.local[tile]]
+            query_fast = queries.to(fast.dtype)
+            if fast.centre is not None:
+                query_fast = query_fast - fast.centre
+            norms = torch.linalg.vector_norm(query_fast, dim=1, keepdim=True).to(torch.float64)
+            norms = norm_upper(norms, dim, fast.dtype)
+            if neg_sq_norms is not None:
+                bound = norms.add_(gallery_norm).square_().mul_(fast.coefficient)
+                scores = torch.addmm(neg_sq_norms, query_fast, gallery_fast.T, alpha=2)
+                scores.sub_(query_fast.square().sum(dim=1, keepdim=True))
+            else:
+                bound = norms.mul_(gallery_norm * fast.coefficient)
+                scores = query_fast @ gallery_fast.T
+            bound.add_(fast.absolute)
+            if fast.check_nan:
+                state.nan[tile] |= torch.isnan(scores).any(dim=1)
+            same_label = state_labels(self.labels, state, tile).unsqueeze(1) == column_labels
+            ignored = state.identity[tile].unsqueeze(1) == column_identity
+            if options.exclude != "none":
+                same_group = self.groups[state.rows[tile]].unsqueeze(1) == column_groups
+                if options.exclude == "same_group":
+                    ignored |= same_group
+                else:
+                    ignored |= same_label & same_group
+            wide = scores.to(torch.float64)
+            pairs = _Pairs(self, state, tile, queries, gallery)
+            if positives:
+                self.positives(state, tile, wide, bound, same_label & ~ignored, pairs)
+                if options.near_duplicate is not None:
+                    self.near(state, tile, wide, bound, ~same_label & ~ignored, pairs)
+            else:
+                self.negatives(state, tile, wide, bound, ~same_label & ~ignored, pairs)
+
+    def positives(
+        self,
+        state: _Direction,
+        tile: slice,
+        wide: Tensor,
+        bound: Tensor,
+        valid: Tensor,
+        pairs: _Pairs,
+    ) -> None:
+        """Pass A: the running best canonical score of a positive, and its ties."""
+        state.has_positive[tile] |= valid.any(dim=1)
+        lower = torch.where(valid, wide - bound, -math.inf).amax(dim=1)
+        floor = torch.maximum(state.best[tile], lower)  # a proven lower bound of s*
+        row, column = (valid & (wide + bound >= floor.unsqueeze(1))).nonzero(as_tuple=True)
+        if row.numel() == 0:
+            return
+        scores = pairs.canonical(row, column)
+        found = torch.full_like(floor, -math.inf)
+        found.scatter_reduce_(0, row, scores, reduce="amax")
+        before = state.best[tile]
+        best = torch.maximum(before, found)
+        equal = torch.zeros_like(state.tied[tile])
+        equal.index_add_(0, row, (scores == best[row]).to(torch.int64))
+        state.tied[tile] = torch.where(best > before, 0, state.tied[tile]) + equal
+        state.best[tile] = best
+
+    def near(
+        self,
+        state: _Direction,
+        tile: slice,
+        wide: Tensor,
+        bound: Tensor,
+        valid: Tensor,
+        pairs: _Pairs,
+    ) -> None:
+        """Pass A: whether a valid negative scores at or above the near-duplicate
+        threshold."""
+        threshold = self.options.near_duplicate
+        assert threshold is not None
+        open_rows = ~state.near_negative[tile]
+        candidates = valid & open_rows.unsqueeze(1)
+        sure = (candidates & (wide - bound >= threshold)).any(dim=1)
+        state.near_negative[tile] |= sure
+        unsure = candidates & ~sure.unsqueeze(1) & (wide + bound >= threshold)
+        row, column = unsure.nonzero(as_tuple=True)
+        if row.numel() == 0:
+            return
+        reached = pairs.canonical(row, column) >= threshold
+        hit = torch.zeros_like(open_rows)
+        hit[row[reached]] = True
+        state.near_negative[tile] |= hit
+
+    def negatives(
+        self,
+        state: _Direction,
+        tile: slice,
+        wide: Tensor,
+        bound: Tensor,
+        valid: Tensor,
+        pairs: _Pairs,
+    ) -> None:
+        """Pass B: the valid negatives above s* and those equal to it."""
+        active = state.has_positive[tile] & (state.greater[tile] < self.options.max_k)
+        best = torch.where(active, state.best[tile], math.inf).unsqueeze(1)
+        above = valid & (wide - bound > best)
+        greater = state.greater[tile] + above.sum(dim=1)
+        row, column = (valid & ~above & (wide + bound >= best)).nonzero(as_tuple=True)
+        equal = state.equal[tile]
+        if row.numel():
+            scores = pairs.canonical(row, column)
+            at = best.view(-1)[row]
+            greater.index_add_(0, row, (scores > at).to(torch.int64))
+            equal.index_add_(0, row, (scores == at).to(torch.int64))
+        state.greater[tile] = greater
+        state.equal[tile] = equal
+
+
+def state_labels(labels: Tensor, state: _Direction, tile: slice) -> Tensor:
+    """The labels of a tile of ``state``'s queries."""
+    return labels[state.rows[tile]]
+
+
+class _Pairs:
+    """Canonical scores of (tile query, run gallery item) pairs, counted."""
+
+    def __init__(
+        self, scan: _Scan, state: _Direction, tile: slice, queries: Tensor, gallery: Tensor
+    ) -> None:
+        self.scan, self.state, self.queries, self.gallery = scan, state, queries, gallery
+
+    def canonical(self, row: Tensor, column: Tensor) -> Tensor:
+        self.state.rescored += int(row.shape[0])
+        scan = self.scan
+        return canonical_pair_scores(
+            self.queries,
+            self.gallery,
+            row,
+            column,
+            scan.options.similarity,
+            scan.workspace,
+            scan.batch_bytes,
+        )
+
+
+def _counts(
+    state: _Direction, options: RankOptions, grid: float, known: Tensor | None
+) -> RankCounts:
+    """This process's contribution of one direction: its queries' histogram, counts and
+    near-duplicate counts."""
+    device = state.best.device
+    counts = TieCounts(state.greater, state.greater + state.equal, state.tied, state.has_positive)
+    hist, queries = _histogram(counts, options, grid)
+    near = torch.zeros(len(NEAR_COUNTS), dtype=torch.int64, device=device)
+    threshold = options.near_duplicate
+    if threshold is not None:
+        reaches = state.has_positive & (state.best >= threshold)
+        near_positive, near_negative = reaches.clone(), state.near_negative.clone()
+        if known is not None:
+            near_positive |= known[0, state.position]
+            near_negative |= known[1, state.position]
+        beaten = counts.greater if options.ties == "optimistic" else counts.at_or_above
+        assert beaten is not None
+        hits = reaches & (beaten == 0)
+        near = torch.stack(
+            [
+                near_positive.sum(),
+                (near_negative & state.has_positive).sum(),
+                (near_negative & ~state.has_positive).sum(),
+                hits.sum(),
+            ]
+        )
+    nan = state.nan.sum()
+    rescored = torch.tensor(state.rescored, dtype=torch.int64, device=device)
+    return RankCounts(hist, queries, nan, rescored, near)
+
+
+def check_sharded(sharded: object, similarity: object) -> bool:
+    """``sharded`` as a bool: a ValueError unless it is one, or when it is True with a
+    callable ``similarity`` (whose scores are not canonical: a sharded gallery is ranked
+    block by block, where a callable's scores could depend on the blocks)."""
+    if not isinstance(sharded, bool):
+        raise ValueError(
+            "`sharded` must be a bool (True: under DDP each process keeps its items and"
+            f" the gallery passes around the processes in blocks), got {sharded!r}"
+        )
+    if sharded and callable(similarity):
+        raise ValueError(
+            "`sharded=True` needs a built-in `similarity` ('cosine', 'dot' or"
+            " 'euclidean'), whose canonical scores do not depend on how the gallery is"
+            f" split; got a callable ({similarity!r}): pass sharded=False"
+        )
+    return sharded

@@ -1,0 +1,321 @@
+"""``EmbeddingRecallAtK(sharded=True)``: a gallery sharded across real gloo processes gives
+bit for bit the one-process result, protocol report and confidence intervals.
+
+Each spawn runs a batch of scenarios (every process holds its own share of the items; a
+scenario's items are stored in rank order, as a gather would order them); the parent
+runs one process on the same items in that order and compares with ``torch.equal`` /
+``==``. Scenarios: leave-one-out, query/gallery, bidirectional, ids with padded repeats
+on other processes, groups with both exclude rules, every tie policy and similarity,
+uneven shares, a process without items, bitwise and rounding copies planted, a process
+group covering two of three processes, and a ``chunk_bytes`` small enough that the
+gallery passes by a row or two at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from embedding_reference import (
+    KS,
+    SCENARIOS,
+    Batch,
+    reference_embedding_recall,
+    signs,
+    small_ints,
+    split,
+)
+from helpers import TIES, assert_recall_close, run_distributed
+from torch import Tensor
+
+from recall_at_k import EmbeddingRecallAtK
+
+NEAR = {"cosine": 0.75, "dot": 3.0, "euclidean": -2.0}
+"""A near-duplicate threshold per similarity that some pairs of the scenarios reach."""
+
+
+def _planted_copies() -> tuple[list[Batch], dict[str, Any]]:
+    """Leave-one-out with bitwise copies and copies equal up to rounding (another
+    sample each), of the same and of other labels."""
+    g = torch.Generator().manual_seed(21)
+    emb = signs(40, 16, g) * 0.37
+    labels = torch.randint(0, 4, (40,), generator=g)
+    emb[30:34] = emb[:4]  # bitwise copies
+    emb[34:38] = emb[4:8] * (1 + 2.0**-20)  # copies up to rounding
+    labels[32] = (labels[2] + 1) % 4  # a copy of another label
+    return split(emb, labels, [12, 28]), {"similarity": "cosine"}
+
+
+def _large_groups() -> tuple[list[Batch], dict[str, Any]]:
+    """Query/gallery, same-label-and-group junk, few wide classes (dense-mask route in
+    one process), euclidean on integer vectors (ties)."""
+    g = torch.Generator().manual_seed(22)
+    q_emb, g_emb = small_ints(18, 3, g), small_ints(50, 3, g)
+    q_lab, g_lab = torch.randint(0, 2, (18,), generator=g), torch.randint(0, 2, (50,), generator=g)
+    q_grp, g_grp = torch.randint(0, 2, (18,), generator=g), torch.randint(0, 2, (50,), generator=g)
+    batches = [
+        Batch(g_emb[:25], g_lab[:25], "gallery", g_grp[:25]),
+        Batch(q_emb, q_lab, "query", q_grp),
+        Batch(g_emb[25:], g_lab[25:], "gallery", g_grp[25:]),
+    ]
+    return batches, {"similarity": "euclidean", "exclude": "same_label_and_group"}
+
+
+SCENARIO_NAMES = [name for name in SCENARIOS if name != "callable_similarity"]
+EXTRA = {"planted_copies": _planted_copies, "large_groups": _large_groups}
+
+
+def _scenario(name: str) -> tuple[list[Batch], dict[str, Any]]:
+    return EXTRA[name]() if name in EXTRA else SCENARIOS[name]()
+
+
+def _owners(num: int, world: int, layout: str, seed: int) -> Tensor:
+    """The process of each item: round robin (``"even"``), random shares of unequal
+    sizes (``"uneven"``), or as ``"uneven"`` with the last process given nothing."""
+    if layout == "even":
+        return torch.arange(num) % world
+    g = torch.Generator().manual_seed(seed)
+    holders = world - 1 if layout == "empty_last" else world
+    weights = torch.tensor([float(2**r) for r in range(holders)])
+    return torch.multinomial(weights, num, replacement=True, generator=g)
+
+
+def _shares(batches: Sequence[Batch], world: int, layout: str, seed: int) -> list[list[Batch]]:
+    """Each process's batches: every batch split by :func:`_owners`."""
+    shares: list[list[Batch]] = [[] for _ in range(world)]
+    for index, batch in enumerate(batches):
+        owners = _owners(batch.embeddings.shape[0], world, layout, seed + index)
+        for rank in range(world):
+            rows = (owners == rank).nonzero().view(-1)
+            if rows.numel():
+                shares[rank].append(batch.take(rows))
+    return shares
+
+
+def _options(name: str, ties: str, chunk_bytes: int) -> tuple[list[Batch], dict[str, Any]]:
+    batches, kwargs = _scenario(name)
+    similarity = kwargs.get("similarity", "cosine")
+    options = {
+        **kwargs,
+        "ties": ties,
+        "chunk_bytes": chunk_bytes,
+        "near_duplicate": NEAR[similarity],
+    }
+    return batches, options
+
+
+CASES = [
+    # (scenario, ties, chunk_bytes, layout): every scenario, each tie policy somewhere,
+    # tiny blocks (a row or two a run) and larger ones.
+    *[
+        (name, TIES[i % 3], 64 if i % 2 else 4096, "uneven")
+        for i, name in enumerate(SCENARIO_NAMES)
+    ],
+    *[
+        (name, ties, 128, "even")
+        for name in ("leave_one_out_tied_dot", "planted_copies")
+        for ties in TIES
+    ],
+    ("large_groups", "expected", 96, "uneven"),
+    ("cross_modal", "pessimistic", 64, "even"),
+    ("leave_one_out_tied_euclidean", "optimistic", 2**20, "empty_last"),
+    ("query_gallery_junk", "expected", 64, "empty_last"),
+]
+
+
+def _outcome(metric: EmbeddingRecallAtK[Any]) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        result = metric.compute()
+        report = metric.protocol_report()
+        interval = metric.confidence_interval()
+    return {"result": result, "report": report, "interval": interval}
+
+
+def _metric(shares: list[Batch], options: dict[str, Any], **extra: Any) -> EmbeddingRecallAtK[Any]:
+    metric: EmbeddingRecallAtK[Any] = EmbeddingRecallAtK(KS, **options, **extra)
+    for batch in shares:
+        metric.update(batch.embeddings, batch.labels, **batch.kwargs())
+    return metric
+
+
+def _worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for case in payload["cases"]:
+        name, ties, chunk_bytes, layout = case
+        batches, options = _options(name, ties, chunk_bytes)
+        shares = _shares(batches, world, layout, seed=len(out))
+        metric = _metric(shares[rank], options, sharded=True)
+        outcome = _outcome(metric)
+        outcome["ranked"] = dict(metric.last_compute_num_queries_ranked)
+        out[repr(case)] = outcome
+    if payload.get("extras"):
+        out.update(_extras(rank, world))
+    return out
+
+
+def _extras(rank: int, world: int) -> dict[str, Any]:
+    """A process group of two of the three processes, a progress bar, query_outcomes."""
+    out: dict[str, Any] = {}
+    batches, options = _options("leave_one_out_tied_cosine", "expected", 64)
+    subgroup = dist.new_group([0, 1])
+    if rank in (0, 1):
+        shares = _shares(batches, 2, "uneven", seed=5)
+        metric = _metric(shares[rank], options, sharded=True, process_group=subgroup)
+        out["subgroup"] = _outcome(metric)
+    shares = _shares(batches, world, "even", seed=6)
+    metric = _metric(shares[rank], options, sharded=True, progress=True)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        metric.compute()
+    out["progress"] = stderr.getvalue()
+    try:
+        metric.query_outcomes()
+    except ValueError as err:
+        out["query_outcomes"] = str(err)
+    return out
+
+
+def _one_process(batches: list[Batch], options: dict[str, Any]) -> dict[str, Any]:
+    return _outcome(_metric(batches, options))
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Bit for bit: tensors by ``torch.equal`` (NaN where NaN), dicts key by key."""
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict)
+            and got.keys() == want.keys()
+            and all(_same(got[k], want[k]) for k in want)
+        )
+    if isinstance(want, Tensor):
+        return (
+            isinstance(got, Tensor)
+            and got.dtype == want.dtype
+            and torch.equal(got.isnan(), want.isnan())
+            and torch.equal(got.nan_to_num(), want.nan_to_num())
+        )
+    return bool(got == want)
+
+
+def _check(results: list[dict[str, Any]], cases: list[tuple[Any, ...]], world: int) -> None:
+    for case in cases:
+        name, ties, chunk_bytes, layout = case
+        batches, options = _options(name, ties, chunk_bytes)
+        shares = _shares(batches, world, layout, seed=cases.index(case))
+        in_rank_order = [batch for share in shares for batch in share]
+        want = _one_process(in_rank_order, options)
+        for rank, result in enumerate(results):
+            got = result[repr(case)]
+            for part in ("result", "report", "interval"):
+                assert _same(got[part], want[part]), (case, rank, part, got[part], want[part])
+        # every query ranked once, on the process that holds it
+        ranked = [result[repr(case)]["ranked"] for result in results]
+        totals = {key: sum(r[key] for r in ranked) for key in ranked[0]}
+        queries = want["report"].get("queries")
+        if queries is not None:
+            assert sum(totals.values()) == queries, (case, totals, queries)
+        if layout == "empty_last":  # a process holding no item ranks no query
+            assert sum(ranked[-1].values()) == 0, (case, ranked)
+        # and the brute-force reference (float64 scores; the tied data are exact)
+        if name != "leave_one_out_continuous":
+            reference = {
+                k: v for k, v in options.items() if k not in ("chunk_bytes", "near_duplicate")
+            }
+            expected = reference_embedding_recall(in_rank_order, KS, **reference)
+            assert_recall_close(want["result"], expected, where=case)
+
+
+@pytest.fixture(scope="module")
+def two_processes() -> list[dict[str, Any]]:
+    return run_distributed(_worker, world_size=2, payload={"cases": CASES})
+
+
+THREE = [
+    ("leave_one_out_padded_ids", "pessimistic", 64, "uneven"),
+    ("mixed_roles_with_ids", "expected", 128, "empty_last"),
+    ("query_gallery_same_group", "optimistic", 64, "even"),
+    ("planted_copies", "expected", 256, "uneven"),
+]
+
+
+@pytest.fixture(scope="module")
+def three_processes() -> list[dict[str, Any]]:
+    return run_distributed(_worker, world_size=3, payload={"cases": THREE, "extras": True})
+
+
+def test_two_processes_equal_one_process_bit_for_bit(two_processes: list[dict[str, Any]]) -> None:
+    _check(two_processes, CASES, 2)
+
+
+def test_three_processes_equal_one_process_bit_for_bit(
+    three_processes: list[dict[str, Any]],
+) -> None:
+    _check(three_processes, THREE, 3)
+
+
+def test_a_process_group_of_two_of_three_processes(three_processes: list[dict[str, Any]]) -> None:
+    batches, options = _options("leave_one_out_tied_cosine", "expected", 64)
+    shares = _shares(batches, 2, "uneven", seed=5)
+    want = _one_process([batch for share in shares for batch in share], options)
+    for rank in (0, 1):
+        got = three_processes[rank]["subgroup"]
+        for part in ("result", "report", "interval"):
+            assert _same(got[part], want[part]), (rank, part)
+    assert "subgroup" not in three_processes[2]
+
+
+def test_progress_bar_over_blocks_on_rank_zero_only(three_processes: list[dict[str, Any]]) -> None:
+    assert "sharded gallery" in three_processes[0]["progress"]
+    assert "block" in three_processes[0]["progress"]
+    assert three_processes[1]["progress"] == ""
+    assert three_processes[2]["progress"] == ""
+
+
+def test_query_outcomes_under_sharded_is_a_clear_error(
+    three_processes: list[dict[str, Any]],
+) -> None:
+    for result in three_processes:
+        assert "sharded=True" in result["query_outcomes"]
+        assert "sharded=False" in result["query_outcomes"]
+
+
+def test_planted_copies_are_in_the_report(two_processes: list[dict[str, Any]]) -> None:
+    """The audit's scenario finds what was planted (so the comparison compares something)."""
+    case = ("planted_copies", "pessimistic", 128, "even")
+    report = two_processes[0][repr(case)]["report"]
+    assert report["duplicate_gallery_items"] >= 4
+    assert report["rounding_duplicate_gallery_items"] >= 4
+    assert report["identical_negative"] >= 1
+    assert report["near_positive"] >= 1
+
+
+def test_sharded_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="`sharded` must be a bool"):
+        EmbeddingRecallAtK(KS, sharded="yes")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="`sharded` must be a bool"):
+        EmbeddingRecallAtK(KS, sharded=1)  # type: ignore[call-overload]
+
+
+def test_sharded_with_a_callable_similarity_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"`sharded=True` needs a built-in `similarity`"):
+        EmbeddingRecallAtK(KS, similarity=lambda q, g: q @ g.T, sharded=True)
+    EmbeddingRecallAtK(KS, similarity=lambda q, g: q @ g.T, sharded=False)
+
+
+def test_one_process_ignores_sharded() -> None:
+    batches, options = _options("cross_modal", "expected", 64)
+    sharded = _metric(batches, options, sharded=True)
+    plain = _metric(batches, options)
+    assert _same(_outcome(sharded), _outcome(plain))
+    assert sharded.query_outcomes() is not None  # ranked as without sharding
+    assert math.isfinite(float(sharded.compute()["i2t/recall@1"]))
