@@ -68,6 +68,7 @@ from recall_at_k.ranking.score import (
     canonical_pair_scores,
     norm_upper,
     overflows,
+    prepare,
     prepare_rows,
 )
 
@@ -104,6 +105,34 @@ class _Direction:
         self.near_negative = torch.zeros(count, dtype=torch.bool, device=device)
         self.nan = torch.zeros(count, dtype=torch.bool, device=device)
         self.rescored = 0
+        self._norms: Tensor | None = None
+        # Where this process's queries are one run of the prepared rows (leave-one-out,
+        # a process holding only queries), a tile of them is a view.
+        run = torch.arange(count, device=device) + (int(self.local[0]) if count else 0)
+        self.contiguous = bool(torch.equal(self.local, run))
+
+    def queries(self, prepared: Tensor, tile: slice) -> Tensor:
+        """The prepared rows of a tile of the queries (a view where they are one run)."""
+        if self.contiguous:
+            first = int(self.local[0])
+            return prepared[first + tile.start : first + tile.stop]
+        return prepared[self.local[tile]]
+
+    def norms(self, prepared: Tensor, fast: _Fast) -> Tensor:
+        """float64 ``[q, 1]``: upper bounds of the queries' norms as the fast product
+        reads them (centred for ``"euclidean"``), computed once, a chunk at a time."""
+        if self._norms is None:
+            count, dim = self.rows.shape[0], prepared.shape[1]
+            out = torch.empty((count, 1), dtype=torch.float64, device=prepared.device)
+            step = max(1, PREPARE_ROWS_BYTES // (8 * max(1, dim)))
+            for begin in range(0, count, step):
+                tile = slice(begin, min(count, begin + step))
+                rows = self.queries(prepared, tile).to(fast.dtype)
+                if fast.centre is not None:
+                    rows = rows - fast.centre
+                out[tile] = torch.linalg.vector_norm(rows, dim=1, keepdim=True).to(torch.float64)
+            self._norms = norm_upper(out, dim, fast.dtype)
+        return self._norms
 
 
 class _Fast(NamedTuple):
@@ -297,9 +326,9 @@ class _Scan:
         if columns.numel() == 0:
             return
         options, fast = self.options, self.fast
-        gallery = prepare_rows(
-            part.index_select(0, columns), options.similarity, self.prepared.dtype
-        )
+        rows = part if columns.shape[0] == part.shape[0] else part.index_select(0, columns)
+        # Prepared as the one-process copy is (row by row); non-cosine rows are as stored.
+        gallery = prepare(rows, options.similarity) if options.similarity == "cosine" else rows
         stored = columns + first
         column_labels, column_groups = self.labels[stored], self.groups[stored]
         column_identity = identity[columns]
@@ -314,21 +343,22 @@ class _Scan:
         neg_sq_norms = None
         if fast.centre is not None:
             neg_sq_norms = gallery_fast.square().sum(dim=1).neg_().unsqueeze(0)
-        step = max(1, self.tile_bytes // (8 * columns.shape[0]))
-        for start in range(0, count, step):
-            tile = slice(start, min(count, start + step))
-            queries = self.prepared[state.local[tile]]
+        norms = state.norms(self.prepared, fast)
+        # A tile's float64 scores take at most half a tile's bytes, its queries one.
+        step = max(1, self.tile_bytes // (16 * columns.shape[0]))
+        step = min(step, max(1, self.tile_bytes // (dim * self.prepared.element_size())))
+        for begin in range(0, count, step):
+            tile = slice(begin, min(count, begin + step))
+            queries = state.queries(self.prepared, tile)
             query_fast = queries.to(fast.dtype)
             if fast.centre is not None:
                 query_fast = query_fast - fast.centre
-            norms = torch.linalg.vector_norm(query_fast, dim=1, keepdim=True).to(torch.float64)
-            norms = norm_upper(norms, dim, fast.dtype)
             if neg_sq_norms is not None:
-                bound = norms.add_(gallery_norm).square_().mul_(fast.coefficient)
+                bound = (norms[tile] + gallery_norm).square_().mul_(fast.coefficient)
                 scores = torch.addmm(neg_sq_norms, query_fast, gallery_fast.T, alpha=2)
                 scores.sub_(query_fast.square().sum(dim=1, keepdim=True))
             else:
-                bound = norms.mul_(gallery_norm * fast.coefficient)
+                bound = norms[tile] * (gallery_norm * fast.coefficient)
                 scores = query_fast @ gallery_fast.T
             bound.add_(fast.absolute)
             if fast.check_nan:
