@@ -309,7 +309,9 @@ class _Scan:
         self.prepared, self.labels, self.groups = prepared, labels, groups
         self.options, self.fast, self.tile_bytes = options, fast, tile_bytes
         self.workspace = Workspace()
-        self.batch_bytes = min(CANONICAL_BATCH_BYTES, max(1, options.chunk_bytes // 8))
+        # Re-scored in batches of about a MiB of float64 rows at least: each batch is a
+        # pass over D, and a run's candidates are few.
+        self.batch_bytes = max(min(CANONICAL_BATCH_BYTES, options.chunk_bytes // 8), 2**20)
 
     def run(self, state: _Direction, first: int, part: Tensor, positives: bool) -> None:
         """Pass A (``positives``) or pass B of ``state``'s queries over the stored rows
@@ -344,6 +346,7 @@ class _Scan:
         if fast.centre is not None:
             neg_sq_norms = gallery_fast.square().sum(dim=1).neg_().unsqueeze(0)
         norms = state.norms(self.prepared, fast)
+        found: _Found = {"positive": [], "near": [], "negative": []}
         # A tile's float64 scores take at most half a tile's bytes, its queries one.
         step = max(1, self.tile_bytes // (16 * columns.shape[0]))
         step = min(step, max(1, self.tile_bytes // (dim * self.prepared.element_size())))
@@ -372,13 +375,54 @@ class _Scan:
                 else:
                     ignored |= same_label & same_group
             wide = scores.to(torch.float64)
-            pairs = _Pairs(self, state, tile, queries, gallery)
+            del scores
+            offset = tile.start
             if positives:
-                self.positives(state, tile, wide, bound, same_label & ~ignored, pairs)
+                self.positives(state, tile, wide, bound, same_label & ~ignored, found, offset)
                 if options.near_duplicate is not None:
-                    self.near(state, tile, wide, bound, ~same_label & ~ignored, pairs)
+                    valid = ~same_label & ~ignored
+                    self.near(state, tile, wide, bound, valid, found, offset)
             else:
-                self.negatives(state, tile, wide, bound, ~same_label & ~ignored, pairs)
+                self.negatives(state, tile, wide, bound, ~same_label & ~ignored, found, offset)
+        self.decide(state, gallery, found)
+
+    def decide(self, state: _Direction, gallery: Tensor, found: _Found) -> None:
+        """Re-score the run's candidate pairs canonically, all at once (one pass over
+        D for the run), and update the queries' state."""
+        kinds = [kind for kind in ("positive", "near", "negative") if found[kind]]
+        if not kinds:
+            return
+        queries = [torch.cat([r for r, _ in found[kind]]) for kind in kinds]
+        columns = [torch.cat([c for _, c in found[kind]]) for kind in kinds]
+        sizes = [part.shape[0] for part in queries]
+        state.rescored += sum(sizes)
+        scores = canonical_pair_scores(
+            self.prepared,
+            gallery,
+            state.local[torch.cat(queries)],
+            torch.cat(columns),
+            self.options.similarity,
+            self.workspace,
+            self.batch_bytes,
+        )
+        for kind, query, part in zip(kinds, queries, torch.split(scores, sizes), strict=True):
+            if kind == "positive":
+                best = torch.full_like(state.best, -math.inf)
+                best.scatter_reduce_(0, query, part, reduce="amax")
+                before = state.best
+                best = torch.maximum(before, best)
+                equal = torch.zeros_like(state.tied)
+                equal.index_add_(0, query, (part == best[query]).to(torch.int64))
+                state.tied = torch.where(best > before, 0, state.tied) + equal
+                state.best = best
+            elif kind == "near":
+                threshold = self.options.near_duplicate
+                assert threshold is not None
+                state.near_negative[query[part >= threshold]] = True
+            else:
+                at = state.best[query]
+                state.greater.index_add_(0, query, (part > at).to(torch.int64))
+                state.equal.index_add_(0, query, (part == at).to(torch.int64))
 
     def positives(
         self,
@@ -387,24 +431,17 @@ class _Scan:
         wide: Tensor,
         bound: Tensor,
         valid: Tensor,
-        pairs: _Pairs,
+        found: _Found,
+        offset: int,
     ) -> None:
-        """Pass A: the running best canonical score of a positive, and its ties."""
+        """Pass A: whether each query has a valid positive; the positives that may reach
+        the best canonical score (``c*`` is updated once the run is decided)."""
         state.has_positive[tile] |= valid.any(dim=1)
         lower = torch.where(valid, wide - bound, -math.inf).amax(dim=1)
         floor = torch.maximum(state.best[tile], lower)  # a proven lower bound of s*
         row, column = (valid & (wide + bound >= floor.unsqueeze(1))).nonzero(as_tuple=True)
-        if row.numel() == 0:
-            return
-        scores = pairs.canonical(row, column)
-        found = torch.full_like(floor, -math.inf)
-        found.scatter_reduce_(0, row, scores, reduce="amax")
-        before = state.best[tile]
-        best = torch.maximum(before, found)
-        equal = torch.zeros_like(state.tied[tile])
-        equal.index_add_(0, row, (scores == best[row]).to(torch.int64))
-        state.tied[tile] = torch.where(best > before, 0, state.tied[tile]) + equal
-        state.best[tile] = best
+        if row.numel():
+            found["positive"].append((row + offset, column))
 
     def near(
         self,
@@ -413,24 +450,20 @@ class _Scan:
         wide: Tensor,
         bound: Tensor,
         valid: Tensor,
-        pairs: _Pairs,
+        found: _Found,
+        offset: int,
     ) -> None:
         """Pass A: whether a valid negative scores at or above the near-duplicate
-        threshold."""
+        threshold (surely, or to be decided canonically)."""
         threshold = self.options.near_duplicate
         assert threshold is not None
-        open_rows = ~state.near_negative[tile]
-        candidates = valid & open_rows.unsqueeze(1)
+        candidates = valid & ~state.near_negative[tile].unsqueeze(1)
         sure = (candidates & (wide - bound >= threshold)).any(dim=1)
         state.near_negative[tile] |= sure
         unsure = candidates & ~sure.unsqueeze(1) & (wide + bound >= threshold)
         row, column = unsure.nonzero(as_tuple=True)
-        if row.numel() == 0:
-            return
-        reached = pairs.canonical(row, column) >= threshold
-        hit = torch.zeros_like(open_rows)
-        hit[row[reached]] = True
-        state.near_negative[tile] |= hit
+        if row.numel():
+            found["near"].append((row + offset, column))
 
     def negatives(
         self,
@@ -439,49 +472,27 @@ class _Scan:
         wide: Tensor,
         bound: Tensor,
         valid: Tensor,
-        pairs: _Pairs,
+        found: _Found,
+        offset: int,
     ) -> None:
-        """Pass B: the valid negatives above s* and those equal to it."""
+        """Pass B: the valid negatives surely above s*, and those to compare with it
+        canonically (queries with ``max K`` above it are done)."""
         active = state.has_positive[tile] & (state.greater[tile] < self.options.max_k)
         best = torch.where(active, state.best[tile], math.inf).unsqueeze(1)
         above = valid & (wide - bound > best)
-        greater = state.greater[tile] + above.sum(dim=1)
+        state.greater[tile] += above.sum(dim=1)
         row, column = (valid & ~above & (wide + bound >= best)).nonzero(as_tuple=True)
-        equal = state.equal[tile]
         if row.numel():
-            scores = pairs.canonical(row, column)
-            at = best.view(-1)[row]
-            greater.index_add_(0, row, (scores > at).to(torch.int64))
-            equal.index_add_(0, row, (scores == at).to(torch.int64))
-        state.greater[tile] = greater
-        state.equal[tile] = equal
+            found["negative"].append((row + offset, column))
+
+
+_Found = dict[str, list[tuple[Tensor, Tensor]]]
+"""A run's candidate pairs by kind: (query of the direction, gallery column of the run)."""
 
 
 def state_labels(labels: Tensor, state: _Direction, tile: slice) -> Tensor:
     """The labels of a tile of ``state``'s queries."""
     return labels[state.rows[tile]]
-
-
-class _Pairs:
-    """Canonical scores of (tile query, run gallery item) pairs, counted."""
-
-    def __init__(
-        self, scan: _Scan, state: _Direction, tile: slice, queries: Tensor, gallery: Tensor
-    ) -> None:
-        self.scan, self.state, self.queries, self.gallery = scan, state, queries, gallery
-
-    def canonical(self, row: Tensor, column: Tensor) -> Tensor:
-        self.state.rescored += int(row.shape[0])
-        scan = self.scan
-        return canonical_pair_scores(
-            self.queries,
-            self.gallery,
-            row,
-            column,
-            scan.options.similarity,
-            scan.workspace,
-            scan.batch_bytes,
-        )
 
 
 def _counts(
