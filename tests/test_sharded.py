@@ -70,8 +70,33 @@ def _large_groups() -> tuple[list[Batch], dict[str, Any]]:
     return batches, {"similarity": "euclidean", "exclude": "same_label_and_group"}
 
 
+def _offset_euclidean() -> tuple[list[Batch], dict[str, Any]]:
+    """Leave-one-out, euclidean, integer vectors moved by 3,000 (ties; the fast path
+    centres them)."""
+    g = torch.Generator().manual_seed(23)
+    emb = small_ints(36, 4, g) + 3000.0
+    labels = torch.randint(0, 4, (36,), generator=g)
+    return split(emb, labels, [20, 16]), {"similarity": "euclidean"}
+
+
+def _mixed_dtypes() -> tuple[list[Batch], dict[str, Any]]:
+    """One batch of float64 embeddings among float32 ones: all ranked in float64."""
+    g = torch.Generator().manual_seed(24)
+    emb = signs(30, 16, g) + torch.randn(30, 16, generator=g).round(decimals=1)
+    labels = torch.randint(0, 3, (30,), generator=g)
+    batches = split(emb, labels, [10, 10, 10])
+    wide = batches[1]
+    batches[1] = Batch(wide.embeddings.double(), wide.labels)
+    return batches, {"similarity": "dot"}
+
+
 SCENARIO_NAMES = [name for name in SCENARIOS if name != "callable_similarity"]
-EXTRA = {"planted_copies": _planted_copies, "large_groups": _large_groups}
+EXTRA = {
+    "planted_copies": _planted_copies,
+    "large_groups": _large_groups,
+    "offset_euclidean": _offset_euclidean,
+    "mixed_dtypes": _mixed_dtypes,
+}
 
 
 def _scenario(name: str) -> tuple[list[Batch], dict[str, Any]]:
@@ -80,9 +105,12 @@ def _scenario(name: str) -> tuple[list[Batch], dict[str, Any]]:
 
 def _owners(num: int, world: int, layout: str, seed: int) -> Tensor:
     """The process of each item: round robin (``"even"``), random shares of unequal
-    sizes (``"uneven"``), or as ``"uneven"`` with the last process given nothing."""
+    sizes (``"uneven"``), as ``"uneven"`` with the last process given nothing, or the
+    whole batch to one process (``"by_batch"``)."""
     if layout == "even":
         return torch.arange(num) % world
+    if layout == "by_batch":  # seed counts the batches: batch i goes to process i % world
+        return torch.full((num,), seed % world)
     g = torch.Generator().manual_seed(seed)
     holders = world - 1 if layout == "empty_last" else world
     weights = torch.tensor([float(2**r) for r in range(holders)])
@@ -126,6 +154,8 @@ CASES = [
         for ties in TIES
     ],
     ("large_groups", "expected", 96, "uneven"),
+    ("offset_euclidean", "expected", 64, "uneven"),
+    ("mixed_dtypes", "pessimistic", 256, "by_batch"),
     ("cross_modal", "pessimistic", 64, "even"),
     ("leave_one_out_tied_euclidean", "optimistic", 2**20, "empty_last"),
     ("query_gallery_junk", "expected", 64, "empty_last"),
