@@ -37,7 +37,7 @@ from helpers import TIES, assert_recall_close, run_distributed
 from memory_probe import ENV
 from torch import Tensor
 
-from recall_at_k import EmbeddingRecallAtK, _audit_sharded
+from recall_at_k import EmbeddingRecallAtK, _audit_sharded, _sync
 
 NEAR = {"cosine": 0.75, "dot": 3.0, "euclidean": -2.0}
 """A near-duplicate threshold per similarity that some pairs of the scenarios reach."""
@@ -214,6 +214,24 @@ def _extras(rank: int, world: int) -> dict[str, Any]:
         metric.query_outcomes()
     except ValueError as err:
         out["query_outcomes"] = str(err)
+    # The gallery passes by twice, in blocks of at most a tile.
+    blocks: list[tuple[int, int]] = []
+    plain = _sync.BroadcastRows.runs
+
+    def runs(self: _sync.BroadcastRows, rows_per_chunk: int) -> Any:
+        blocks.append((rows_per_chunk, self.shape[1] * self.dtype.itemsize))
+        return plain(self, rows_per_chunk)
+
+    _sync.BroadcastRows.runs = runs  # type: ignore[method-assign]
+    try:
+        batches, options = _options("leave_one_out_tied_dot", "pessimistic", 256)
+        shares = _shares(batches, world, "even", seed=7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _metric(shares[rank], options, sharded=True).compute()
+    finally:
+        _sync.BroadcastRows.runs = plain  # type: ignore[method-assign]
+    out["blocks"] = blocks
     return out
 
 
@@ -311,6 +329,29 @@ def test_progress_bar_over_blocks_on_rank_zero_only(three_processes: list[dict[s
     assert "block" in three_processes[0]["progress"]
     assert three_processes[1]["progress"] == ""
     assert three_processes[2]["progress"] == ""
+
+
+def test_the_gallery_passes_by_twice_in_blocks_of_at_most_a_tile(
+    three_processes: list[dict[str, Any]],
+) -> None:
+    for result in three_processes:
+        assert len(result["blocks"]) == 2  # pass A, pass B: the only reads of the rows
+        for rows, row_bytes in result["blocks"]:
+            assert rows * row_bytes <= 256  # the chunk_bytes of that metric
+
+
+def test_sharded_is_off_by_default() -> None:
+    assert EmbeddingRecallAtK(KS).sharded is False
+
+
+def test_the_large_galleries_page_states_the_tested_memory() -> None:
+    page = " ".join(
+        (Path(__file__).resolve().parents[1] / "docs" / "large-galleries.md").read_text().split()
+    )
+    assert "## Sharded gallery" in page
+    assert f"within {MEMORY_SHARE}x the gathered embeddings' bytes" in page
+    assert f"about {MEMORY_TILES} tiles and {MEMORY_FIXED // 2**20} MiB of fixed buffers" in page
+    assert "with 4 processes" in page and "the default, `sharded=False`" in page
 
 
 def test_query_outcomes_under_sharded_is_a_clear_error(

@@ -112,6 +112,15 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         progress: show a tqdm progress bar on stderr over the queries ``compute``
             ranks (under DDP only on the process of rank 0); needs tqdm
             (``pip install tqdm``).
+        sharded: under DDP, keep each process's items where they are: no process ever
+            holds the whole gallery. The metadata is gathered; the gallery passes by
+            every process in blocks of at most a tile (each process broadcasting its
+            own rows in turn), twice, and each process ranks the queries it holds
+            (:mod:`recall_at_k.ranking.sharded`); the result is bit for bit the
+            one-process one. ``False`` by default: the gathered ranking does half the
+            work (one pass), so shard only when one copy of all the embeddings does not
+            fit on each device. Ignored by one process; refused with a callable
+            ``similarity``; ``query_outcomes()`` then raises under DDP.
         key: template of the result's keys, ``"recall@{k}"`` by default.
         validate_args: check that embeddings are finite, and a callable similarity's
             scores free of NaN (these checks read values on the host).
