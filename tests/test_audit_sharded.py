@@ -261,3 +261,22 @@ def test_one_process_without_torch_distributed_is_codes() -> None:
         counts = [case.parts[0].shape[0]]
         got = _audit_sharded.sharded_codes(case.parts[0], counts, case.labels, case.groups, None)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), case.name
+
+
+def test_within_decides_on_the_two_rows_alone() -> None:
+    """The rounding check a process makes of a pair of rows is the same whatever the
+    other pairs checked with it (batch shape and order) and whichever row comes first:
+    processes checking different batches agree."""
+    gen = torch.Generator().manual_seed(8)
+    base = torch.randn(64, 33, generator=gen)
+    scale = 2.0**-12 * base.norm(dim=1, keepdim=True) / 33**0.5
+    shifts = torch.tensor([0.5, 0.999, 1.0, 1.001, 2.0]).repeat(13)[:64].unsqueeze(1)
+    other = base + scale * shifts * torch.sign(torch.randn(64, 33, generator=gen))
+    other[::7] = _ulps(base[::7], torch.randint(-2, 3, base[::7].shape, generator=gen))
+    whole = _audit.within(base, other)
+    assert 0 < int(whole.sum()) < 64  # both decisions occur
+    one_by_one = torch.cat([_audit.within(base[n : n + 1], other[n : n + 1]) for n in range(64)])
+    order = torch.randperm(64, generator=gen)
+    assert torch.equal(whole, one_by_one)
+    assert torch.equal(whole, _audit.within(other, base))
+    assert torch.equal(whole[order], _audit.within(base[order], other[order].double()))
