@@ -30,6 +30,8 @@ further than the next cell (whatever the rounding of the projections), and check
 candidates of neighbouring cells by the definition. Only the classes in such pairs are
 looked at again per query. On ordinary data there are none; the work is O(N D) for the
 projections, a sort, and O(candidates x D) for the checks.
+:func:`recall_at_k._audit_sharded.sharded_codes` computes the same codes from the same
+parts over rows sharded across processes, no process holding them all.
 
 The near counts need a score per (query, gallery item): the ranking counts them in its
 own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
