@@ -120,7 +120,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             one-process one. ``False`` by default: the gathered ranking does half the
             work (one pass), so shard only when one copy of all the embeddings does not
             fit on each device. Ignored by one process; refused with a callable
-            ``similarity``; ``query_outcomes()`` then raises under DDP.
+            ``similarity``. :meth:`query_outcomes` gathers each process's records.
         key: template of the result's keys, ``"recall@{k}"`` by default.
         validate_args: check that embeddings are finite, and a callable similarity's
             scores free of NaN (these checks read values on the host).
@@ -479,7 +479,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if near is not None and audits is not None:
             known = [None if audit is None else audit.known() for audit in audits]
         labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
-        shared = _sharded.rank_sharded(source, labels, groups, directions, options, known)
+        shared, _ = _sharded.rank_sharded(source, labels, groups, directions, options, known)
         if computing:
             ranked = zip(self.directions, shared.ranked, strict=False)
             self.last_compute_num_queries_ranked = dict(ranked)
@@ -558,14 +558,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def _query_outcomes(self) -> list[QueryOutcomes]:
         try:
             source, meta = self._stored()
-            if self.sharded and isinstance(source, _sync.BroadcastRows):
-                raise ValueError(
-                    "query_outcomes() gathers every query's record on every process,"
-                    " which `sharded=True` does not do (no process holds the whole"
-                    " gallery): use a metric with sharded=False for per-query outcomes"
-                )
             directions = self._directions(meta) if meta.shape[0] else [None, None]
             directions = directions[: len(self._prefixes)]
+            if meta.shape[0] and self.sharded and isinstance(source, _sync.BroadcastRows):
+                records = self._sharded_records(source, meta, directions)
+                return self._outcomes_of(meta, directions, records)
             # The one whole copy, prepared, in the ranking's order; each direction's
             # queries keep their order (the records'), renumbered to its rows.
             ordered = _ordered.ordered_items(
@@ -587,6 +584,37 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             )
         finally:
             self._gathered = None
+        return self._outcomes_of(meta, directions, records)
+
+    def _sharded_records(
+        self,
+        source: _sync.BroadcastRows,
+        meta: Tensor,
+        directions: Sequence[tuple[Side, Side] | None],
+    ) -> list[Tensor | None]:
+        """Every query's outcome record with the gallery sharded (gathered on every
+        process)."""
+        options = _bands.RankOptions(
+            self.similarity,
+            self.exclude,
+            self.ties,
+            self.max_k,
+            self.chunk_bytes,
+            self.validate_args,
+        )
+        labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
+        _, records = _sharded.rank_sharded(
+            source, labels, groups, directions, options, outcomes=True
+        )
+        assert records is not None
+        return records
+
+    def _outcomes_of(
+        self,
+        meta: Tensor,
+        directions: Sequence[tuple[Side, Side] | None],
+        records: Sequence[Tensor | None],
+    ) -> list[QueryOutcomes]:
         single = self.single_k and not self.bidirectional
         return [
             embedding_outcomes(

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recall_at_k._kernel import TieCounts, Workspace
+from recall_at_k._kernel import TieCounts, Workspace, query_outcomes
 from recall_at_k._sync import BroadcastRows
 from recall_at_k.ranking.bands import NEAR_COUNTS, RankOptions
 from recall_at_k.ranking.gallery import Side
@@ -169,7 +169,8 @@ def rank_sharded(
     directions: Sequence[tuple[Side, Side] | None],
     options: RankOptions,
     known: Sequence[Tensor | None] | None = None,
-) -> Shared:
+    outcomes: bool = False,
+) -> tuple[Shared, list[Tensor | None] | None]:
     """Rank every direction with the gallery sharded over ``rows.group``'s processes.
 
     Args:
@@ -183,9 +184,14 @@ def rank_sharded(
             not supported: its scores are not canonical).
         known: per direction, the audit's known near items ``[2, Q]`` (side order).
 
+        outcomes: also return every query's outcome record, gathered on every process
+            (for ``query_outcomes()``).
+
     Returns:
-        What :func:`recall_at_k.ranking.rank.rank_shared` returns: counts summed over
-        the processes, and this process's own queries ranked and pairs re-scored.
+        What :func:`recall_at_k.ranking.rank.rank_shared` returns (counts summed over
+        the processes, this process's own queries ranked and pairs re-scored), and with
+        ``outcomes`` per direction the records of all its queries in side order (as
+        :func:`recall_at_k.ranking.outcomes.rank_outcomes` gives them), else None.
     """
     group = rows.group
     world, me = dist.get_world_size(group), dist.get_rank(group)
@@ -262,7 +268,40 @@ def rank_sharded(
     histograms, near = sum_over_processes(results, world, group, guard.failure)
     ranked = [0 if s is None else int(s.rows.shape[0]) for s in states]
     rescored = [0 if s is None else s.rescored for s in states]
-    return Shared(histograms, near, ranked, rescored)
+    records = None
+    if outcomes:
+        records = [
+            None
+            if sides is None or state is None
+            else _gathered_records(sides[0], state, rows, options)
+            for sides, state in zip(directions, states, strict=True)
+        ]
+    return Shared(histograms, near, ranked, rescored), records
+
+
+def _gathered_records(
+    queries: Side, state: _Direction, rows: BroadcastRows, options: RankOptions
+) -> Tensor:
+    """Every query's outcome record (:func:`recall_at_k._kernel.query_outcomes`) in the
+    order of ``queries``, on every process: each process's records of its own queries,
+    gathered (which queries each process holds follows from the metadata)."""
+    counts = TieCounts(state.greater, state.greater + state.equal, state.tied, state.has_positive)
+    mine = query_outcomes(counts, options.ties, options.max_k)
+    group, world = rows.group, len(rows.counts)
+    starts = [sum(rows.counts[:r]) for r in range(world + 1)]
+    owners = [
+        ((queries.rows >= starts[r]) & (queries.rows < starts[r + 1])).nonzero().view(-1)
+        for r in range(world)
+    ]
+    widest = max(int(owner.shape[0]) for owner in owners)
+    padded = mine.new_zeros((widest, *mine.shape[1:]))
+    padded[: mine.shape[0]] = mine
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    out = mine.new_zeros((queries.rows.shape[0], *mine.shape[1:]))
+    for owner, part in zip(owners, parts, strict=True):
+        out[owner] = part[: owner.shape[0]]
+    return out
 
 
 def _fast_scores(
