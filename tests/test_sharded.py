@@ -39,6 +39,7 @@ from memory_probe import ENV
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK, _audit_sharded, _sync
+from recall_at_k.ranking import sharded as sharded_ranking
 
 NEAR = {"cosine": 0.75, "dot": 3.0, "euclidean": -2.0}
 """A near-duplicate threshold per similarity that some pairs of the scenarios reach."""
@@ -240,6 +241,21 @@ def _extras(rank: int, world: int) -> dict[str, Any]:
     finally:
         _sync.BroadcastRows.runs = plain  # type: ignore[method-assign]
     out["blocks"] = blocks
+    # A failure on one process: every process raises, none waits forever.
+    failing = _metric(shares[rank], options, sharded=True)
+    scan = sharded_ranking._Scan.run
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a failure on process 1")
+
+    if rank == 1:
+        sharded_ranking._Scan.run = broken  # type: ignore[method-assign]
+    try:
+        failing.compute()
+    except RuntimeError as err:
+        out["failure"] = str(err)
+    finally:
+        sharded_ranking._Scan.run = scan  # type: ignore[method-assign]
     return out
 
 
@@ -346,6 +362,14 @@ def test_the_gallery_passes_by_twice_in_blocks_of_at_most_a_tile(
         assert len(result["blocks"]) == 2  # pass A, pass B: the only reads of the rows
         for rows, row_bytes in result["blocks"]:
             assert rows * row_bytes <= 256  # the chunk_bytes of that metric
+
+
+def test_a_failure_on_one_process_raises_on_every_process(
+    three_processes: list[dict[str, Any]],
+) -> None:
+    assert three_processes[1]["failure"] == "a failure on process 1"
+    for rank in (0, 2):
+        assert "failed on another process" in three_processes[rank]["failure"]
 
 
 def test_sharded_is_off_by_default() -> None:

@@ -183,7 +183,6 @@ def rank_sharded(
         options: as for :func:`recall_at_k.ranking.rank.rank` (a callable similarity is
             not supported: its scores are not canonical).
         known: per direction, the audit's known near items ``[2, Q]`` (side order).
-
         outcomes: also return every query's outcome record, gathered on every process
             (for ``query_outcomes()``).
 
