@@ -47,7 +47,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import TieCounts, Workspace, query_outcomes
 from recall_at_k._sync import BroadcastRows
-from recall_at_k.ranking.bands import NEAR_COUNTS, RankOptions
+from recall_at_k.ranking.bands import NEAR_COUNTS, RankOptions, edges
 from recall_at_k.ranking.gallery import Side
 from recall_at_k.ranking.ordered import RowSource
 from recall_at_k.ranking.progress import Progress
@@ -385,8 +385,8 @@ class _Scan:
             neg_sq_norms = gallery_fast.square().sum(dim=1).neg_().unsqueeze(0)
         norms = state.norms(self.prepared, fast)
         found: _Found = {"positive": [], "near": [], "negative": []}
-        # A tile's float64 scores take at most half a tile's bytes, its queries one.
-        step = max(1, self.tile_bytes // (16 * columns.shape[0]))
+        # A tile's scores and masks take at most a tile's bytes, its queries one.
+        step = max(1, self.tile_bytes // (8 * columns.shape[0]))
         step = min(step, max(1, self.tile_bytes // (dim * self.prepared.element_size())))
         for begin in range(0, count, step):
             tile = slice(begin, min(count, begin + step))
@@ -412,16 +412,14 @@ class _Scan:
                     ignored |= same_group
                 else:
                     ignored |= same_label & same_group
-            wide = scores.to(torch.float64)
-            del scores
             offset = tile.start
             if positives:
-                self.positives(state, tile, wide, bound, same_label & ~ignored, found, offset)
+                self.positives(state, tile, scores, bound, same_label & ~ignored, found, offset)
                 if options.near_duplicate is not None:
                     valid = ~same_label & ~ignored
-                    self.near(state, tile, wide, bound, valid, found, offset)
+                    self.near(state, tile, scores, bound, valid, found, offset)
             else:
-                self.negatives(state, tile, wide, bound, ~same_label & ~ignored, found, offset)
+                self.negatives(state, tile, scores, bound, ~same_label & ~ignored, found, offset)
         self.decide(state, gallery, found)
 
     def decide(self, state: _Direction, gallery: Tensor, found: _Found) -> None:
@@ -466,18 +464,26 @@ class _Scan:
         self,
         state: _Direction,
         tile: slice,
-        wide: Tensor,
+        scores: Tensor,
         bound: Tensor,
         valid: Tensor,
         found: _Found,
         offset: int,
     ) -> None:
         """Pass A: whether each query has a valid positive; the positives that may reach
-        the best canonical score (``c*`` is updated once the run is decided)."""
+        the best canonical score (``c*`` is updated once the run is decided).
+
+        ``bound`` (float64 ``[T, 1]``) holds for every item of the run: the run's best
+        fast positive minus it is a canonical score reached, and a positive whose fast
+        score is below ``max(c*, that) - bound`` scores below s* canonically. The
+        comparisons are in the scores' dtype, the edges rounded outwards."""
         state.has_positive[tile] |= valid.any(dim=1)
-        lower = torch.where(valid, wide - bound, -math.inf).amax(dim=1)
-        floor = torch.maximum(state.best[tile], lower)  # a proven lower bound of s*
-        row, column = (valid & (wide + bound >= floor.unsqueeze(1))).nonzero(as_tuple=True)
+        best_fast = torch.where(valid, scores, -math.inf).amax(dim=1, keepdim=True)
+        lower, _ = edges(best_fast.to(torch.float64), bound, scores.dtype)
+        # a proven lower bound of s* (c* so far, or the run's best positive minus B)
+        floor = torch.maximum(state.best[tile].unsqueeze(1), lower.to(torch.float64))
+        reach, _ = edges(floor, bound, scores.dtype)
+        row, column = (valid & (scores >= reach)).nonzero(as_tuple=True)
         if row.numel():
             found["positive"].append((row + offset, column))
 
@@ -485,7 +491,7 @@ class _Scan:
         self,
         state: _Direction,
         tile: slice,
-        wide: Tensor,
+        scores: Tensor,
         bound: Tensor,
         valid: Tensor,
         found: _Found,
@@ -495,10 +501,11 @@ class _Scan:
         threshold (surely, or to be decided canonically)."""
         threshold = self.options.near_duplicate
         assert threshold is not None
+        lo, hi = edges(torch.full_like(bound, threshold), bound, scores.dtype)
         candidates = valid & ~state.near_negative[tile].unsqueeze(1)
-        sure = (candidates & (wide - bound >= threshold)).any(dim=1)
+        sure = (candidates & (scores > hi)).any(dim=1)
         state.near_negative[tile] |= sure
-        unsure = candidates & ~sure.unsqueeze(1) & (wide + bound >= threshold)
+        unsure = candidates & ~sure.unsqueeze(1) & (scores >= lo)
         row, column = unsure.nonzero(as_tuple=True)
         if row.numel():
             found["near"].append((row + offset, column))
@@ -507,19 +514,21 @@ class _Scan:
         self,
         state: _Direction,
         tile: slice,
-        wide: Tensor,
+        scores: Tensor,
         bound: Tensor,
         valid: Tensor,
         found: _Found,
         offset: int,
     ) -> None:
-        """Pass B: the valid negatives surely above s*, and those to compare with it
-        canonically (queries with ``max K`` above it are done)."""
+        """Pass B: the valid negatives surely above s* (fast score above ``s* + B``),
+        and those to compare with it canonically (within ``B`` of it; queries with
+        ``max K`` above it are done)."""
         active = state.has_positive[tile] & (state.greater[tile] < self.options.max_k)
         best = torch.where(active, state.best[tile], math.inf).unsqueeze(1)
-        above = valid & (wide - bound > best)
+        lo, hi = edges(best, bound, scores.dtype)
+        above = valid & (scores > hi)
         state.greater[tile] += above.sum(dim=1)
-        row, column = (valid & ~above & (wide + bound >= best)).nonzero(as_tuple=True)
+        row, column = (valid & ~above & (scores >= lo)).nonzero(as_tuple=True)
         if row.numel():
             found["negative"].append((row + offset, column))
 
