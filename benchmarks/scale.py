@@ -400,26 +400,32 @@ def projection_text(rows: list[dict[str, Any]]) -> str:
     for label, found in (("Gathered", gathered), ("Sharded", sharded)):
         if found is None:
             name = label.lower()
-            missing = any(r["config"] == name and not r["available"] for r in rows)
-            why = "not available in this version" if missing else "fewer than two sizes"
+            asked = [r for r in rows if r["config"] == name]
+            why = (
+                "not measured"
+                if not asked
+                else "not available in this version"
+                if not any(r["available"] for r in asked)
+                else "measured at one size"
+            )
             text += f" {label}: not projected ({why})."
             continue
+        if found.config == "sharded":
+            scope = "blocks of the gallery passing round; per-item terms scale with a share"
+            whose = "a process's share"
+        else:
+            scope = "a copy of every item on every process, whatever their number"
+            whose = "every item"
         received = (
             f" and each process receives {found.received / gb:.1f} GB of embeddings"
             if found.received
             else ""
         )
-        whose = "a process's share" if found.config == "sharded" else "every item"
-        scope = (
-            " (its per-item terms scale with a process's share of the items)"
-            if found.config == "sharded"
-            else " (a copy of every item, whatever the number of processes)"
-        )
         text += (
-            f" {label}: {found.bytes_per_item:.0f} bytes an item measured at D = {DIM}"
-            f" (beyond the bookkeeping, {found.copies:.2f}x the embedding bytes of"
-            f" {whose}){scope}; projected, `compute()` adds {found.added / gb:.1f} GB per"
-            f" GPU, {found.total / gb:.1f} GB with the stored share,{received}."
+            f" {label} ({scope}): {found.bytes_per_item:.0f} bytes an item measured at"
+            f" D = {DIM}, {found.copies:.2f}x the embedding bytes of {whose} beyond the"
+            f" bookkeeping; projected, `compute()` adds {found.added / gb:.1f} GB per GPU,"
+            f" {found.total / gb:.1f} GB with the stored share,{received}."
         )
     if gathered is not None and sharded is not None:
         text += (

@@ -231,7 +231,9 @@ def test_scale_reports_sharded_as_not_available_without_the_argument() -> None:
     assert rows == [{"num": 200, "config": "sharded", "world": 4, "available": False}]
     line = scale.table(rows).splitlines()[-1]
     assert line.startswith("| 200 | 4 processes, sharded | not available (no `sharded` argument)")
-    assert "Sharded: not projected (not available in this version)." in scale.projection_text(rows)
+    text = scale.projection_text(rows)
+    assert "Sharded: not projected (not available in this version)." in text
+    assert "Gathered: not projected (not measured)." in text
 
 
 @pytest.mark.timeout(300)
@@ -280,8 +282,8 @@ def test_scale_runs_every_configuration_with_a_sharded_metric(
         assert cells[2].endswith(" s") and cells[3].endswith(" ns"), cells
         assert cells[-1] == "yes", cells  # every process returns the one-process values
     # one size: nothing to fit a projection to
-    assert "Gathered: not projected (fewer than two sizes)." in text
-    assert "Sharded: not projected (fewer than two sizes)." in text
+    assert "Gathered: not projected (measured at one size)." in text
+    assert "Sharded: not projected (measured at one size)." in text
 
 
 def test_scale_projection_uses_the_fitted_bytes_per_item() -> None:
