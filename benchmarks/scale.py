@@ -345,10 +345,11 @@ def project(rows: list[dict[str, Any]], name: str) -> Projection | None:
     """Scale a configuration's measured rows to 10M x 1024-d items on 8 processes.
 
     The added peak, fitted as bytes per item times N, is split into the formula's
-    ``BYTES_PER_ITEM`` of bookkeeping (which does not grow with D) and the rest, which
-    grows with D; tiles are the formula's at the default ``chunk_bytes`` on a GPU. The
-    gathered copy holds every item whatever the number of processes; the sharded
-    configuration's per-item terms scale with a process's share (N / processes).
+    ``BYTES_PER_ITEM`` of bookkeeping an item (which grows with neither D nor the
+    processes) and the rest, which grows with D; tiles are the formula's at the default
+    ``chunk_bytes`` on a GPU. The gathered copy holds every item whatever the number of
+    processes; the sharded configuration's embedding terms scale with a process's share
+    of the items (N / processes).
     Received bytes: the measured floating-point bytes a process receives, per item
     received, scaled to the target's D and to the items it receives there.
     """
@@ -357,15 +358,14 @@ def project(rows: list[dict[str, Any]], name: str) -> Projection | None:
         return None
     world = CONFIGS[name].world
     per_item, _ = fit(mine, "peak")
-    # per item of what the terms count: every item (gathered), a process's share (sharded)
-    share = name == "sharded"
-    per_unit = per_item * (world if share else 1)
-    bookkeeping = min(float(formula.BYTES_PER_ITEM), max(per_unit, 0.0))
-    embedding = max(per_unit - bookkeeping, 0.0)
-    units = TARGET_ITEMS / TARGET_WORLD if share else TARGET_ITEMS
+    bookkeeping = min(float(formula.BYTES_PER_ITEM), max(per_item, 0.0))  # x N
+    embedding = max(per_item - bookkeeping, 0.0)  # x N, grows with D
+    # gathered: a copy of every item; sharded: of a process's share (N / processes)
+    share = world / TARGET_WORLD if name == "sharded" else 1.0
     widen = TARGET_DIM / DIM
     tiles = formula.SCRATCH_TILES * formula.tile_bytes(formula.DEFAULT_CHUNK_BYTES, "cuda")
-    added = (embedding * widen + bookkeeping) * units + tiles + formula.FIXED_BYTES
+    added = (embedding * widen * share + bookkeeping) * TARGET_ITEMS
+    added += tiles + formula.FIXED_BYTES
     stored = TARGET_ITEMS // TARGET_WORLD * TARGET_DIM * 4
     per_received, _ = fit(mine, "received")
     if world > 1:
@@ -375,7 +375,8 @@ def project(rows: list[dict[str, Any]], name: str) -> Projection | None:
         received = per_received / measured_others * target_others * widen * TARGET_ITEMS
     else:
         received = 0.0
-    copies = embedding / (DIM * 4)  # of the embedding bytes of every item, or of a share
+    # in copies of the embedding bytes of every item (gathered) or of a share (sharded)
+    copies = embedding / (DIM * 4) * (world if name == "sharded" else 1)
     return Projection(name, per_item, copies, added, added + stored, received)
 
 
@@ -411,7 +412,7 @@ def projection_text(rows: list[dict[str, Any]]) -> str:
             text += f" {label}: not projected ({why})."
             continue
         if found.config == "sharded":
-            scope = "blocks of the gallery passing round; per-item terms scale with a share"
+            scope = "its embedding terms scale with a process's share of the items"
             whose = "a process's share"
         else:
             scope = "a copy of every item on every process, whatever their number"

@@ -287,36 +287,29 @@ def test_scale_runs_every_configuration_with_a_sharded_metric(
 
 
 def test_scale_projection_uses_the_fitted_bytes_per_item() -> None:
-    """The projection from made-up rows: a copy of every item plus the bookkeeping per item
-    for the gathered configuration, a quarter of that per process when sharded."""
+    """The projection from made-up rows: gathered, a copy of every item plus the
+    bookkeeping per item; sharded, a copy of a process's share plus the same bookkeeping."""
     scale = _scale()
     dim = scale.DIM
-    per_item = dim * 4 + BYTES_PER_ITEM  # one copy plus the bookkeeping
     rows = []
     for num in (1000, 3000):
         base = {"num": num, "available": True, "received_other": 0}
         others = num - num // 4
-        rows.append(
-            {
-                **base,
-                "config": "gathered",
-                "world": 4,
-                "peak": per_item * num + 5_000_000,
-                "received": others * dim * 4,
-            }
-        )
+        rows.append({**base, "config": "gathered", "world": 4,
+                     "peak": (dim * 4 + BYTES_PER_ITEM) * num + 5_000_000,
+                     "received": others * dim * 4})  # fmt: skip
         rows.append({**base, "config": "sharded", "world": 4,
-                     "peak": per_item * num // 4 + 5_000_000,
+                     "peak": (dim * 4 // 4 + BYTES_PER_ITEM) * num + 5_000_000,
                      "received": 2 * others * dim * 4})  # fmt: skip
     gathered = scale.project(rows, "gathered")
     sharded = scale.project(rows, "sharded")
-    assert gathered.bytes_per_item == pytest.approx(per_item)
-    assert gathered.copies == pytest.approx(1.0)
+    assert gathered.bytes_per_item == pytest.approx(dim * 4 + BYTES_PER_ITEM)
+    assert gathered.copies == pytest.approx(1.0)  # of every item's embeddings
     assert sharded.copies == pytest.approx(1.0)  # of a process's share
     items, width, world = scale.TARGET_ITEMS, scale.TARGET_DIM, scale.TARGET_WORLD
     fixed = SCRATCH_TILES * DEFAULT_CHUNK_BYTES + FIXED_BYTES
     assert gathered.added == pytest.approx((width * 4 + BYTES_PER_ITEM) * items + fixed)
-    assert sharded.added == pytest.approx((width * 4 + BYTES_PER_ITEM) * items / world + fixed)
+    assert sharded.added == pytest.approx((width * 4 / world + BYTES_PER_ITEM) * items + fixed)
     assert gathered.total == pytest.approx(gathered.added + items // world * width * 4)
     assert gathered.received == pytest.approx(gathered_bytes_received(items, width, world))
     assert sharded.received == pytest.approx(ring_bytes_received(items, width, world))

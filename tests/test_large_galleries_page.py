@@ -151,4 +151,7 @@ def test_reading_the_scale_benchmark() -> None:
     assert "`N x (N - 1)` scores" in text
     assert 'pairs = r["num"] * (r["num"] - 1)' in inspect.getsource(scale.table)
     assert "ten million 1024-d items on 8 GPUs" in text
+    projection = inspect.getsource(scale.project)
+    assert "formula.BYTES_PER_ITEM" in projection and "widen = TARGET_DIM / DIM" in projection
+    assert 'share = world / TARGET_WORLD if name == "sharded" else 1.0' in projection
     assert (scale.TARGET_ITEMS, scale.TARGET_DIM, scale.TARGET_WORLD) == (10**7, 1024, 8)
