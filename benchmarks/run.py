@@ -17,9 +17,9 @@ which every workload runs, side by side (``all`` = every core, ``os.cpu_count()`
 process with that many torch (and OpenMP) threads; ``--threads 1`` or ``--threads all``
 runs one of them. ``--time-limit SECONDS`` bounds each run of the torchmetrics peers
 (120 s in the full run, 60 s otherwise; quiet, they take about 90 s at the reference
-sizes): a peer stopped there keeps its row, which gives its time as a lower bound
-(">" before its time, ">=" before its ratios) and says so, so a loaded machine cannot stretch a full run
-past about twenty minutes by much.
+sizes): a peer stopped there keeps its row, which gives its time as a lower bound (">"
+before its time, ">=" before its ratios) and says so; so a loaded machine cannot stretch
+a full run much past twenty minutes.
 
 A workload is one entry of :data:`WORKLOADS` (its heading, its run at a mode's sizes,
 and whether it runs at every thread count) plus its rows in :data:`TARGETS`.
