@@ -424,20 +424,23 @@ def _summarise_matrix(
         pos[seg, rank] = positive
         hidden = width - counts
     negatives = matrix.masked_fill(pos, _NEG_INF)
-    best = torch.where(pos, matrix, _NEG_INF).amax(dim=1)
+    best = torch.where(pos, matrix, _NEG_INF).amax(dim=1, keepdim=True)
     num_pos = pos.sum(dim=1)
-    tied = (pos & (matrix == best.unsqueeze(1))).sum(dim=1)
+    tied = (pos & (matrix == best)).sum(dim=1)
     top = negatives.topk(min(max_k, width), dim=1).values
     if top.shape[1] < max_k:
         top = torch.cat([top, top.new_full((segments, max_k - top.shape[1]), _NEG_INF)], dim=1)
     kept = (counts - num_pos).clamp(max=max_k)
-    boundary_value = _gather_column(top, kept - 1)
-    equal_count = _count_equal(negatives, boundary_value.unsqueeze(1))
+    # The smallest kept negative (top[0] = -inf when none is kept), as a column.
+    boundary_value = top.gather(1, (kept - 1).clamp_(min=0).unsqueeze(1))
+    equal_count = _count_equal(negatives, boundary_value)
     # At -inf the count also holds the positives and the padding. A segment without
     # negatives (kept = 0) has only -inf in its row and gets boundary 0 from this too.
     at_neg_inf = num_pos if isinstance(hidden, int) else num_pos + hidden
-    boundary = equal_count - torch.where(boundary_value == _NEG_INF, at_neg_inf, 0)
-    return Partials(ids, best.to(torch.float64), tied, top.to(torch.float64), kept, boundary)
+    boundary = equal_count - torch.where(boundary_value.view(-1) == _NEG_INF, at_neg_inf, 0)
+    # best and top in float64 through one conversion
+    scores = torch.cat([best, top], dim=1).to(torch.float64)
+    return Partials(ids, scores[:, 0], tied, scores[:, 1:], kept, boundary)
 
 
 def _summarise_sorted(
@@ -590,7 +593,7 @@ def compact(
     """
     if len(state) < 2:
         return state
-    total = sum(block.shape[0] for block in state)
+    total = sum(map(len, state))
     if total <= 2 * state[0].shape[0] + slack:
         return state
     rows = _as_rows(state, max_k)
