@@ -30,6 +30,8 @@ further than the next cell (whatever the rounding of the projections), and check
 candidates of neighbouring cells by the definition. Only the classes in such pairs are
 looked at again per query. On ordinary data there are none; the work is O(N D) for the
 projections, a sort, and O(candidates x D) for the checks.
+:func:`recall_at_k._audit_sharded.sharded_codes` computes the same codes from the same
+parts over rows sharded across processes, no process holding them all.
 
 The near counts need a score per (query, gallery item): the ranking counts them in its
 own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
@@ -39,7 +41,7 @@ known near items. This module turns them into the report.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -103,12 +105,8 @@ def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | Non
     num, width = embeddings.shape
     if num == 0 or width == 0:
         return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
-    step = max(1, _COMPARE_BYTES // max(1, width * embeddings.element_size()))
-    hash_of = _row_hashes if hashes is None else hashes
-    keys = torch.cat(
-        [hash_of(_words(embeddings[start : start + step])) for start in range(0, num, step)]
-    )
-    sorted_keys, order = torch.sort(keys)
+    step = compare_step(embeddings)
+    sorted_keys, order = torch.sort(hash_rows(embeddings, hashes))
     same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
     for start in range(0, same.shape[0], step):
         pairs = same[start : start + step]
@@ -120,6 +118,28 @@ def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | Non
     classes = torch.empty_like(order)
     classes[order] = torch.unique_consecutive(sorted_keys, return_inverse=True)[1]
     return classes
+
+
+def compare_step(rows: Tensor) -> int:
+    """The rows of ``rows`` that :data:`_COMPARE_BYTES` hold (at least one)."""
+    return max(1, _COMPARE_BYTES // max(1, rows.shape[1] * rows.element_size()))
+
+
+def hash_rows(rows: Tensor, hashes: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """int64 ``[m]``: each row's hash (:func:`_row_hashes` of its bits, or ``hashes``),
+    :data:`_COMPARE_BYTES` of rows at a time. A row's hash depends on its bits alone."""
+    hash_of = _row_hashes if hashes is None else hashes
+    step = compare_step(rows)
+    if rows.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.int64, device=rows.device)
+    return torch.cat(
+        [hash_of(_words(rows[start : start + step])) for start in range(0, rows.shape[0], step)]
+    )
+
+
+def same_bits(first: Tensor, second: Tensor) -> Tensor:
+    """bool per pair of rows (``[m, D]`` each, one dtype): the same bit pattern."""
+    return (_words(first) == _words(second)).all(dim=1)
 
 
 def _words(rows: Tensor) -> Tensor:
@@ -213,35 +233,79 @@ def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
     cell width of each other are checked, in float64, by the definition. Rows that are
     not finite have no copies; all-zero rows are copies of each other (``-0.0``). The
     result depends on the stored values alone.
+
+    The parts: :func:`rounding_grid` (the projections and the cell width),
+    :func:`project` (each class's first row), :func:`rounding_candidates` (the pairs
+    of neighbouring cells), :func:`_within` (the check) and :func:`both_orientations`.
     """
     device = embeddings.device
-    none = torch.zeros((0, 2), dtype=torch.int64, device=device)
     num, width = embeddings.shape
     if num < 2:
-        return none
+        return both_orientations([], 0, device)
     count = int(classes.max()) + 1
     first = torch.full((count,), num, dtype=torch.int64, device=device)
     first.scatter_reduce_(0, classes, torch.arange(num, device=device), reduce="amin")
+    grid = rounding_grid(width, device)
+    projected = torch.empty((count, _FILTERS), dtype=torch.float64, device=device)
+    step = project_step(width)
+    for start in range(0, count, step):
+        projected[start : start + step] = project(grid, embeddings[first[start : start + step]])
+    found = []
+    for a, b in rounding_candidates(grid, projected):
+        within = _within(embeddings, first[a], first[b])
+        found.append(torch.stack([a[within], b[within]], dim=1))
+    return both_orientations(found, count, device)
+
+
+class RoundingGrid(NamedTuple):
+    """The random projections of :func:`rounding_pairs` and the width of a cell."""
+
+    weights: Tensor  # float64 [D, _FILTERS]
+    cell: float
+
+
+def rounding_grid(width: int, device: torch.device) -> RoundingGrid:
+    """The projections of rows of ``width`` coordinates (fixed, the same everywhere) and
+    the cell width: the bound on a copy's distance in a projection of the unit rows,
+    widened (by 2^-20 relative and a float64 rounding term per step) to cover every
+    rounding, so that it holds whatever the device, batch shape or process computing
+    each projection."""
     tau = ROUNDING_TOLERANCE
     generator = torch.Generator().manual_seed(20261204)
     weights = torch.randn((width, _FILTERS), generator=generator, dtype=torch.float64)
     weights = weights.to(device)
-    # Cell width: the bound on a copy's distance in a projection of the unit rows, widened
-    # (by 2^-20 relative and a float64 rounding term per step) to cover every rounding.
     rounding = 8 * _gamma64(width + 2)
     cell = float(weights.norm(dim=0).max()) * (2 * tau / (1 - tau) + rounding) * (1 + 2.0**-20)
-    projected = torch.zeros((count, _FILTERS), dtype=torch.float64, device=device)
-    finite = torch.ones(count, dtype=torch.bool, device=device)
-    step = max(1, _HASH_ROW_BYTES // (8 * max(1, width)))
-    for start in range(0, count, step):
-        rows = _scaled(embeddings[first[start : start + step]].to(torch.float64))
-        finite[start : start + step] = rows.isfinite().all(dim=1)
-        norms = rows.norm(dim=1, keepdim=True)
-        unit = torch.where(norms > 0, rows / norms.clamp(min=1e-300), 0.0)
-        projected[start : start + step] = unit @ weights
-    keep = (finite & projected.isfinite().all(dim=1)).nonzero().view(-1)
+    return RoundingGrid(weights, cell)
+
+
+def project_step(width: int) -> int:
+    """The rows projected at a time (a float64 copy of :data:`_HASH_ROW_BYTES`)."""
+    return max(1, _HASH_ROW_BYTES // (8 * max(1, width)))
+
+
+def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
+    """float64 ``[m, _FILTERS]``: the projections of the normalised ``rows`` (NaN for a
+    row that is not finite: it has no copies)."""
+    rows = _scaled(rows.to(torch.float64))
+    finite = rows.isfinite().all(dim=1, keepdim=True)
+    norms = rows.norm(dim=1, keepdim=True)
+    unit = torch.where(norms > 0, rows / norms.clamp(min=1e-300), 0.0)
+    return torch.where(finite, unit @ grid.weights, torch.nan)
+
+
+def rounding_candidates(grid: RoundingGrid, projected: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+    """The candidate pairs ``(a, b)`` of classes (rows of ``projected``, each class's
+    :func:`project`), each unordered pair once, in chunks of at most
+    :data:`ROUNDING_CHUNK`: the rows in the same or neighbouring cells whose every
+    projection lies within a cell width. Deterministic (the same chunks wherever
+    ``projected`` is the same): processes that hold the same projections check the same
+    candidates together."""
+    device = projected.device
+    cell = grid.cell
+    keep = projected.isfinite().all(dim=1).nonzero().view(-1)
     if keep.numel() < 2:
-        return none
+        return
     radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
     if radix**_PROJECTIONS >= 2**62:  # D beyond any embedding: one cell per projection
         radix, cell = 8, 4.0
@@ -249,7 +313,7 @@ def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
     key = torch.zeros(keep.shape[0], dtype=torch.int64, device=device)
     for k in range(_PROJECTIONS):
         key = key * radix + cells[:, k]
-    key, order = torch.sort(key)
+    key, order = torch.sort(key, stable=True)
     members = keep[order]
     offsets = []
     for shift in _half_space_shifts():
@@ -257,7 +321,6 @@ def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
         for delta in shift:
             offset = offset * radix + delta
         offsets.append(offset)
-    found = []
     # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
     # entry per row and cell (14 a row), at most ROUNDING_CHUNK, never one for every row.
     row_step = max(1, ROUNDING_CHUNK // len(offsets))
@@ -287,12 +350,15 @@ def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
             a = members[owner[at]]
             b = members[begin[at] + pair - (ends[at] - size[at])]
             close = ((projected[a] - projected[b]).abs() <= cell).all(dim=1)
-            a, b = a[close], b[close]
-            within = _within(embeddings, first[a], first[b])
-            found.append(torch.stack([a[within], b[within]], dim=1))
+            yield a[close], b[close]
+
+
+def both_orientations(found: Sequence[Tensor], count: int, device: torch.device) -> Tensor:
+    """int64 ``[P, 2]``: the pairs of ``found`` (``[m, 2]`` blocks, each unordered pair
+    once) in both orientations, sorted (classes below ``count``)."""
     if not found:
-        return none
-    pairs = torch.cat(found)
+        return torch.zeros((0, 2), dtype=torch.int64, device=device)
+    pairs = torch.cat(list(found))
     pairs = torch.cat([pairs, pairs.flip(1)])
     return pairs[torch.argsort(pairs[:, 0] * count + pairs[:, 1])]
 
@@ -316,34 +382,38 @@ def _scaled(rows: Tensor) -> Tensor:
 
 
 def _within(embeddings: Tensor, rows_a: Tensor, rows_b: Tensor) -> Tensor:
-    """bool per pair of rows: equal up to rounding (:data:`ROUNDING_TOLERANCE`), the
-    sums in the order ``d = 0 .. D-1`` (both rows scaled by one power of two).
+    """bool per pair of rows (indices into ``embeddings``): :func:`within` of the two,
+    :data:`_HASH_ROW_BYTES` of float64 rows at a time."""
+    out = torch.empty(rows_a.shape[0], dtype=torch.bool, device=rows_a.device)
+    step = project_step(embeddings.shape[1])
+    for start in range(0, rows_a.shape[0], step):
+        stop = start + step
+        out[start:stop] = within(embeddings[rows_a[start:stop]], embeddings[rows_b[start:stop]])
+    return out
+
+
+def within(first: Tensor, second: Tensor) -> Tensor:
+    """bool per pair of rows (``[m, D]`` each): equal up to rounding
+    (:data:`ROUNDING_TOLERANCE`), the sums in the order ``d = 0 .. D-1`` (both rows
+    scaled by one power of two).
 
     The sums are first taken in any order (a relative error below ``gamma64_D``, all
     terms being non-negative); only the pairs within ``IN_ORDER_MARGIN`` of the boundary
-    are summed again in the fixed order."""
-    out = torch.empty(rows_a.shape[0], dtype=torch.bool, device=rows_a.device)
-    width = embeddings.shape[1]
-    step = max(1, _HASH_ROW_BYTES // (8 * max(1, width)))
-    limit = ROUNDING_TOLERANCE**2
-    for start in range(0, rows_a.shape[0], step):
-        stop = start + step
-        a = embeddings[rows_a[start:stop]].to(torch.float64)
-        b = embeddings[rows_b[start:stop]].to(torch.float64)
-        if width == 0:
-            out[start:stop] = True
-            continue
-        largest = torch.maximum(a.abs().amax(dim=1), b.abs().amax(dim=1))
-        shift = -torch.frexp(largest)[1].to(torch.float64).unsqueeze(1)
-        a, b = torch.ldexp(a, shift), torch.ldexp(b, shift)
-        gap = (a - b).square_().sum(dim=1)
-        scale = torch.maximum(a.square().sum(dim=1), b.square().sum(dim=1)) * limit
-        decided = gap <= scale
-        unsure = ((gap - scale).abs() <= IN_ORDER_MARGIN * scale).nonzero().view(-1)
-        if unsure.numel():
-            decided[unsure] = _within_in_order(a[unsure], b[unsure])
-        out[start:stop] = decided
-    return out
+    are summed again in the fixed order. So the decision depends on the two rows alone,
+    not on the other pairs, the batch shape, the device or the process computing it."""
+    a, b = first.to(torch.float64), second.to(torch.float64)
+    if a.shape[1] == 0:
+        return torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
+    largest = torch.maximum(a.abs().amax(dim=1), b.abs().amax(dim=1))
+    shift = -torch.frexp(largest)[1].to(torch.float64).unsqueeze(1)
+    a, b = torch.ldexp(a, shift), torch.ldexp(b, shift)
+    gap = (a - b).square_().sum(dim=1)
+    scale = torch.maximum(a.square().sum(dim=1), b.square().sum(dim=1)) * ROUNDING_TOLERANCE**2
+    decided = gap <= scale
+    unsure = ((gap - scale).abs() <= IN_ORDER_MARGIN * scale).nonzero().view(-1)
+    if unsure.numel():
+        decided[unsure] = _within_in_order(a[unsure], b[unsure])
+    return decided
 
 
 def _within_in_order(a: Tensor, b: Tensor) -> Tensor:
@@ -374,9 +444,20 @@ def _pair(a: Tensor, b: Tensor) -> Tensor:
     return _code(a * (int(b.max()) + 1) + b)
 
 
-def codes(embeddings: Tensor, labels: Tensor, groups: Tensor) -> Codes:
-    """The composite keys the audit counts with, over every stored item."""
-    klass = bitwise_classes(embeddings)
+def codes(
+    embeddings: Tensor,
+    labels: Tensor,
+    groups: Tensor,
+    hashes: Callable[[Tensor], Tensor] | None = None,
+) -> Codes:
+    """The composite keys the audit counts with, over every stored item (``hashes``:
+    the row hash of :func:`bitwise_classes`, for tests)."""
+    klass = bitwise_classes(embeddings, hashes)
+    return codes_of(klass, rounding_pairs(embeddings, klass), labels, groups)
+
+
+def codes_of(klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor) -> Codes:
+    """:class:`Codes` from the bitwise classes, their rounding pairs and the metadata."""
     label, group = _code(labels), _code(groups)
     class_label = _pair(klass, label)
     return Codes(
@@ -387,7 +468,7 @@ def codes(embeddings: Tensor, labels: Tensor, groups: Tensor) -> Codes:
         class_label,
         _pair(klass, group),
         _pair(class_label, group),
-        rounding_pairs(embeddings, klass),
+        adjacent,
     )
 
 
