@@ -5,6 +5,8 @@ is the increase over what was resident before a contestant started: on CPU the
 resident-set high-water mark (Linux VmHWM, reset through /proc/self/clear_refs, under
 :func:`live_memory`), on CUDA ``torch.cuda.max_memory_allocated``. A contestant stopped
 at a time bound keeps its row, which says so (:class:`Measurement` ``at_least``).
+The tests' memory probe (``tests/memory_probe.py``) uses :func:`start_peak` and
+:func:`peak_since` too: one implementation of the peak.
 """
 
 from __future__ import annotations

@@ -13,52 +13,26 @@ before, so that code pages touched for the first time are not counted. On CUDA:
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
-import os
-import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+# One implementation of the probe: the benchmarks' (benchmarks/measure.py).
+from measure import LIVE_MEMORY_MMAP_THRESHOLD, peak_since, start_peak
+from memory_formula import CPU_TILE_BYTES
+
+ENV = {"MALLOC_MMAP_THRESHOLD_": str(LIVE_MEMORY_MMAP_THRESHOLD), "OMP_NUM_THREADS": "1"}
 """The environment of a measuring process."""
 
-CPU_TILE_BYTES = 32 * 2**20
+start = start_peak
+"""Start a window; the baseline in bytes (then :func:`peak_since`)."""
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
-def start(device: str) -> int:
-    """Start a window; the baseline in bytes."""
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return int(torch.cuda.memory_allocated())
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss()
-
-
-def peak_since(device: str, baseline: int) -> int:
-    if device == "cuda":
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated()) - baseline
-    return max(0, _hwm() - baseline)
+__all__ = ["CPU_TILE_BYTES", "ENV", "fill", "items", "measure", "peak_since", "start"]
 
 
 def items(num: int, dim: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,13 +9,25 @@ git-ignored ``benchmarks/out/<mode>/`` unless ``--results`` says otherwise.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from memory_formula import (
+    BYTES_PER_ITEM,
+    DEFAULT_CHUNK_BYTES,
+    FIXED_BYTES,
+    SCRATCH_TILES,
+    gathered_bytes_received,
+    ring_bytes_received,
+)
+
+from recall_at_k import EmbeddingRecallAtK
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -178,3 +190,129 @@ def test_a_peer_past_its_time_bound_keeps_its_row(
     assert "> 500.0 ms" in line
     assert ">= 50.00x" in line
     assert "did not finish within the time bound of 500.0 ms" in line
+
+
+class ShardedFake(EmbeddingRecallAtK):
+    """Stands in for an ``EmbeddingRecallAtK`` that takes ``sharded=`` (the scale
+    benchmark's sharded configuration); it ranks as the gathered metric does."""
+
+    def __init__(self, *args: Any, sharded: bool = False, **kwargs: Any) -> None:
+        if not isinstance(sharded, bool):
+            raise TypeError(f"sharded must be a bool, got {sharded!r}")
+        self.sharded_option = sharded
+        super().__init__(*args, **kwargs)
+
+
+def _scale() -> Any:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module("scale")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_scale_reports_sharded_as_not_available_without_the_argument() -> None:
+    scale = _scale()
+    assert scale.accepts_sharded(ShardedFake)
+    assert scale.accepts_sharded(EmbeddingRecallAtK) == (
+        "sharded" in inspect.signature(EmbeddingRecallAtK).parameters
+    )
+
+    class Plain(EmbeddingRecallAtK):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    assert not scale.accepts_sharded(Plain)
+    sys.modules[__name__].Plain = Plain  # type: ignore[attr-defined]
+    try:
+        rows = scale.measure([200], ["sharded"], metric=f"{__name__}:Plain")
+    finally:
+        del sys.modules[__name__].Plain  # type: ignore[attr-defined]
+    assert rows == [{"num": 200, "config": "sharded", "world": 4, "available": False}]
+    line = scale.table(rows).splitlines()[-1]
+    assert line.startswith("| 200 | 4 processes, sharded | not available (no `sharded` argument)")
+    text = scale.projection_text(rows)
+    assert "Sharded: not projected (not available in this version)." in text
+    assert "Gathered: not projected (not measured)." in text
+
+
+@pytest.mark.timeout(300)
+def test_scale_runs_every_configuration_with_a_sharded_metric(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny size through ``main``: the rows, the table, the figure, the results section;
+    the sharded configuration runs when the class takes ``sharded``, and each process
+    counts the embedding bytes it receives."""
+    scale = _scale()
+    measured: list[list[dict[str, Any]]] = []
+    original = scale.measure
+
+    def measure(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        measured.append(original(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(scale, "measure", measure)
+    results = tmp_path / "RESULTS.md"
+    args = ["--sizes", "400", "--configs", "single,gathered,sharded"]
+    args += ["--metric", f"{__name__}:ShardedFake", "--results", str(results)]
+    scale.main(args)
+    (rows,) = measured
+    assert [(r["config"], r["sharded"]) for r in rows] == [
+        ("single", None),
+        ("gathered", False),
+        ("sharded", True),
+    ]
+    single, gathered, sharded = rows
+    assert single["received"] == 0 and single["received_other"] == 0
+    expected = gathered_bytes_received(400, scale.DIM, 4)  # every other process's rows
+    assert expected <= gathered["received"] <= expected * 1.05, gathered
+    for row in (gathered, sharded):
+        assert row["same"] and row["as_single"], row
+    text = results.read_text()
+    assert "<!-- scale:start -->\n## Large galleries" in text
+    assert f"Command: `python benchmarks/scale.py {' '.join(args)}`" in text
+    assert (tmp_path / "scale.png").stat().st_size > 0
+    assert "![compute() time and memory against N](scale.png)" in text
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| N | configuration | compute() time | time / pair")
+    assert len(table) == 4
+    for line, label in zip(table[1:], ("one process", "gathered", "sharded"), strict=True):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[0] == "400" and cells[1].endswith(label), cells
+        assert cells[2].endswith(" s") and cells[3].endswith(" ns"), cells
+        assert cells[-1] == "yes", cells  # every process returns the one-process values
+    # one size: nothing to fit a projection to
+    assert "Gathered: not projected (measured at one size)." in text
+    assert "Sharded: not projected (measured at one size)." in text
+
+
+def test_scale_projection_uses_the_fitted_bytes_per_item() -> None:
+    """The projection from made-up rows: gathered, a copy of every item plus the
+    bookkeeping per item; sharded, a copy of a process's share plus the same bookkeeping."""
+    scale = _scale()
+    dim = scale.DIM
+    rows = []
+    for num in (1000, 3000):
+        base = {"num": num, "available": True, "received_other": 0}
+        others = num - num // 4
+        rows.append({**base, "config": "gathered", "world": 4,
+                     "peak": (dim * 4 + BYTES_PER_ITEM) * num + 5_000_000,
+                     "received": others * dim * 4})  # fmt: skip
+        rows.append({**base, "config": "sharded", "world": 4,
+                     "peak": (dim * 4 // 4 + BYTES_PER_ITEM) * num + 5_000_000,
+                     "received": 2 * others * dim * 4})  # fmt: skip
+    gathered = scale.project(rows, "gathered")
+    sharded = scale.project(rows, "sharded")
+    assert gathered.bytes_per_item == pytest.approx(dim * 4 + BYTES_PER_ITEM)
+    assert gathered.copies == pytest.approx(1.0)  # of every item's embeddings
+    assert sharded.copies == pytest.approx(1.0)  # of a process's share
+    items, width, world = scale.TARGET_ITEMS, scale.TARGET_DIM, scale.TARGET_WORLD
+    fixed = SCRATCH_TILES * DEFAULT_CHUNK_BYTES + FIXED_BYTES
+    assert gathered.added == pytest.approx((width * 4 + BYTES_PER_ITEM) * items + fixed)
+    assert sharded.added == pytest.approx((width * 4 / world + BYTES_PER_ITEM) * items + fixed)
+    assert gathered.total == pytest.approx(gathered.added + items // world * width * 4)
+    assert gathered.received == pytest.approx(gathered_bytes_received(items, width, world))
+    assert sharded.received == pytest.approx(ring_bytes_received(items, width, world))
+    text = scale.projection_text(rows)
+    assert f"{gathered.total / 1e9:.1f} GB with the stored share" in text
+    assert f"receives {sharded.received / 1e9:.1f} GB of embeddings" in text

@@ -1,8 +1,8 @@
 """The memory that ``EmbeddingRecallAtK.compute()`` adds stays within the documented
-formula: one copy of the stored (one process) or gathered (DDP) embeddings, plus
-``SCRATCH_TILES`` tiles of scores, plus ``BYTES_PER_ITEM`` bytes of bookkeeping per
-item, plus ``FIXED_BYTES`` -- for every protocol and similarity, with the protocol audit
-on.
+formula (``tests/memory_formula.py``): one copy of the stored (one process) or gathered
+(DDP) embeddings, plus ``SCRATCH_TILES`` tiles of scores, plus ``BYTES_PER_ITEM`` bytes
+of bookkeeping per item, plus ``FIXED_BYTES`` -- for every protocol and similarity, with
+the protocol audit on.
 
 Measured in a fresh process as the benchmarks measure it (``tests/memory_probe.py``:
 the resident-set high-water mark over the resident set before ``compute()``, freed
@@ -23,19 +23,8 @@ from typing import Any
 import pytest
 import torch
 from helpers import run_distributed
+from memory_formula import compute_bound
 from memory_probe import ENV, measure
-
-SCRATCH_TILES = 8
-"""Tiles of scratch (a tile: ``chunk_bytes``, at most 32 MiB on CPU) that a ranking
-adds: the tile, its scan's masks and copies, the symmetric route's blocks, the
-canonical re-scoring's buffers."""
-
-BYTES_PER_ITEM = 256
-"""Bookkeeping per item: metadata, orders, sides, bands."""
-
-FIXED_BYTES = 8 * 2**20
-"""Buffers of a fixed size: rows read, prepared, hashed and compared a MiB at a time;
-for ``"euclidean"`` leave-one-out, a centred copy of one block of rows."""
 
 CHUNK = 2**19
 NUM, DIM = 1600, 2048  # 12.5 MiB of float32 embeddings
@@ -43,8 +32,7 @@ NUM, DIM = 1600, 2048  # 12.5 MiB of float32 embeddings
 
 def bound(result: dict[str, Any]) -> int:
     """What the formula allows for a measured case."""
-    scratch = SCRATCH_TILES * result["tile"] + BYTES_PER_ITEM * result["items"]
-    return result["stored"] + scratch + FIXED_BYTES
+    return compute_bound(result["stored"], result["items"], result["tile"])
 
 
 def _run_probe(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -131,7 +119,7 @@ def test_each_process_adds_one_copy_of_the_gathered_embeddings(
     single.update(embeddings, labels, ids=torch.arange(NUM))
     want = single.compute()
     gathered = NUM * DIM * 4
-    allowed = gathered + SCRATCH_TILES * CHUNK + BYTES_PER_ITEM * NUM + FIXED_BYTES
+    allowed = compute_bound(gathered, NUM, CHUNK)
     for result in results:
         assert result["result"] == want
         assert result["report"] == single.protocol_report()
@@ -153,19 +141,3 @@ def test_cuda_compute_adds_one_copy_of_the_embeddings(protocol: str, similarity:
     }
     result = measure(case)
     assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
-
-
-def test_the_large_galleries_page_states_the_tested_formula() -> None:
-    """docs/large-galleries.md gives the formula these tests check, and its example adds
-    up."""
-    page = (Path(__file__).resolve().parents[1] / "docs" / "large-galleries.md").read_text()
-    assert f"+ {SCRATCH_TILES} x tile" in page
-    assert f"+ {BYTES_PER_ITEM} bytes x N" in page
-    assert f"+ {FIXED_BYTES // 2**20} MiB" in page
-    items, width = 10**6, 1024
-    stored = items * width * 4
-    default = stored + SCRATCH_TILES * 256 * 2**20 + BYTES_PER_ITEM * items + FIXED_BYTES
-    smaller = stored + SCRATCH_TILES * 32 * 2**20 + BYTES_PER_ITEM * items + FIXED_BYTES
-    assert f"({stored / 1e9:.1f} GB stored)" in page
-    assert f"about {default / 1e9:.1f} GB, on a GPU" in page
-    assert f"{SCRATCH_TILES * 32} MiB" in page and f"about {smaller / 1e9:.1f} GB" in page

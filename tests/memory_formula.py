@@ -1,0 +1,67 @@
+"""The memory that ``EmbeddingRecallAtK.compute()`` may add, in one place.
+
+``docs/large-galleries.md`` states this formula, ``tests/test_memory.py`` measures
+``compute()`` against it, ``tests/test_large_galleries_page.py`` checks the page against
+these constants, and ``benchmarks/scale.py`` projects large evaluations with them. To
+change the bound, change it here: the tests then say which sentence of the page to
+rewrite.
+
+The peak ``compute()`` adds on top of the stored embeddings is at most::
+
+    COPIES x embedding bytes          (stored, or gathered under DDP)
+  + SCRATCH_TILES x tile              (tile = chunk_bytes, on CPU at most CPU_TILE_BYTES)
+  + BYTES_PER_ITEM x N
+  + FIXED_BYTES
+"""
+
+from __future__ import annotations
+
+COPIES = 1
+"""Copies of the stored (one process) or gathered (DDP) embeddings: the ranking's
+ordered copy, the gallery a view of it."""
+
+SCRATCH_TILES = 8
+"""Tiles of scratch (a tile: ``chunk_bytes``, at most ``CPU_TILE_BYTES`` on CPU) that a
+ranking adds: the tile, its scan's masks and copies, the symmetric route's blocks, the
+canonical re-scoring's buffers."""
+
+BYTES_PER_ITEM = 256
+"""Bookkeeping per item: metadata, orders, sides, bands."""
+
+FIXED_BYTES = 8 * 2**20
+"""Buffers of a fixed size: rows read, prepared, hashed and compared a MiB at a time;
+for ``"euclidean"`` leave-one-out, a centred copy of one block of rows."""
+
+CPU_TILE_BYTES = 32 * 2**20
+"""On CPU a tile never exceeds this (``recall_at_k.ranking.rank.CPU_TILE_BYTES``)."""
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+"""``EmbeddingRecallAtK``'s default ``chunk_bytes``."""
+
+SHARDED_PASSES = 2
+"""With ``sharded=True`` the gallery goes round the processes this many times (the
+ranking, then the canonical re-scoring): each pass computes the products of a process's
+queries with every gallery block and moves every block once."""
+
+
+def tile_bytes(chunk_bytes: int, device: str) -> int:
+    """The tile of a ranking on ``device`` for a ``chunk_bytes``."""
+    return chunk_bytes if device == "cuda" else min(chunk_bytes, CPU_TILE_BYTES)
+
+
+def compute_bound(embedding_bytes: int, items: int, tile: int) -> int:
+    """What the formula allows ``compute()`` to add: ``embedding_bytes`` are the stored
+    (or gathered) embeddings of ``items`` items, ``tile`` from :func:`tile_bytes`."""
+    return COPIES * embedding_bytes + SCRATCH_TILES * tile + BYTES_PER_ITEM * items + FIXED_BYTES
+
+
+def ring_bytes_received(items: int, dim: int, world: int, element: int = 4) -> int:
+    """Embedding bytes a process receives with ``sharded=True``: in each of the
+    ``SHARDED_PASSES`` passes, the blocks of every other process."""
+    return SHARDED_PASSES * (items - items // world) * dim * element
+
+
+def gathered_bytes_received(items: int, dim: int, world: int, element: int = 4) -> int:
+    """Embedding bytes a process receives under DDP without sharding: every other
+    process's embeddings, once."""
+    return (items - items // world) * dim * element

@@ -1,0 +1,157 @@
+"""Every claim of docs/large-galleries.md, checked against the constants it comes from:
+the memory formula (``tests/memory_formula.py``, which ``tests/test_memory.py`` measures
+``compute()`` against), the package's defaults, and the scale benchmark's options and
+columns (``benchmarks/scale.py``, run in ``tests/test_benchmarks.py``). Change a
+constant and these tests name the sentence to rewrite."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import memory_formula as formula
+
+from recall_at_k import EmbeddingRecallAtK
+from recall_at_k.ranking import rank
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = (ROOT / "docs" / "large-galleries.md").read_text(encoding="utf-8")
+TEXT = " ".join(PAGE.split())  # sentences wrapped over lines, on one line
+MiB = 2**20
+GPU = 40e9  # the example GPU's memory
+TIMES = {1: "once", 2: "twice"}
+
+
+def _scale() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("scale")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def section(heading: str) -> str:
+    body = PAGE.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return " ".join(body.split())
+
+
+def test_the_formula_constants_are_the_package_defaults() -> None:
+    assert formula.CPU_TILE_BYTES == rank.CPU_TILE_BYTES
+    default = inspect.signature(EmbeddingRecallAtK).parameters["chunk_bytes"].default
+    assert default == formula.DEFAULT_CHUNK_BYTES
+
+
+def test_the_page_states_the_tested_formula() -> None:
+    assert f"\n    {formula.COPIES} x N x D x 4 bytes " in PAGE
+    assert f"\n  + {formula.SCRATCH_TILES} x tile " in PAGE
+    assert f"(on CPU at most {formula.CPU_TILE_BYTES // MiB} MiB)" in PAGE
+    assert f"\n  + {formula.BYTES_PER_ITEM} bytes x N " in PAGE
+    assert f"\n  + {formula.FIXED_BYTES // MiB} MiB " in PAGE
+    assert formula.compute_bound(1000, 10, MiB) == (
+        formula.COPIES * 1000
+        + formula.SCRATCH_TILES * MiB
+        + formula.BYTES_PER_ITEM * 10
+        + formula.FIXED_BYTES
+    )
+
+
+def test_the_example_adds_up() -> None:
+    items, width = 10**6, 1024
+    stored = items * width * 4
+    default = formula.compute_bound(stored, items, formula.DEFAULT_CHUNK_BYTES)
+    smaller = formula.compute_bound(stored, items, 32 * MiB)
+    assert f"({stored / 1e9:.1f} GB stored)" in TEXT
+    terms = (
+        f"{stored / 1e9:.1f} GB + {formula.SCRATCH_TILES} x"
+        f" {formula.DEFAULT_CHUNK_BYTES // MiB} MiB + {formula.BYTES_PER_ITEM * items / 1e6:.0f}"
+        f" MB + {formula.FIXED_BYTES // MiB} MiB, about {default / 1e9:.1f} GB, on a GPU"
+    )
+    assert terms in TEXT
+    assert f"`chunk_bytes={formula.DEFAULT_CHUNK_BYTES // MiB} * 2**20`" in TEXT
+    scratch = formula.SCRATCH_TILES * formula.tile_bytes(32 * MiB, "cuda")
+    assert f"the scratch falls to {scratch // MiB} MiB and the peak to about" in TEXT
+    assert f"to about {smaller / 1e9:.1f} GB" in TEXT
+    cpu = formula.SCRATCH_TILES * formula.tile_bytes(formula.DEFAULT_CHUNK_BYTES, "cpu")
+    assert (
+        f"On CPU tiles never exceed {formula.CPU_TILE_BYTES // MiB} MiB, so the default adds at"
+        f" most {cpu // MiB} MiB of scratch." in TEXT
+    )
+
+
+def test_when_to_shard() -> None:
+    text = section("When to shard")
+    world, width = 8, 1024
+    small, large = 10**6, 10**7
+    small_copy, large_copy = small * width * 4, large * width * 4
+    added = formula.compute_bound(small_copy, small, formula.DEFAULT_CHUNK_BYTES)
+    assert f"on {world} GPUs of {GPU / 1e9:.0f} GB" in text
+    assert f"one million {width}-d float32 items take a {small_copy / 1e9:.1f} GB copy" in text
+    assert f"({added / 1e9:.1f} GB added in all with the default `chunk_bytes`), which fits" in text
+    assert added + small_copy / world < GPU
+    assert f"ten million take a {large_copy / 1e9:.1f} GB copy on each GPU, which does not" in text
+    assert large_copy > GPU
+    # the gathered ranking does 1 / SHARDED_PASSES of the sharded one's products and bytes
+    assert formula.SHARDED_PASSES == 2
+    assert "the gathered ranking computes half the products and receives half the bytes" in text
+
+
+def test_what_sharding_costs() -> None:
+    text = section("What sharding costs")
+    passes = TIMES[formula.SHARDED_PASSES]
+    assert f"the gallery goes round the processes {passes}:" in text
+    assert f"so the products cost {passes} the gathered ranking's" in text
+    assert f"receives the gallery's embeddings minus its own share in each pass, {passes}" in text
+    items, width, world = 10**7, 1024, 8
+    gathered = formula.gathered_bytes_received(items, width, world)
+    sharded = formula.ring_bytes_received(items, width, world)
+    assert sharded == formula.SHARDED_PASSES * gathered
+    assert f"ten million {width}-d float32 items on {world} processes" in text
+    assert f"receives {gathered / 1e9:.1f} GB gathered and {sharded / 1e9:.1f} GB sharded" in text
+
+
+def test_the_sections_and_the_sharded_api_heading() -> None:
+    headings = re.findall(r"^## (.+)$", PAGE, re.MULTILINE)
+    assert headings == [
+        "The memory formula",
+        "What it costs under DDP",
+        "When to shard",
+        "What sharding costs",
+        "Sharded gallery",
+        "Reading the scale benchmark",
+    ]
+
+
+def test_reading_the_scale_benchmark() -> None:
+    scale = _scale()
+    text = section("Reading the scale benchmark")
+    command = re.search(r"`(python benchmarks/scale\.py[^`]*)`", text)
+    assert command is not None
+    args = scale.parse(command.group(1).split()[2:])
+    assert args.sizes == list(scale.FULL_SIZES) and args.configs == list(scale.CONFIGS)
+    assert str(args.results) == "benchmarks/RESULTS.md"
+    assert f"at D = {scale.DIM}, N = 20,000, 50,000 and 100,000" in text
+    assert scale.FULL_SIZES == (20_000, 50_000, 100_000)
+    assert scale.PROCESSES == 4 and "one process, 4 gloo processes gathered, and 4 gloo" in text
+    assert set(scale.CONFIGS) == {"single", "gathered", "sharded"}
+    assert "Each process runs one torch thread;" in text  # scale._worker sets 1 thread
+    assert "torch.set_num_threads(1)" in inspect.getsource(scale._worker)
+    for option in ("--sizes", "--configs", "--repeats"):
+        assert f"`{option}`" in text
+        assert scale.parse([option, {"--configs": "single"}.get(option, "1")])
+    assert 'writes the section "Large galleries"' in text and "`scale.png` beside it" in text
+    assert '"## Large galleries' in inspect.getsource(scale.main)
+    assert 'with_name("scale.png")' in inspect.getsource(scale.main)
+    columns = re.findall(r"\*\*([^*]+)\*\*", text)
+    assert columns and set(columns) <= set(scale.HEAD), set(columns) - set(scale.HEAD)
+    assert set(scale.HEAD) - set(columns) == {"N", "configuration"}
+    assert "`N x (N - 1)` scores" in text
+    assert 'pairs = r["num"] * (r["num"] - 1)' in inspect.getsource(scale.table)
+    assert "ten million 1024-d items on 8 GPUs" in text
+    projection = inspect.getsource(scale.project)
+    assert "formula.BYTES_PER_ITEM" in projection and "widen = TARGET_DIM / DIM" in projection
+    assert 'share = world / TARGET_WORLD if name == "sharded" else 1.0' in projection
+    assert (scale.TARGET_ITEMS, scale.TARGET_DIM, scale.TARGET_WORLD) == (10**7, 1024, 8)
