@@ -7,8 +7,10 @@ writes them with the machine, the exact command and the targets, met or not. Rat
 measured side by side in one run; absolute times mean little on a shared machine.
 
 Run: ``python benchmarks/run.py [--quick | --tiny] [--device cpu|cuda]``. The full run
-(reference sizes, every workload at 1 thread and at every core: about fifteen to twenty
-minutes on an otherwise idle two-core machine) rewrites the committed
+(reference sizes, every threaded workload at 1 thread and at every core: about fifteen
+minutes on an otherwise idle two-core machine, estimated from the sections' quiet
+one-thread times, plus the large-galleries section, whose time ``scale.py`` states)
+rewrites the committed
 ``benchmarks/RESULTS.md`` and ``scaling.png``; ``--quick`` (minutes) and ``--tiny``
 (seconds, the tests) write under the git-ignored ``benchmarks/out/<mode>/``. ``--results
 PATH`` writes elsewhere (the figure beside it); ``--only dense,flat`` runs (and
@@ -19,7 +21,7 @@ runs one of them. ``--time-limit SECONDS`` bounds each run of the torchmetrics p
 (120 s in the full run, 60 s otherwise; quiet, they take about 90 s at the reference
 sizes): a peer stopped there keeps its row, which gives its time as a lower bound (">"
 before its time, ">=" before its ratios) and says so; so a loaded machine cannot stretch
-a full run much past twenty minutes.
+the peers' part of a full run much.
 
 A workload is one entry of :data:`WORKLOADS` (its heading, its run at a mode's sizes,
 and whether it runs at every thread count) plus its rows in :data:`TARGETS`.
