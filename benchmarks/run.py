@@ -7,14 +7,21 @@ writes them with the machine, the exact command and the targets, met or not. Rat
 measured side by side in one run; absolute times mean little on a shared machine.
 
 Run: ``python benchmarks/run.py [--quick | --tiny] [--device cpu|cuda]``. The full run
-(reference sizes, about twenty minutes on two cores) rewrites the committed
+(reference sizes, every threaded workload at 1 thread and at every core: about fifteen
+minutes on an otherwise idle two-core machine, estimated from the sections' quiet
+one-thread times, plus the large-galleries section, whose time ``scale.py`` states)
+rewrites the committed
 ``benchmarks/RESULTS.md`` and ``scaling.png``; ``--quick`` (minutes) and ``--tiny``
 (seconds, the tests) write under the git-ignored ``benchmarks/out/<mode>/``. ``--results
 PATH`` writes elsewhere (the figure beside it); ``--only dense,flat`` runs (and
 rewrites) only those sections; ``--threads 1,all`` (the default): the thread counts at
 which every workload runs, side by side (``all`` = every core, ``os.cpu_count()``), each
 process with that many torch (and OpenMP) threads; ``--threads 1`` or ``--threads all``
-runs one of them.
+runs one of them. ``--time-limit SECONDS`` bounds each run of the torchmetrics peers
+(120 s in the full run, 60 s otherwise; quiet, they take about 90 s at the reference
+sizes): a peer stopped there keeps its row, which gives its time as a lower bound (">"
+before its time, ">=" before its ratios) and says so; so a loaded machine cannot stretch
+the peers' part of a full run much.
 
 A workload is one entry of :data:`WORKLOADS` (its heading, its run at a mode's sizes,
 and whether it runs at every thread count) plus its rows in :data:`TARGETS`.
@@ -88,7 +95,7 @@ class Mode:
 MODES = {
     "full": Mode(
         dense=(20_000, 5_000), flat=(20_000, 5_000), embedding=20_000,
-        repeats=7, slow_repeats=2, rounds=3, time_limit=900.0, isolation="process",
+        repeats=7, slow_repeats=2, rounds=3, time_limit=120.0, isolation="process",
         scaling_grid=((2_500, 2_000), (5_000, 4_000), (10_000, 8_000), (20_000, 10_000)),
         scaling_k_size=(10_000, 5_000), scaling_k_counts=(1, 3, 10, 30, 100),
         scaling_state_queries=(10, 1_000, 100_000), scaling_repeats=5,

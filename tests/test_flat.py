@@ -132,6 +132,35 @@ def test_both_segment_top_paths_agree_with_reference(ties: str, path: _flat.Segm
         )
 
 
+@pytest.mark.parametrize("num_queries", [3, 64, 65, 150])
+def test_every_layout_of_a_batch_gives_the_same_partials(num_queries: int) -> None:
+    """Grouped ascending (equal or unequal sizes), grouped descending and shuffled items
+    of few and of many (> 64: the grouping is then read through tensor operations)
+    queries: the same partials, and Recall@K as the reference says."""
+    rng = random.Random(num_queries)
+    pool = [-INF, -1.0, 0.0, 0.0, 0.5, INF]
+    for equal in (True, False):
+        size = rng.randint(1, 12)
+        items: list[Item] = []
+        for qid in sorted(rng.sample(range(-500, 500), num_queries)):
+            for _ in range(size if equal else rng.randint(1, 12)):
+                items.append((qid, rng.choice(pool), int(rng.random() < 0.3)))
+        descending = sorted(items, key=lambda item: -item[0])
+        shuffled = rng.sample(items, len(items))
+        partials = []
+        for layout in (items, descending, shuffled):
+            preds, target, indexes = flat_tensors(layout)
+            partials.append(_flat.summarise(preds, target.bool(), indexes, 5))
+            for ties in TIES:
+                metric = RetrievalRecallAtK(k=(1, 2, 5), ties=ties)
+                metric.update(preds, target, indexes=indexes)
+                want = _reference(items, (1, 2, 5), ties, "neg")
+                assert_recall_close(compute_or_error(metric), want, where=(ties, equal))
+        for other in partials[1:]:
+            for a, b in zip(partials[0], other, strict=True):
+                assert torch.equal(a, b)
+
+
 def test_one_huge_query_among_small_ones_uses_the_sort() -> None:
     rng = random.Random(3)
     items: list[Item] = [

@@ -111,7 +111,7 @@ def check_values(scores: Tensor, target: Tensor) -> None:
         return
     if target.dim() == 1:
         gallery = scores.shape[1]
-        low, high = (int(value) for value in torch.aminmax(target))
+        low, high = torch.stack(torch.aminmax(target)).tolist()  # one host read
         if low < -1 or high >= gallery:
             raise ValueError(
                 f"`target` column indices must lie in [-1, {gallery}) (the gallery has"

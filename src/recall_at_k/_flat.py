@@ -55,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -102,6 +103,11 @@ SegmentPath = Literal["auto", "padded", "sorted"]
 same result; the choice is a private switch for tests)."""
 
 _NEG_INF = float("-inf")
+# A matrix of at most this many cells costs the dispatch of its tensor operations rather
+# than their arithmetic: it is counted through a bool comparison.
+_SMALL_MATRIX = 2**15
+# Up to this many segments :func:`_grouping` reads the ids and counts on the host.
+_FEW_SEGMENTS = 64
 
 
 class Partials(NamedTuple):
@@ -187,7 +193,9 @@ def flat_partials(
         no item is left after dropping ``ignore_index`` items.
     """
     check_structure(preds, target, indexes, ignore)
-    preds, target, indexes = preds.detach().reshape(-1), target.reshape(-1), indexes.reshape(-1)
+    preds = preds.detach()
+    if preds.dim() != 1:
+        preds, target, indexes = preds.reshape(-1), target.reshape(-1), indexes.reshape(-1)
     if ignore_index is not None:
         keep = target != ignore_index
         if not bool(keep.all()):
@@ -224,8 +232,11 @@ def _gather_column(matrix: Tensor, column: Tensor) -> Tensor:
 def _count_equal(matrix: Tensor, value: Tensor) -> Tensor:
     """Row-wise ``(matrix == value).sum(1)`` as int64.
 
-    The comparison is written into a float buffer (see :func:`recall_at_k._kernel.count_dtype`).
+    The comparison is written into a float buffer (see :func:`recall_at_k._kernel.count_dtype`),
+    except in a small matrix, where fewer operations matter more.
     """
+    if matrix.numel() <= _SMALL_MATRIX:
+        return (matrix == value).sum(dim=1)
     out = torch.empty(
         matrix.shape, dtype=_kernel.count_dtype(matrix.shape[1]), device=matrix.device
     )
@@ -233,14 +244,17 @@ def _count_equal(matrix: Tensor, value: Tensor) -> Tensor:
     return out.sum(dim=1).to(torch.int64)
 
 
-def choose_path(counts: Tensor, n: int) -> Literal["equal", "padded", "sorted"]:
+def choose_path(
+    counts: Tensor, n: int, width: int | None = None
+) -> Literal["equal", "padded", "sorted"]:
     """The way ``"auto"`` finds the per-segment top K of ``n`` values in these segments.
 
     ``"equal"``: every segment has the same length (the values already form the matrix);
     ``"padded"``: a ``[segments, longest]`` matrix of at most :data:`PADDED_FILL` cells
     per value; ``"sorted"`` otherwise (one huge segment among many small ones).
+    ``width``: the longest segment, when the caller has read it already.
     """
-    cells = counts.numel() * int(counts.max())
+    cells = counts.numel() * (int(counts.max()) if width is None else width)
     if cells == n:
         return "equal"
     return "padded" if cells <= PADDED_FILL * n else "sorted"
@@ -273,7 +287,7 @@ def segment_top(
     device = values.device
     width = int(counts.max())
     padding: Tensor | None = None
-    way = choose_path(counts, n) if path == "auto" else path
+    way = choose_path(counts, n, width) if path == "auto" else path
     if way == "equal":
         # Every segment has the same length: the grouped values already form the matrix.
         matrix = values.view(segments, width)
@@ -330,6 +344,21 @@ def _sort_key(indexes: Tensor) -> tuple[Tensor, Tensor | int]:
     return indexes, 0
 
 
+def _grouping(ids: Tensor, counts: Tensor) -> tuple[bool, int]:
+    """Whether the runs of ``unique_consecutive`` are ascending ids (each id one run, in
+    order), and the longest run, in one host read."""
+    if ids.numel() < 2:
+        return True, int(counts[0])
+    if ids.numel() <= _FEW_SEGMENTS:
+        # Two small host reads cost less than the tensor operations that combine them.
+        id_list, count_list = ids.tolist(), counts.tolist()
+        ascending_list = all(a < b for a, b in itertools.pairwise(id_list))
+        return ascending_list, max(count_list)
+    ascending = (ids[1:] > ids[:-1]).all().to(counts.dtype)
+    flag, width = torch.stack([ascending, counts.max()]).tolist()
+    return bool(flag), int(width)
+
+
 def summarise(
     preds: Tensor,
     positive: Tensor,
@@ -341,8 +370,11 @@ def summarise(
     """Partials of one batch of items: one row per distinct id, ids ascending.
 
     Items that arrive grouped by id in ascending order (the usual layout of a data
-    loader over (query, item) pairs) are not sorted again; otherwise one sort of the ids
-    and one gather of the scores group them.
+    loader over (query, item) pairs) are not sorted again (one host read tells); otherwise
+    one sort of the ids and one gather of the scores and targets group them. Balanced
+    segments are then summarised as one ``[segments, longest]`` matrix (the grouped items
+    themselves when every segment has the same length), in a fixed number of tensor
+    operations; one huge segment among many small ones by a sort on (id, -score).
 
     Args:
         preds: float ``[n]`` scores (no NaN), ``n >= 1``.
@@ -352,36 +384,84 @@ def summarise(
         path: the way :func:`segment_top` goes.
     """
     values = _scores_dtype(preds)
-    device = values.device
+    ids, counts = torch.unique_consecutive(indexes, return_counts=True)
+    grouped, width = _grouping(ids, counts)
+    if not grouped:
+        key, offset = _sort_key(indexes)
+        # Within a query the order does not matter: an unstable sort will do.
+        sorted_key, order = torch.sort(key)
+        values, positive = values[order], positive[order]
+        ids, counts = torch.unique_consecutive(sorted_key, return_counts=True)
+        ids = ids.to(torch.int64) + offset
+        width = int(counts.max())
+    way = choose_path(counts, values.numel(), width) if path == "auto" else path
+    if way == "sorted":
+        return _summarise_sorted(ids, counts, values, positive, max_k)
+    return _summarise_matrix(ids, counts, width, values, positive, max_k, way == "equal")
+
+
+def _summarise_matrix(
+    ids: Tensor,
+    counts: Tensor,
+    width: int,
+    values: Tensor,
+    positive: Tensor,
+    max_k: int,
+    equal: bool,
+) -> Partials:
+    """:func:`summarise` of grouped items as a ``[segments, width]`` matrix (``-inf``
+    and not positive in the padding of shorter segments)."""
+    segments, device = ids.numel(), values.device
+    hidden: Tensor | int = 0  # padding cells, -inf
+    if equal:
+        matrix, pos = values.view(segments, width), positive.view(segments, width)
+    else:
+        seg = torch.repeat_interleave(torch.arange(segments, device=device), counts)
+        rank = torch.arange(values.numel(), device=device) - (counts.cumsum(0) - counts)[seg]
+        matrix = torch.full((segments, width), _NEG_INF, dtype=values.dtype, device=device)
+        matrix[seg, rank] = values
+        pos = torch.zeros((segments, width), dtype=torch.bool, device=device)
+        pos[seg, rank] = positive
+        hidden = width - counts
+    negatives = matrix.masked_fill(pos, _NEG_INF)
+    best = torch.where(pos, matrix, _NEG_INF).amax(dim=1, keepdim=True)
+    num_pos = pos.sum(dim=1)
+    tied = (pos & (matrix == best)).sum(dim=1)
+    top = negatives.topk(min(max_k, width), dim=1).values
+    if top.shape[1] < max_k:
+        top = torch.cat([top, top.new_full((segments, max_k - top.shape[1]), _NEG_INF)], dim=1)
+    kept = (counts - num_pos).clamp(max=max_k)
+    # The smallest kept negative (top[0] = -inf when none is kept), as a column.
+    boundary_value = top.gather(1, (kept - 1).clamp_(min=0).unsqueeze(1))
+    equal_count = _count_equal(negatives, boundary_value)
+    # At -inf the count also holds the positives and the padding. A segment without
+    # negatives (kept = 0) has only -inf in its row and gets boundary 0 from this too.
+    at_neg_inf = num_pos if isinstance(hidden, int) else num_pos + hidden
+    boundary = equal_count - torch.where(boundary_value.view(-1) == _NEG_INF, at_neg_inf, 0)
+    # best and top in float64 through one conversion
+    scores = torch.cat([best, top], dim=1).to(torch.float64)
+    return Partials(ids, scores[:, 0], tied, scores[:, 1:], kept, boundary)
+
+
+def _summarise_sorted(
+    ids: Tensor, counts: Tensor, values: Tensor, positive: Tensor, max_k: int
+) -> Partials:
+    """:func:`summarise` of grouped items through :func:`_sorted_segment_top`."""
+    segments = ids.numel()
     # Positives are few: work on their positions only. Negatives keep their scores,
     # positives become -inf (they never count among the negatives).
     pos_index = positive.nonzero().squeeze(1)
     pos_values = values[pos_index]
-    negatives = values.clone() if values is preds else values
-    negatives[pos_index] = _NEG_INF
-
-    ids, counts = torch.unique_consecutive(indexes, return_counts=True)
-    if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
-        pos_seg = torch.searchsorted(counts.cumsum(0), pos_index, right=True)
-    else:
-        key, offset = _sort_key(indexes)
-        # Within a query the order does not matter: an unstable sort will do.
-        sorted_key, order = torch.sort(key)
-        negatives = negatives[order]
-        ids, counts = torch.unique_consecutive(sorted_key, return_counts=True)
-        ids = ids.to(torch.int64) + offset
-        pos_seg = torch.searchsorted(ids, indexes[pos_index])
-    segments = ids.numel()
-
-    best = torch.full((segments,), _NEG_INF, dtype=values.dtype, device=device)
+    negatives = values.index_fill(0, pos_index, _NEG_INF)
+    pos_seg = torch.searchsorted(counts.cumsum(0), pos_index, right=True)
+    best = torch.full((segments,), _NEG_INF, dtype=values.dtype, device=values.device)
     best.scatter_reduce_(0, pos_seg, pos_values, "amax")
     num_pos = torch.bincount(pos_seg, minlength=segments)
     tied = torch.zeros_like(num_pos).scatter_add_(
         0, pos_seg, (pos_values == best[pos_seg]).to(torch.int64)
     )
-
     kept = (counts - num_pos).clamp(max=max_k)
-    top, equal = segment_top(counts, negatives, max_k, kept, path=path)
+    top, equal = _sorted_segment_top(counts, negatives, max_k, kept)
     assert equal is not None
     # ``equal`` counted the positives too when the boundary value is -inf.
     boundary_value = _gather_column(top, kept - 1)
@@ -456,7 +536,9 @@ def pack(parts: Partials) -> Tensor:
     """Partials as int64 ``[n, 5 + max_k]``: id, tied, kept, boundary, then the float64
     bit patterns of ``best`` and ``top``."""
     ints = torch.stack([parts.ids, parts.tied, parts.kept, parts.boundary], dim=1)
-    scores = torch.cat([parts.best.unsqueeze(1), parts.top], dim=1).to(torch.float64)
+    scores = torch.cat([parts.best.unsqueeze(1), parts.top], dim=1)
+    if scores.dtype != torch.float64:
+        scores = scores.to(torch.float64)
     return torch.cat([ints, scores.view(torch.int64)], dim=1)
 
 
@@ -484,6 +566,17 @@ def _as_rows(state: Tensor | Sequence[Tensor], max_k: int) -> Tensor | None:
     return rows.reshape(-1, ROW_PREFIX + max_k)
 
 
+def _merged(
+    state: Tensor | Sequence[Tensor], max_k: int, complete_queries: bool, path: SegmentPath
+) -> Partials | None:
+    """The state (blocks, or one tensor after a sync) merged into one row per query id,
+    or ``None`` when it is empty."""
+    rows = _as_rows(state, max_k)
+    if rows is None:
+        return None
+    return merge(unpack(rows), max_k, complete_queries, path=path)
+
+
 def compact(
     state: list[Tensor],
     max_k: int,
@@ -500,7 +593,7 @@ def compact(
     """
     if len(state) < 2:
         return state
-    total = sum(block.shape[0] for block in state)
+    total = sum(map(len, state))
     if total <= 2 * state[0].shape[0] + slack:
         return state
     rows = _as_rows(state, max_k)
@@ -522,10 +615,9 @@ def flat_rank_histogram(
     Returns:
         ``(hist, queries)`` or ``None`` when the state is empty.
     """
-    rows = _as_rows(state, max_k)
-    if rows is None:
+    parts = _merged(state, max_k, complete_queries, path)
+    if parts is None:
         return None
-    parts = merge(unpack(rows), max_k, complete_queries, path=path)
     return _kernel.rank_histogram(tie_counts(parts, max_k), ties, max_k)
 
 
@@ -539,8 +631,7 @@ def flat_outcomes(
 ) -> tuple[Tensor, Tensor] | None:
     """Each flat query's id (ascending) and outcome record
     (:func:`recall_at_k._kernel.query_outcomes`), or ``None`` when the state is empty."""
-    rows = _as_rows(state, max_k)
-    if rows is None:
+    parts = _merged(state, max_k, complete_queries, path)
+    if parts is None:
         return None
-    parts = merge(unpack(rows), max_k, complete_queries, path=path)
     return parts.ids, _kernel.query_outcomes(tie_counts(parts, max_k), ties, max_k)

@@ -219,18 +219,19 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
 
     The same as ``histogram_of(query_outcomes(counts, ties, max_k), max_k)``; for a
     deterministic policy in fewer tensor operations (a small batch costs their dispatch):
-    one bin a query, 0 without a valid positive, the first-hit rank r for r <= max_k
-    and max_k + 1 for a later hit, summed by one ``scatter_add_``.
+    one bin a query, r - 1 for a first hit at rank r <= max_k, max_k for a later hit and
+    max_k + 1 without a valid positive, summed by one ``scatter_add_``. (The clamp at 0
+    only keeps the meaningless counts of a NaN row a valid index.)
     """
     if ties == "expected":
         return histogram_of(query_outcomes(counts, ties, max_k), max_k)
     ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
     assert ahead is not None
-    bins = (ahead + 1).clamp_(min=0, max=max_k + 1).mul_(counts.has_positive)
+    bins = torch.where(counts.has_positive, ahead.clamp(min=0, max=max_k), max_k + 1)
     found = torch.zeros(max_k + 2, dtype=torch.int64, device=bins.device)
     found.scatter_add_(0, bins, torch.ones_like(bins))
-    without = found[:1]
-    return found[1 : max_k + 1], torch.cat([torch.rsub(without, bins.shape[0]), without])
+    without = found[max_k + 1 :]
+    return found[:max_k], torch.cat([torch.rsub(without, bins.shape[0]), without])
 
 
 def first_of_each_id(ids: Tensor) -> Tensor:

@@ -317,7 +317,10 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 path=self._flat_path,
                 slack=self._flat_slack,
             )
-            setattr(self, self._flat_name, compacted)
+            if compacted is not state:
+                # A plain attribute (as torchmetrics keeps list states): object.__setattr__
+                # skips Module's checks, a sizeable part of a small update's cost.
+                object.__setattr__(self, self._flat_name, compacted)
 
     def _after_forward(self) -> None:
         # forward updates a fresh state and concatenates it onto the accumulated one, so
