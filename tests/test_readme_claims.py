@@ -180,3 +180,19 @@ def test_the_readme_says_cuda_tests_skip_without_a_gpu() -> None:
     )
     source = (ROOT / "tests" / "test_cuda.py").read_text(encoding="utf-8")
     assert "pytestmark = pytest.mark.skipif(" in source and "torch.cuda.is_available()" in source
+
+
+def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    commands = [line for line in ci.splitlines() if line.startswith("python -m pytest")]
+    # Leg 1 runs the README's command as it is; the lowest-versions leg leaves out the
+    # memory probes and the benchmark smoke runs, and nothing else.
+    assert commands == [
+        "python -m pytest -q",
+        "python -m pytest -q --ignore=tests/test_memory.py --ignore=tests/test_benchmarks.py",
+    ]
+    said = "that second run leaves out the memory probes and benchmark smoke runs"
+    assert said in _flat(README)
+    assert "leaves out the memory probes and benchmark smoke runs" in _flat(DOCS["index.md"])
+    for name in ("test_memory.py", "test_benchmarks.py"):
+        assert (ROOT / "tests" / name).exists()
