@@ -256,6 +256,13 @@ def _extras(rank: int, world: int) -> dict[str, Any]:
         out["failure"] = str(err)
     finally:
         sharded_ranking._Scan.run = scan  # type: ignore[method-assign]
+    # The audit's warning points at the line that called compute().
+    batches, options = _options("planted_copies", "pessimistic", 128)
+    warned = _metric(_shares(batches, world, "even", seed=8)[rank], options, sharded=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warned.compute()
+    out["warned_at"] = [w.filename for w in caught if "protocol_report()" in str(w.message)]
     return out
 
 
@@ -370,6 +377,12 @@ def test_a_failure_on_one_process_raises_on_every_process(
     assert three_processes[1]["failure"] == "a failure on process 1"
     for rank in (0, 2):
         assert "failed on another process" in three_processes[rank]["failure"]
+
+
+def test_the_audit_warning_points_at_the_caller_of_compute(
+    three_processes: list[dict[str, Any]],
+) -> None:
+    assert [result["warned_at"] for result in three_processes] == [[__file__]] * 3
 
 
 def test_sharded_is_off_by_default() -> None:

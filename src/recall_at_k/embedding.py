@@ -422,20 +422,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         meta = meta.index_select(0, ordered.order)
         audits = self._audits((embeddings, meta), directions)
         _ordered.normalise(embeddings, self.similarity)
-        near = self.near_duplicate if audits is not None else None
-        options = _bands.RankOptions(
-            self.similarity,
-            self.exclude,
-            self.ties,
-            self.max_k,
-            self.chunk_bytes,
-            self.validate_args and _score.may_produce_nan(embeddings, self.similarity),
-            near,
-            self.progress,
-        )
-        known = None
-        if near is not None and audits is not None:
-            known = [None if audit is None else audit.known() for audit in audits]
+        check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
+        options, known = self._rank_options(audits, check_nan)
         group = self._gathered  # shard across processes only when states are gathered
         shared = _rank.rank_shared(
             embeddings,
@@ -447,13 +435,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             group,
             known,
         )
-        if computing:
-            ranked = zip(self.directions, shared.ranked, strict=False)
-            self.last_compute_num_queries_ranked = dict(ranked)
-            self.last_compute_rescored = dict(zip(self.directions, shared.rescored, strict=False))
-        counted = _audit.counted_queries(shared.histograms, self.empty_target_action)
-        self._audit(audits, shared.near, counted, directions, computing)
-        return shared.histograms
+        return self._ranked(shared, audits, directions, computing, 0)
 
     def _rank_sharded(
         self, source: _sync.BroadcastRows, meta: Tensor, computing: bool
@@ -464,6 +446,17 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         audit's codes are made without any process holding every row."""
         directions = self._directions(meta)
         audits = self._audits(self._sharded_codes(source, meta), directions)
+        options, known = self._rank_options(audits, self.validate_args)
+        labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
+        shared, _ = _sharded.rank_sharded(source, labels, groups, directions, options, known)
+        return self._ranked(shared, audits, directions, computing, 1)
+
+    def _rank_options(
+        self, audits: Sequence[_audit.DirectionAudit | None] | None, check_nan: bool
+    ) -> tuple[_bands.RankOptions, list[Tensor | None] | None]:
+        """The ranking's options, and per direction the queries known to have a near
+        positive / negative (the audit's copies; only with ``near_duplicate`` and an
+        audit)."""
         near = self.near_duplicate if audits is not None else None
         options = _bands.RankOptions(
             self.similarity,
@@ -471,21 +464,32 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             self.ties,
             self.max_k,
             self.chunk_bytes,
-            self.validate_args,
+            check_nan,
             near,
             self.progress,
         )
         known = None
         if near is not None and audits is not None:
             known = [None if audit is None else audit.known() for audit in audits]
-        labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
-        shared, _ = _sharded.rank_sharded(source, labels, groups, directions, options, known)
+        return options, known
+
+    def _ranked(
+        self,
+        shared: _rank.Shared,
+        audits: Sequence[_audit.DirectionAudit | None] | None,
+        directions: Sequence[Any],
+        computing: bool,
+        depth: int,
+    ) -> list[Histogram]:
+        """The histograms of a ranking; for ``compute()`` its ``last_compute_*``
+        attributes; the protocol report made of ``audits`` and its near counts
+        (``depth``: this call's frames below ``_rank_directions``, for the warning)."""
         if computing:
             ranked = zip(self.directions, shared.ranked, strict=False)
             self.last_compute_num_queries_ranked = dict(ranked)
             self.last_compute_rescored = dict(zip(self.directions, shared.rescored, strict=False))
         counted = _audit.counted_queries(shared.histograms, self.empty_target_action)
-        self._audit(audits, shared.near, counted, directions, computing)
+        self._audit(audits, shared.near, counted, directions, computing, 8 + depth)
         return shared.histograms
 
     @staticmethod
@@ -594,14 +598,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ) -> list[Tensor | None]:
         """Every query's outcome record with the gallery sharded (gathered on every
         process)."""
-        options = _bands.RankOptions(
-            self.similarity,
-            self.exclude,
-            self.ties,
-            self.max_k,
-            self.chunk_bytes,
-            self.validate_args,
-        )
+        options = self._rank_options(None, self.validate_args)[0]._replace(progress=False)
         labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
         _, records = _sharded.rank_sharded(
             source, labels, groups, directions, options, outcomes=True
@@ -702,10 +699,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         counted: Sequence[int | None],
         sides: Sequence[Any],
         warn: bool = True,
+        stacklevel: int = 7,
     ) -> None:
         """Store the report made of ``audits`` (None: keep the one there is) and warn
         once per instance (never re-armed) of identical positives or duplicate gallery
-        items, bitwise or up to rounding."""
+        items, bitwise or up to rounding (``stacklevel``: the frames up to the caller of
+        ``compute()``)."""
         if self._in_forward:
             return
         count = len(self._prefixes)
@@ -719,7 +718,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         message = _audit.warning_message(options.names, self._report, sides[:count])
         if warn and message is not None and not self._audit_warned:
             self._audit_warned = True
-            warnings.warn(message, UserWarning, stacklevel=7)
+            warnings.warn(message, UserWarning, stacklevel=stacklevel)
 
     def reset(self) -> None:
         """Reset the state (and the views); forget the protocol report."""
