@@ -155,3 +155,24 @@ def test_reading_the_scale_benchmark() -> None:
     assert "formula.BYTES_PER_ITEM" in projection and "widen = TARGET_DIM / DIM" in projection
     assert 'share = world / TARGET_WORLD if name == "sharded" else 1.0' in projection
     assert (scale.TARGET_ITEMS, scale.TARGET_DIM, scale.TARGET_WORLD) == (10**7, 1024, 8)
+
+
+def test_the_sharded_bookkeeping_as_the_scale_benchmark_measured_it() -> None:
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in results.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 9 and cells[0] == "100,000":
+            rows[cells[1]] = cells[6]  # "x gathered bytes"
+    sharded, gathered = rows["4 processes, sharded"], rows["4 processes, gathered"]
+    text = section("Sharded gallery")
+    assert (
+        f"sharded `compute()` at 100,000 items on 4 processes added {sharded} the gathered"
+        f" embeddings' bytes ({gathered} gathered;" in text
+    )
+    # "a few hundred bytes an item": the projection's fitted bytes per item of the
+    # sharded configuration, measured at D = 128
+    fitted = re.search(r"Sharded \(.*?\): (\d+) bytes an item measured at D = 128", results)
+    assert fitted is not None and 100 <= int(fitted.group(1)) < 1000
+    assert "(512 bytes an item) that is as much again as the embeddings" in text
+    assert 0.5 <= float(sharded.rstrip("x")) - 0.25 <= 1.0  # beyond the 0.25x own share
