@@ -483,9 +483,7 @@ class _Scan:
         # a proven lower bound of s* (c* so far, or the run's best positive minus B)
         floor = torch.maximum(state.best[tile].unsqueeze(1), lower.to(torch.float64))
         reach, _ = edges(floor, bound, scores.dtype)
-        row, column = (valid & (scores >= reach)).nonzero(as_tuple=True)
-        if row.numel():
-            found["positive"].append((row + offset, column))
+        _keep(found, "positive", valid & (scores >= reach), offset)
 
     def near(
         self,
@@ -506,9 +504,7 @@ class _Scan:
         sure = (candidates & (scores > hi)).any(dim=1)
         state.near_negative[tile] |= sure
         unsure = candidates & ~sure.unsqueeze(1) & (scores >= lo)
-        row, column = unsure.nonzero(as_tuple=True)
-        if row.numel():
-            found["near"].append((row + offset, column))
+        _keep(found, "near", unsure, offset)
 
     def negatives(
         self,
@@ -528,13 +524,19 @@ class _Scan:
         lo, hi = edges(best, bound, scores.dtype)
         above = valid & (scores > hi)
         state.greater[tile] += above.sum(dim=1)
-        row, column = (valid & ~above & (scores >= lo)).nonzero(as_tuple=True)
-        if row.numel():
-            found["negative"].append((row + offset, column))
+        _keep(found, "negative", valid & ~above & (scores >= lo), offset)
 
 
 _Found = dict[str, list[tuple[Tensor, Tensor]]]
 """A run's candidate pairs by kind: (query of the direction, gallery column of the run)."""
+
+
+def _keep(found: _Found, kind: str, candidates: Tensor, offset: int) -> None:
+    """Add the pairs of a tile's bool ``candidates`` ``[T, run]`` to ``found[kind]``, the
+    tile's rows counted from ``offset``."""
+    row, column = candidates.nonzero(as_tuple=True)
+    if row.numel():
+        found[kind].append((row + offset, column))
 
 
 def state_labels(labels: Tensor, state: _Direction, tile: slice) -> Tensor:
