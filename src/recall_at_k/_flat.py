@@ -83,6 +83,7 @@ __all__ = [
     "flat_rank_histogram",
     "merge",
     "summarise",
+    "summarise_rows",
     "tie_counts",
 ]
 
@@ -205,7 +206,7 @@ def flat_partials(
     if preds.numel() == 0:
         return None
     positive = target if target.dtype == torch.bool else target != 0
-    return pack(summarise(preds, positive, indexes.to(torch.int64), max_k, path=path))
+    return summarise_rows(preds, positive, indexes.to(torch.int64), max_k, path=path)
 
 
 # ----------------------------------------------------------------- segment operations
@@ -229,19 +230,19 @@ def _gather_column(matrix: Tensor, column: Tensor) -> Tensor:
     return matrix.gather(1, index).squeeze(1)
 
 
-def _count_equal(matrix: Tensor, value: Tensor) -> Tensor:
-    """Row-wise ``(matrix == value).sum(1)`` as int64.
+def _count_equal(matrix: Tensor, value: Tensor, keepdim: bool = False) -> Tensor:
+    """Row-wise ``(matrix == value).sum(1)`` as int64 (``[rows, 1]`` with ``keepdim``).
 
     The comparison is written into a float buffer (see :func:`recall_at_k._kernel.count_dtype`),
     except in a small matrix, where fewer operations matter more.
     """
     if matrix.numel() <= _SMALL_MATRIX:
-        return (matrix == value).sum(dim=1)
+        return (matrix == value).sum(dim=1, keepdim=keepdim)
     out = torch.empty(
         matrix.shape, dtype=_kernel.count_dtype(matrix.shape[1]), device=matrix.device
     )
     torch.eq(matrix, value, out=out)
-    return out.sum(dim=1).to(torch.int64)
+    return out.sum(dim=1, keepdim=keepdim).to(torch.int64)
 
 
 def choose_path(
@@ -367,7 +368,21 @@ def summarise(
     *,
     path: SegmentPath = "auto",
 ) -> Partials:
-    """Partials of one batch of items: one row per distinct id, ids ascending.
+    """Partials of one batch of items: one row per distinct id, ids ascending
+    (:func:`summarise_rows`, unpacked)."""
+    return unpack(summarise_rows(preds, positive, indexes, max_k, path=path))
+
+
+def summarise_rows(
+    preds: Tensor,
+    positive: Tensor,
+    indexes: Tensor,
+    max_k: int,
+    *,
+    path: SegmentPath = "auto",
+) -> Tensor:
+    """Packed state rows (:func:`pack`) of one batch of items: one row per distinct id,
+    ids ascending.
 
     Items that arrive grouped by id in ascending order (the usual layout of a data
     loader over (query, item) pairs) are not sorted again (one host read tells); otherwise
@@ -396,7 +411,7 @@ def summarise(
         width = int(counts.max())
     way = choose_path(counts, values.numel(), width) if path == "auto" else path
     if way == "sorted":
-        return _summarise_sorted(ids, counts, values, positive, max_k)
+        return pack(_summarise_sorted(ids, counts, values, positive, max_k))
     return _summarise_matrix(ids, counts, width, values, positive, max_k, way == "equal")
 
 
@@ -408,13 +423,21 @@ def _summarise_matrix(
     positive: Tensor,
     max_k: int,
     equal: bool,
-) -> Partials:
+) -> Tensor:
     """:func:`summarise` of grouped items as a ``[segments, width]`` matrix (``-inf``
-    and not positive in the padding of shorter segments)."""
+    and not positive in the padding of shorter segments), as packed rows (:func:`pack`).
+
+    Every per-segment count is kept as a ``[segments, 1]`` column, so that the packed
+    rows are one concatenation (a small batch costs the dispatch of its operations).
+    """
     segments, device = ids.numel(), values.device
-    hidden: Tensor | int = 0  # padding cells, -inf
+    neg_inf = _kernel.constant(_NEG_INF, values.dtype, device)
+    nan = _kernel.constant(float("nan"), values.dtype, device)
     if equal:
         matrix, pos = values.view(segments, width), positive.view(segments, width)
+        # The negatives' scores, NaN elsewhere (NaN equals nothing): the boundary count.
+        counted = torch.where(pos, nan, matrix)
+        num_items: Tensor | int = width
     else:
         seg = torch.repeat_interleave(torch.arange(segments, device=device), counts)
         rank = torch.arange(values.numel(), device=device) - (counts.cumsum(0) - counts)[seg]
@@ -422,25 +445,24 @@ def _summarise_matrix(
         matrix[seg, rank] = values
         pos = torch.zeros((segments, width), dtype=torch.bool, device=device)
         pos[seg, rank] = positive
-        hidden = width - counts
-    negatives = matrix.masked_fill(pos, _NEG_INF)
-    best = torch.where(pos, matrix, _NEG_INF).amax(dim=1, keepdim=True)
-    num_pos = pos.sum(dim=1)
-    tied = (pos & (matrix == best)).sum(dim=1)
+        counted = torch.full((segments, width), float("nan"), dtype=values.dtype, device=device)
+        counted[seg, rank] = torch.where(positive, nan, values)
+        num_items = counts.unsqueeze(1)
+    negatives = torch.where(pos, neg_inf, matrix)
+    best = torch.where(pos, matrix, neg_inf).amax(dim=1, keepdim=True)
+    num_pos = pos.sum(dim=1, keepdim=True)
+    tied = (pos & (matrix == best)).sum(dim=1, keepdim=True)
     top = negatives.topk(min(max_k, width), dim=1).values
     if top.shape[1] < max_k:
         top = torch.cat([top, top.new_full((segments, max_k - top.shape[1]), _NEG_INF)], dim=1)
-    kept = (counts - num_pos).clamp(max=max_k)
-    # The smallest kept negative (top[0] = -inf when none is kept), as a column.
-    boundary_value = top.gather(1, (kept - 1).clamp_(min=0).unsqueeze(1))
-    equal_count = _count_equal(negatives, boundary_value)
-    # At -inf the count also holds the positives and the padding. A segment without
-    # negatives (kept = 0) has only -inf in its row and gets boundary 0 from this too.
-    at_neg_inf = num_pos if isinstance(hidden, int) else num_pos + hidden
-    boundary = equal_count - torch.where(boundary_value.view(-1) == _NEG_INF, at_neg_inf, 0)
+    kept = (num_items - num_pos).clamp_(max=max_k)
+    # The smallest kept negative (top[0] = -inf when none is kept, and then no
+    # negative is counted: the segment gets boundary 0), as a column.
+    boundary_value = top.gather(1, (kept - 1).clamp_(min=0))
+    boundary = _count_equal(counted, boundary_value, keepdim=True)
     # best and top in float64 through one conversion
-    scores = torch.cat([best, top], dim=1).to(torch.float64)
-    return Partials(ids, scores[:, 0], tied, scores[:, 1:], kept, boundary)
+    scores = torch.cat([best, top], dim=1).to(torch.float64).view(torch.int64)
+    return torch.cat([ids.unsqueeze(1), tied, kept, boundary, scores], dim=1)
 
 
 def _summarise_sorted(
@@ -584,22 +606,24 @@ def compact(
     *,
     path: SegmentPath = "auto",
     slack: int = COMPACT_SLACK,
+    rows: int | None = None,
 ) -> list[Tensor]:
     """Merge the state blocks into one once they hold too many rows.
 
     Merging happens when the blocks hold more than twice the rows of the first block
     (the result of the last merge) plus a small slack, so the state stays within about
     twice the number of distinct queries and the merges cost O(1) amortised per row.
+    ``rows``: the blocks' row count, when the caller keeps it.
     """
     if len(state) < 2:
         return state
-    total = sum(map(len, state))
+    total = sum(block.shape[0] for block in state) if rows is None else rows
     if total <= 2 * state[0].shape[0] + slack:
         return state
-    rows = _as_rows(state, max_k)
-    if rows is None:
+    joined = _as_rows(state, max_k)
+    if joined is None:
         return []
-    return [pack(merge(unpack(rows), max_k, complete_queries, path=path))]
+    return [pack(merge(unpack(joined), max_k, complete_queries, path=path))]
 
 
 def flat_rank_histogram(

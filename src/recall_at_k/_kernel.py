@@ -263,3 +263,22 @@ def recall_from_histogram(
     if counted == 0:
         return torch.full_like(hits, float("nan")), 0, without_pos
     return hits / counted, counted, without_pos
+
+
+_CONSTANTS: dict[tuple[float | str, torch.dtype, torch.device], Tensor] = {}
+
+
+def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d tensor of ``value``, made once per (value, dtype, device).
+
+    An operand of ``torch.where`` or a comparison costs less as a tensor than as a
+    Python number (which torch wraps into a fresh tensor on every call). The cached
+    tensor is an ordinary one, never an inference tensor, and must not be written.
+    """
+    key = (value if value == value else "nan", dtype, device)  # NaN != NaN as a key
+    found = _CONSTANTS.get(key)
+    if found is None:
+        with torch.inference_mode(False):
+            found = torch.full((), value, dtype=dtype, device=device)
+        _CONSTANTS[key] = found
+    return found

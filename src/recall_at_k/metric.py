@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar, SupportsIndex, overload
 
@@ -309,18 +310,37 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
 
     def _compact_flat(self) -> None:
         state = getattr(self, self._flat_name)
-        if isinstance(state, list):
-            compacted = _flat.compact(
-                state,
-                self.max_k,
-                self.complete_queries,
-                path=self._flat_path,
-                slack=self._flat_slack,
-            )
-            if compacted is not state:
-                # A plain attribute (as torchmetrics keeps list states): object.__setattr__
-                # skips Module's checks, a sizeable part of a small update's cost.
-                object.__setattr__(self, self._flat_name, compacted)
+        if not isinstance(state, list) or len(state) < 2:
+            return
+        # The state's row count, carried over from the last call while the list is the
+        # same one grown by one block (torchmetrics replaces the list on reset, sync,
+        # forward and device moves); counted again otherwise. Only references that keep
+        # nothing alive: the list's id and a weak reference to its last block.
+        known = self.__dict__.get("_flat_rows")
+        if (
+            known is not None
+            and known[0] == id(state)
+            and known[1] == len(state) - 1
+            and state[-2] is known[3]()
+        ):
+            rows = known[2] + state[-1].shape[0]
+        else:
+            rows = sum(block.shape[0] for block in state)
+        compacted = _flat.compact(
+            state,
+            self.max_k,
+            self.complete_queries,
+            path=self._flat_path,
+            slack=self._flat_slack,
+            rows=rows,
+        )
+        if compacted is not state:
+            # A plain attribute (as torchmetrics keeps list states): object.__setattr__
+            # skips Module's checks, a sizeable part of a small update's cost.
+            object.__setattr__(self, self._flat_name, compacted)
+            rows = sum(block.shape[0] for block in compacted)
+        last = weakref.ref(compacted[-1])
+        object.__setattr__(self, "_flat_rows", (id(compacted), len(compacted), rows, last))
 
     def _after_forward(self) -> None:
         # forward updates a fresh state and concatenates it onto the accumulated one, so
