@@ -35,10 +35,15 @@ from recall_at_k._kernel import (
     NeededCounts,
     TieCounts,
     Workspace,
+    constant,
     count_dtype,
     no_positive_counts,
     scratch,
 )
+
+FEW_VALUES = 64
+"""A ``[Q]`` target of at most this many values is range-checked on the host (one read
+of the values costs less than a reduction)."""
 
 SMALL_BATCH = 2**15
 """Batches of at most this many scores take the paths with the fewest tensor operations
@@ -54,7 +59,12 @@ each block and its one scratch block stay in the core's L2 cache between the pas
 
 def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> None:
     """Types, shapes, dtypes and devices of ``(scores, target, ignore)`` (no value read)."""
-    check_tensors(scores=scores, target=target, ignore=ignore)
+    if not (
+        isinstance(scores, Tensor)
+        and isinstance(target, Tensor)
+        and (ignore is None or isinstance(ignore, Tensor))
+    ):
+        check_tensors(scores=scores, target=target, ignore=ignore)
     if scores.dim() != 2 or not scores.is_floating_point():
         raise ValueError(
             f"`scores` must be a floating point tensor of shape [Q, G], got {describe(scores)}"
@@ -86,7 +96,9 @@ def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> No
             "`ignore` must be a bool tensor of the same shape as `scores`"
             f" [{num_queries}, {gallery}], got {describe(ignore)}"
         )
-    check_same_device(scores=scores, target=target, ignore=ignore)
+    device = scores.device
+    if target.device != device or (ignore is not None and ignore.device != device):
+        check_same_device(scores=scores, target=target, ignore=ignore)
 
 
 def check_query_ids(query_ids: Tensor, scores: Tensor) -> None:
@@ -111,7 +123,12 @@ def check_values(scores: Tensor, target: Tensor) -> None:
         return
     if target.dim() == 1:
         gallery = scores.shape[1]
-        low, high = torch.stack(torch.aminmax(target)).tolist()  # one host read
+        if target.numel() <= FEW_VALUES:
+            values = target.tolist()  # one host read of a few values
+            low, high = min(values), max(values)
+        else:
+            extremes = torch.aminmax(target)
+            low, high = int(extremes.min), int(extremes.max)
         if low < -1 or high >= gallery:
             raise ValueError(
                 f"`target` column indices must lie in [-1, {gallery}) (the gallery has"
@@ -184,7 +201,7 @@ def dense_tie_counts(
 
 
 def _constant(value: float, like: Tensor) -> Tensor:
-    return torch.full((), value, dtype=like.dtype, device=like.device)
+    return constant(value, like.dtype, like.device)
 
 
 def _count(
@@ -288,7 +305,8 @@ def _mask_counts_small(scores: Tensor, target: Tensor, needed: NeededCounts) -> 
     number of negatives and of positives, the counts that case needs.
     """
     relevant = target if target.dtype == torch.bool else target != 0
-    best = torch.where(relevant, scores, float("-inf")).amax(dim=-1, keepdim=True)
+    best = torch.where(relevant, scores, _constant(float("-inf"), scores))
+    best = best.amax(dim=-1, keepdim=True)
     greater = (scores > best).sum(dim=-1) if needed.greater else None
     at_or_above = tied = None
     if needed.at_or_above or needed.tied_positives:

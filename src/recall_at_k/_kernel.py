@@ -220,16 +220,27 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
     The same as ``histogram_of(query_outcomes(counts, ties, max_k), max_k)``; for a
     deterministic policy in fewer tensor operations (a small batch costs their dispatch):
     one bin a query, r - 1 for a first hit at rank r <= max_k, max_k for a later hit and
-    max_k + 1 without a valid positive, summed by one ``scatter_add_``. (The clamp at 0
-    only keeps the meaningless counts of a NaN row a valid index.)
+    max_k + 1 without a valid positive, summed by one ``bincount`` (CPU) or
+    ``scatter_add_``. (The clamp at 0 only keeps the meaningless counts of a NaN row a
+    valid index.)
     """
     if ties == "expected":
         return histogram_of(query_outcomes(counts, ties, max_k), max_k)
     ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
     assert ahead is not None
-    bins = torch.where(counts.has_positive, ahead.clamp(min=0, max=max_k), max_k + 1)
-    found = torch.zeros(max_k + 2, dtype=torch.int64, device=bins.device)
-    found.scatter_add_(0, bins, torch.ones_like(bins))
+    device = ahead.device
+    bins = torch.where(
+        counts.has_positive,
+        ahead.clamp(min=0, max=max_k),
+        constant(max_k + 1, torch.int64, device),
+    )
+    if device.type == "cpu":
+        # One operation; bincount sizes its output by a read of the largest bin, a
+        # synchronisation on an accelerator (the bins here are at most max_k + 1).
+        found = torch.bincount(bins, minlength=max_k + 2)
+    else:
+        found = torch.zeros(max_k + 2, dtype=torch.int64, device=device)
+        found.scatter_add_(0, bins, torch.ones_like(bins))
     without = found[max_k + 1 :]
     return found[:max_k], torch.cat([torch.rsub(without, bins.shape[0]), without])
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar, SupportsIndex, overload
 
@@ -170,6 +169,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         self.ignore_index = check_optional_int("ignore_index", ignore_index)
         self.complete_queries = bool(complete_queries)
         tag = state_tag(ties, self.max_k, self.ignore_index, self.complete_queries)
+        self._needed_counts = _kernel.needed_counts(self.ties)
         expected = ties == "expected"
         self._hist_name = f"rank_hist_{tag}"
         self._queries_name = f"query_count_{tag}"
@@ -262,7 +262,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             preds,
             target,
             ignore,
-            _kernel.needed_counts(self.ties),
+            self._needed_counts,
             self.validate_args,
             self._workspace,
             self._dense_block_bytes,
@@ -314,14 +314,15 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             return
         # The state's row count, carried over from the last call while the list is the
         # same one grown by one block (torchmetrics replaces the list on reset, sync,
-        # forward and device moves); counted again otherwise. Only references that keep
-        # nothing alive: the list's id and a weak reference to its last block.
+        # forward and device moves); counted again otherwise. Only ids, which keep
+        # nothing alive and pickle: the list's and its last block's. (A wrong count
+        # would only move the next compaction, never change a result.)
         known = self.__dict__.get("_flat_rows")
         if (
             known is not None
             and known[0] == id(state)
             and known[1] == len(state) - 1
-            and state[-2] is known[3]()
+            and id(state[-2]) == known[3]
         ):
             rows = known[2] + state[-1].shape[0]
         else:
@@ -339,8 +340,10 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             # skips Module's checks, a sizeable part of a small update's cost.
             object.__setattr__(self, self._flat_name, compacted)
             rows = sum(block.shape[0] for block in compacted)
-        last = weakref.ref(compacted[-1])
-        object.__setattr__(self, "_flat_rows", (id(compacted), len(compacted), rows, last))
+        if not compacted:
+            return
+        known = (id(compacted), len(compacted), rows, id(compacted[-1]))
+        object.__setattr__(self, "_flat_rows", known)
 
     def _after_forward(self) -> None:
         # forward updates a fresh state and concatenates it onto the accumulated one, so
