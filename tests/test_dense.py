@@ -141,8 +141,9 @@ def _several_row_blocks_case() -> tuple[torch.Tensor, torch.Tensor]:
     """A [Q, G] mask batch larger than one CPU row block, with heavy ties, infinities,
     rows whose positives all score -inf and rows without a positive."""
     gen = torch.Generator().manual_seed(7)
-    num_queries, gallery = 300, 700  # 187 rows fit a block of the default size: 2 blocks
-    assert num_queries * gallery * 4 > _dense.CPU_BLOCK_BYTES
+    # 262 rows fit a block of the default size a thread: 3 blocks at 1 thread, 2 at 2
+    num_queries, gallery = 600, 1000
+    assert num_queries * gallery * 4 > _dense.CPU_BLOCK_BYTES * min(torch.get_num_threads(), 2)
     levels = torch.tensor([float("-inf"), -1.0, 0.0, 0.5, 1.0, float("inf")])
     scores = levels[torch.randint(0, len(levels), (num_queries, gallery), generator=gen)]
     mask = torch.rand(num_queries, gallery, generator=gen) < 0.01
@@ -191,7 +192,7 @@ def test_small_batch_mask_path_counts_equal_the_other_paths(dtype: torch.dtype) 
     ties, infinities, positives all at -inf and rows without a positive; the index path
     of both sizes agrees on rows with one positive."""
     scores, mask = _several_row_blocks_case()
-    scores, mask = scores[:40].to(dtype), mask[:40]
+    scores, mask = scores[:32].to(dtype), mask[:32]
     assert scores.numel() <= _dense.SMALL_BATCH
     need = _kernel.needed_counts("expected")
     small = _dense.dense_tie_counts(scores, mask, None, need)
@@ -455,3 +456,31 @@ def test_query_ids_and_plain_rows_count_together_and_forward_works() -> None:
     metric(scores[:10], target[:10], query_ids=torch.arange(10))  # all repeats
     metric.update(scores[10:], target[10:])  # rows without ids: complete, distinct
     assert metric.compute() == retrieval_recall_at_k(scores, target, (1, 3))
+
+
+@pytest.mark.parametrize("with_ignore", [False, True])
+def test_index_path_in_row_blocks_counts_equal_the_one_pass_counts(with_ignore: bool) -> None:
+    """The CPU index path counts in blocks of rows (several blocks here, the last one
+    short) and gives the same g_>, g_> + e, p and has-positive as the bool comparisons
+    over the whole batch, with heavy ties, infinities, rows without a positive and,
+    optionally, ignored items (the positive itself among them in some rows)."""
+    scores, mask = _several_row_blocks_case()
+    has = mask.any(dim=1)
+    column = torch.where(has, mask.to(torch.int64).argmax(dim=1), -1)
+    ignore = None
+    if with_ignore:
+        ignore = torch.rand(scores.shape, generator=torch.Generator().manual_seed(3)) < 0.05
+        ignore[5::13, :] = False
+        rows = torch.arange(0, scores.shape[0], 17)
+        ignore[rows, column[rows].clamp(min=0)] = True  # an ignored positive
+    need = _kernel.needed_counts("expected")
+    whole = _dense.dense_tie_counts(scores, column, ignore, need, small_batch=10**9)
+    for block_bytes in (1, 7 * 1000 * 4, 10**9):
+        blocks = _dense.dense_tie_counts(
+            scores, column, ignore, need, small_batch=0, block_bytes=block_bytes
+        )
+        assert torch.equal(whole.has_positive, blocks.has_positive)
+        valid = whole.has_positive
+        for name in ("greater", "at_or_above", "tied_positives"):
+            a, b = getattr(whole, name), getattr(blocks, name)
+            assert torch.equal(a[valid], b[valid]), (name, block_bytes)
