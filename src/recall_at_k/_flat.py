@@ -56,7 +56,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -136,7 +136,10 @@ def check_structure(
 
     Reads no tensor values (no host-device synchronisation).
     """
-    check_tensors(preds=preds, target=target, indexes=indexes)
+    if not (
+        isinstance(preds, Tensor) and isinstance(target, Tensor) and isinstance(indexes, Tensor)
+    ):
+        check_tensors(preds=preds, target=target, indexes=indexes)
     if ignore is not None:
         raise ValueError(
             "`ignore` is the dense form's [Q, G] mask and cannot be combined with `indexes`;"
@@ -162,7 +165,9 @@ def check_structure(
             " per item; tensors of one same shape are flattened), got shapes"
             f" {list(preds.shape)}, {list(target.shape)} and {list(indexes.shape)}"
         )
-    check_same_device(preds=preds, target=target, indexes=indexes)
+    device = preds.device
+    if target.device != device or indexes.device != device:
+        check_same_device(preds=preds, target=target, indexes=indexes)
 
 
 def check_values(preds: Tensor, target: Tensor, ignore_index: int | None) -> None:
@@ -345,6 +350,23 @@ def _sort_key(indexes: Tensor) -> tuple[Tensor, Tensor | int]:
     return indexes, 0
 
 
+# The operator under torch.unique_consecutive's Python wrapper (not in torch's stubs).
+_UNIQUE_CONSECUTIVE: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = getattr(
+    torch._C._VariableFunctions, "unique_consecutive", None
+)
+
+
+def _runs(values: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.unique_consecutive(values, return_counts=True)``, without the Python
+    wrapper around the operator where there is one (about half the cost of a small
+    batch's call)."""
+    if _UNIQUE_CONSECUTIVE is None:
+        runs, counts = torch.unique_consecutive(values, return_counts=True)
+    else:
+        runs, _, counts = _UNIQUE_CONSECUTIVE(values, False, True, None)
+    return runs, counts
+
+
 def _grouping(ids: Tensor, counts: Tensor) -> tuple[bool, int]:
     """Whether the runs of ``unique_consecutive`` are ascending ids (each id one run, in
     order), and the longest run, in one host read."""
@@ -399,14 +421,14 @@ def summarise_rows(
         path: the way :func:`segment_top` goes.
     """
     values = _scores_dtype(preds)
-    ids, counts = torch.unique_consecutive(indexes, return_counts=True)
+    ids, counts = _runs(indexes)
     grouped, width = _grouping(ids, counts)
     if not grouped:
         key, offset = _sort_key(indexes)
         # Within a query the order does not matter: an unstable sort will do.
         sorted_key, order = torch.sort(key)
         values, positive = values[order], positive[order]
-        ids, counts = torch.unique_consecutive(sorted_key, return_counts=True)
+        ids, counts = _runs(sorted_key)
         ids = ids.to(torch.int64) + offset
         width = int(counts.max())
     way = choose_path(counts, values.numel(), width) if path == "auto" else path
@@ -431,6 +453,11 @@ def _summarise_matrix(
     rows are one concatenation (a small batch costs the dispatch of its operations).
     """
     segments, device = ids.numel(), values.device
+    if values.numel() <= _SMALL_MATRIX:
+        # A small batch works in float64 from the start (exact: every comparison and
+        # maximum of the converted scores is that of the scores), which saves the
+        # conversion and a concatenation when packing.
+        values = values.to(torch.float64)
     neg_inf = _kernel.constant(_NEG_INF, values.dtype, device)
     nan = _kernel.constant(float("nan"), values.dtype, device)
     if equal:
@@ -460,9 +487,12 @@ def _summarise_matrix(
     # negative is counted: the segment gets boundary 0), as a column.
     boundary_value = top.gather(1, (kept - 1).clamp_(min=0))
     boundary = _count_equal(counted, boundary_value, keepdim=True)
+    counts_and_id = [ids.unsqueeze(1), tied, kept, boundary]
+    if values.dtype == torch.float64:
+        return torch.cat([*counts_and_id, best.view(torch.int64), top.view(torch.int64)], dim=1)
     # best and top in float64 through one conversion
     scores = torch.cat([best, top], dim=1).to(torch.float64).view(torch.int64)
-    return torch.cat([ids.unsqueeze(1), tied, kept, boundary, scores], dim=1)
+    return torch.cat([*counts_and_id, scores], dim=1)
 
 
 def _summarise_sorted(
