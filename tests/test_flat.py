@@ -522,6 +522,43 @@ def test_compaction_keeps_the_state_bounded_when_queries_arrive_in_many_pieces()
     )
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_carried_row_count_matches_the_state_through_forward_reset_and_copies(
+    seed: int,
+) -> None:
+    """The compaction's row count, carried from one update to the next, is the state's
+    row count after updates, forward, reset (which empties the list in place), a deep
+    copy and a pickle round trip."""
+    import copy
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def feed(metric: RetrievalRecallAtK[dict[str, torch.Tensor]], forward: bool) -> None:
+        indexes = torch.randint(0, 50, (40,), generator=gen)
+        args = (torch.rand(40, generator=gen), torch.rand(40, generator=gen) < 0.3, indexes)
+        if forward:
+            metric(*args)
+        else:
+            metric.update(*args)
+        state = getattr(metric, metric._flat_name)
+        known = metric.__dict__.get("_flat_rows")
+        if known is not None and known[0] == id(state):
+            assert known[2] == sum(block.shape[0] for block in state)
+
+    metric = RetrievalRecallAtK(k=(1, 5))
+    metric._flat_slack = 16
+    for step in range(60):
+        feed(metric, forward=step % 7 == 3)
+        if step in (20, 21, 45):
+            metric.reset()
+        if step == 30:
+            metric = copy.deepcopy(metric)
+        if step == 40:
+            metric = pickle.loads(pickle.dumps(metric))
+    rows = sum(block.shape[0] for block in getattr(metric, metric._flat_name))
+    assert rows <= 2 * 50 + 16 + 40
+
+
 # ---------------------------------------------------------------------------- errors
 
 

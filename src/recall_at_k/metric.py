@@ -310,13 +310,14 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
 
     def _compact_flat(self) -> None:
         state = getattr(self, self._flat_name)
-        if not isinstance(state, list) or len(state) < 2:
+        if not isinstance(state, list) or not state:
             return
         # The state's row count, carried over from the last call while the list is the
-        # same one grown by one block (torchmetrics replaces the list on reset, sync,
-        # forward and device moves); counted again otherwise. Only ids, which keep
-        # nothing alive and pickle: the list's and its last block's. (A wrong count
-        # would only move the next compaction, never change a result.)
+        # same one grown by one block (torchmetrics replaces the list on sync, forward
+        # and device moves, and empties it in place on reset); counted again otherwise.
+        # Recorded at every call, so that an emptied list never matches. Only ids,
+        # which keep nothing alive and pickle: the list's and its last block's. (A
+        # wrong count would only move the next compaction, never change a result.)
         known = self.__dict__.get("_flat_rows")
         if (
             known is not None
