@@ -40,11 +40,22 @@ from torch import Tensor
 
 from recall_at_k import _audit
 from recall_at_k._audit import Codes
-from recall_at_k._sync import local_counts, widest_float
+from recall_at_k._sync import LocalBlocks, local_counts, widest_float
+
+PROJECT_SHARE = 8
+"""Each process projects its classes' first rows an eighth of ``_audit.project_step`` at
+a time: a projection's float64 temporaries are a fixed cost beside the per-item arrays
+(the projections are the same whatever the batch: the grid's cell covers every
+rounding, and pairs are decided on the two rows alone)."""
+
+
+CANDIDATE_PAIRS = 2**13
+"""Candidate pairs enumerated at a time (``_audit.rounding_candidates``): a fixed cost
+beside the per-item arrays; every process enumerates the same chunks."""
 
 
 def sharded_codes(
-    local: Tensor,
+    local: Tensor | LocalBlocks,
     counts: list[int],
     labels: Tensor,
     groups: Tensor,
@@ -61,7 +72,9 @@ def sharded_codes(
 
     Args:
         local: this process's rows ``[counts[rank], D]`` (float32 or wider; processes
-            holding different dtypes compare in the widest, widened exactly).
+            holding different dtypes compare in the widest, widened exactly): one
+            tensor, or its stored blocks (:class:`recall_at_k._sync.LocalBlocks`: no
+            copy of them is made).
         counts: the rows of each process of ``group``, in process order.
         labels: int64 ``[sum(counts)]``, every process's, in the same order.
         groups: int64 ``[sum(counts)]``, likewise.
@@ -70,6 +83,8 @@ def sharded_codes(
         hashes: the row hash (tests pass colliding ones), as in ``bitwise_classes``.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if isinstance(local, LocalBlocks):
+            local = local.span(0, local.shape[0])
         return _audit.codes(local, labels, groups, hashes)
     shard = _Shard(local, counts, group)
     if shard.num == 0 or shard.width == 0:
@@ -83,26 +98,27 @@ def sharded_codes(
 class _Shard:
     """This process's rows among every process's, and the collectives over them."""
 
-    def __init__(self, local: Tensor, counts: list[int], group: Any) -> None:
+    def __init__(self, local: Tensor | LocalBlocks, counts: list[int], group: Any) -> None:
         self.group = group
         self.me = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = local.device
-        if len(counts) != self.world or local.dim() != 2 or local.shape[0] != counts[self.me]:
+        shape = tuple(local.shape)
+        if len(counts) != self.world or len(shape) != 2 or shape[0] != counts[self.me]:
             raise ValueError(
                 f"`local` must be this process's rows [counts[rank], D] and `counts` one"
                 f" count per process of the group ({self.world} processes), got local of"
-                f" shape {tuple(local.shape)} on process {self.me} and counts {counts}"
+                f" shape {shape} on process {self.me} and counts {counts}"
             )
-        gathered, self.dtype = local_counts(
-            local.shape[0], widest_float([local.dtype]), group, self.device
-        )
+        if isinstance(local, Tensor):
+            local = LocalBlocks([local], shape[1], widest_float([local.dtype]), local.device)
+        gathered, self.dtype = local_counts(shape[0], local.dtype, group, self.device)
         if gathered != list(counts):
             raise ValueError(
                 f"`counts` must be the rows each process holds, {gathered}, got {counts}"
             )
         self.rows = local
-        self.width = local.shape[1]
+        self.width = shape[1]
         self.starts = [0]
         for count in counts:
             self.starts.append(self.starts[-1] + count)
@@ -122,7 +138,7 @@ class _Shard:
 
     def mine(self, index: Tensor) -> Tensor:
         """The rows of items held here (global indices), in the common dtype."""
-        return self.rows.index_select(0, index - self.starts[self.me]).to(self.dtype)
+        return self.rows.take(index - self.starts[self.me]).to(self.dtype)
 
     def spread(self, values: Tensor, sizes: list[int]) -> Tensor:
         """Every process's ``values`` (``[sizes[rank], ...]``) concatenated in process
@@ -196,8 +212,7 @@ class _Shard:
         the classes' first items; and int64 ``[C]``: each class's first item."""
         device, num = self.device, self.num
         mine = [
-            _audit.hash_rows(self.rows[start : start + self.step].to(self.dtype), hashes)
-            for start in range(0, self.rows.shape[0], self.step)
+            _audit.hash_rows(part.to(self.dtype), hashes) for _, part in self.rows.runs(self.step)
         ]
         local = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64, device=device)
         sizes = [end - start for start, end in itertools.pairwise(self.starts)]
@@ -236,19 +251,17 @@ class _Shard:
         starts = torch.tensor(self.starts, dtype=torch.int64, device=device)
         bounds = torch.searchsorted(first, starts).tolist()
         own = first[bounds[self.me] : bounds[self.me + 1]]
-        step = _audit.project_step(self.width)
-        parts = [
-            _audit.project(grid, self.mine(own[s : s + step])) for s in range(0, own.shape[0], step)
-        ]
-        local = (
-            torch.cat(parts)
-            if parts
-            else torch.zeros((0, grid.weights.shape[1]), dtype=torch.float64, device=device)
+        step = max(1, _audit.project_step(self.width) // PROJECT_SHARE)
+        local = torch.empty(
+            (own.shape[0], grid.weights.shape[1]), dtype=torch.float64, device=device
         )
+        for s in range(0, own.shape[0], step):
+            local[s : s + step] = _audit.project(grid, self.mine(own[s : s + step]))
         sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
         projected = self.spread(local, sizes)
+        del local
         found = []
-        for a, b in _audit.rounding_candidates(grid, projected):
+        for a, b in _audit.rounding_candidates(grid, projected, CANDIDATE_PAIRS):
             if a.numel():
                 within = self.check(first[a], first[b], _audit.within)
                 found.append(torch.stack([a[within], b[within]], dim=1))

@@ -80,7 +80,8 @@ def stored_blocks(
     if not metas:
         return [], 0, torch.zeros(0, META_COLUMNS, dtype=torch.int64)
     device = values[0].device if values else metas[0].device
-    meta = torch.cat(metas).to(torch.int64).to(device)
+    # One block (a gathered state) is read as it is: no copy of every item's metadata.
+    meta = (metas[0] if len(metas) == 1 else torch.cat(metas)).to(torch.int64).to(device)
     num = meta.shape[0]
     widths = meta[:, WIDTH]
     width_min, width_max = (int(v) for v in torch.aminmax(widths))

@@ -499,12 +499,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         def codes() -> _audit.Codes:
             width = source.shape[1]
             dtype = torch.promote_types(source.dtype, _sync.FLOAT_FLOOR)
-            blocks = [block.to(dtype) for block in source.local]
-            local = torch.cat(blocks) if blocks else torch.zeros((0, width), dtype=dtype)
+            local = _sync.LocalBlocks(source.local, width, dtype, source.device)
             labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
-            return _audit_sharded.sharded_codes(
-                local.to(source.device), source.counts, labels, groups, source.group
-            )
+            return _audit_sharded.sharded_codes(local, source.counts, labels, groups, source.group)
 
         return codes
 
