@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,8 @@ from torch import Tensor
 from recall_at_k import _audit
 from recall_at_k._audit import Codes
 from recall_at_k._sync import LocalBlocks, local_counts, widest_float
+
+_T = TypeVar("_T")
 
 PROJECT_SHARE = 8
 """Each process projects its classes' first rows an eighth of ``_audit.project_step`` at
@@ -92,7 +94,9 @@ def sharded_codes(
         none = _audit.both_orientations([], 0, shard.device)
         return _audit.codes_of(klass, none, labels, groups)
     klass, first = shard.classes(hashes)
-    return _audit.codes_of(klass, shard.rounding_pairs(first), labels, groups)
+    adjacent = shard.rounding_pairs(first)
+    shard.raise_any()
+    return _audit.codes_of(klass, adjacent, labels, groups)
 
 
 class _Shard:
@@ -125,6 +129,33 @@ class _Shard:
         self.num = self.starts[-1]
         self.ends = torch.tensor(self.starts[1:], dtype=torch.int64, device=self.device)
         self.step = max(1, _audit._COMPARE_BYTES // max(1, self.width * self.dtype.itemsize))
+        self.failure: Exception | None = None
+
+    def guarded(self, fallback: _T, work: Callable[..., _T], *args: Any) -> _T:
+        """``work(*args)``, this process's own work (on its rows); after a failure here,
+        the placeholder ``fallback`` instead: the process keeps taking part in every
+        collective, with values that end every loop, and :meth:`raise_any` raises on
+        every process."""
+        if self.failure is None:
+            try:
+                return work(*args)
+            except Exception as err:  # raised by raise_any, after every collective
+                self.failure = err
+        return fallback
+
+    def raise_any(self) -> None:
+        """Raise a failure of any process on every process (collective), as the
+        ranking's :func:`recall_at_k.ranking.rank.sum_over_processes` does."""
+        failed = torch.tensor(
+            [int(self.failure is not None)], dtype=torch.int64, device=self.device
+        )
+        dist.all_reduce(failed, group=self.group)
+        if self.failure is not None:
+            raise self.failure
+        if int(failed):
+            raise RuntimeError(
+                "the protocol audit of EmbeddingRecallAtK failed on another process; see its error"
+            )
 
     # ------------------------------------------------------------ primitives
 
@@ -168,9 +199,12 @@ class _Shard:
         home = owner_a == self.me
         ok = torch.ones(a.shape[0], dtype=torch.bool, device=device)
         here = (home & (owner_b == self.me)).nonzero().view(-1)
-        for start in range(0, here.shape[0], step):
-            pairs = here[start : start + step]
+
+        def test_here(pairs: Tensor) -> None:
             ok[pairs] = test(self.mine(a[pairs]), self.mine(b[pairs]))
+
+        for start in range(0, here.shape[0], step):
+            self.guarded(None, test_here, here[start : start + step])
         cross = owner_a != owner_b
         needed = torch.unique(b[cross])  # sorted, so grouped by owner
         bounds = torch.searchsorted(self.owner(needed), torch.arange(self.world + 1, device=device))
@@ -180,6 +214,13 @@ class _Shard:
         buffer = torch.empty(
             (min(step, needed.shape[0]), self.width), dtype=self.dtype, device=device
         )
+
+        def test_away(pairs: Tensor, rows: Tensor) -> None:
+            ok[pairs] = test(self.mine(a[pairs]), rows)
+
+        def copy_mine(out: Tensor, items: Tensor) -> Tensor:
+            return out.copy_(self.mine(items))
+
         for rank, (lo, hi) in enumerate(
             zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
         ):
@@ -187,7 +228,7 @@ class _Shard:
                 batch = needed[start : min(start + step, hi)]
                 part = buffer[: batch.shape[0]]
                 if rank == self.me:
-                    part.copy_(self.mine(batch))
+                    self.guarded(part, copy_mine, part, batch)
                 dist.broadcast(part, src=self.source(rank), group=self.group)
                 if rank == self.me:
                     continue
@@ -196,7 +237,7 @@ class _Shard:
                 for at in range(first, last, step):
                     pairs = away[at : min(at + step, last)]
                     where = torch.searchsorted(batch, wanted[at : min(at + step, last)])
-                    ok[pairs] = test(self.mine(a[pairs]), part[where])
+                    self.guarded(None, test_away, pairs, part[where])
         failed = (~ok).sum().view(1)
         dist.all_reduce(failed, group=self.group)
         if int(failed) == 0:
@@ -211,10 +252,17 @@ class _Shard:
         """int64 ``[N]``: the class of each item's bit pattern, numbered in the order of
         the classes' first items; and int64 ``[C]``: each class's first item."""
         device, num = self.device, self.num
-        mine = [
-            _audit.hash_rows(part.to(self.dtype), hashes) for _, part in self.rows.runs(self.step)
-        ]
-        local = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64, device=device)
+
+        def hashed() -> Tensor:
+            mine = [
+                _audit.hash_rows(part.to(self.dtype), hashes)
+                for _, part in self.rows.runs(self.step)
+            ]
+            return torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64, device=device)
+
+        placeholder = torch.zeros(self.rows.shape[0], dtype=torch.int64, device=device)
+        local = self.guarded(placeholder, hashed)
+        del placeholder
         sizes = [end - start for start, end in itertools.pairwise(self.starts)]
         sorted_keys, order = torch.sort(self.spread(local, sizes), stable=True)
         run = torch.empty_like(order)
@@ -255,8 +303,14 @@ class _Shard:
         local = torch.empty(
             (own.shape[0], grid.weights.shape[1]), dtype=torch.float64, device=device
         )
-        for s in range(0, own.shape[0], step):
-            local[s : s + step] = _audit.project(grid, self.mine(own[s : s + step]))
+
+        def project_into(out: Tensor) -> bool:
+            for s in range(0, own.shape[0], step):
+                out[s : s + step] = _audit.project(grid, self.mine(own[s : s + step]))
+            return True
+
+        if not self.guarded(False, project_into, local):
+            local.fill_(torch.nan)  # a failed process's classes: nobody's candidates
         sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
         projected = self.spread(local, sizes)
         del local

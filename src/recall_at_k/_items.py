@@ -100,6 +100,37 @@ def stored_blocks(
     return [block.reshape(-1, width_min) for block in values], width_min, meta
 
 
+def narrow_sides(directions: list[Any], num: int) -> list[Any]:
+    """Each direction's ``(queries, gallery)`` sides (NamedTuples of int64 ``rows`` and
+    ``identity``, or None) with int32 tensors where ``num`` items allow it (half the
+    bytes of every item's bookkeeping), an equal side read from one tensor (the queries
+    and gallery of leave-one-out, the two directions of a bidirectional metric): the
+    same values."""
+    if num >= 2**31:
+        return directions
+    seen: list[Tensor] = []
+
+    def narrow(values: Tensor) -> Tensor:
+        for other in seen:
+            if other.shape == values.shape and torch.equal(other, values):
+                return other
+        seen.append(values.to(torch.int32))
+        return seen[-1]
+
+    out: list[Any] = []
+    for sides in directions:
+        if sides is None:
+            out.append(None)
+            continue
+        out.append(
+            tuple(
+                side._replace(rows=narrow(side.rows), identity=narrow(side.identity))
+                for side in sides
+            )
+        )
+    return out
+
+
 def check_groups(meta: Tensor, exclude: str) -> None:
     """Every item has a group when ``exclude`` reads them (``merge_state`` of items
     added without ``groups`` would otherwise pass unnoticed)."""

@@ -122,7 +122,10 @@ class LocalBlocks:
     def __init__(
         self, blocks: list[Tensor], width: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.blocks = [block.reshape(-1, width) for block in blocks if block.numel()]
+        # 2-D blocks as they are (rows of width 0 included), flat ones reshaped
+        rows = [b if b.dim() == 2 else b.reshape(-1, width) for b in blocks if b.numel()]
+        rows += [b for b in blocks if b.dim() == 2 and b.numel() == 0]
+        self.blocks = [block for block in rows if block.shape[0]]
         self.starts = [0]
         for block in self.blocks:
             self.starts.append(self.starts[-1] + block.shape[0])

@@ -7,8 +7,10 @@ whole, so every process knows every direction's sides; the embeddings are read w
 :class:`recall_at_k._sync.BroadcastRows`: each process broadcasts its own rows in
 turn, in runs of at most a tile's bytes, and every process sees every run once per
 pass, holding one run at a time. A process's queries are the queries (each sample once)
-whose stored row it holds; it keeps them prepared, and per query only what the exact
-decision needs (O(queries) numbers).
+whose stored row it holds; it reads them from its stored blocks a tile at a time,
+prepared as they are read (no copy of its share: :class:`_Prepared`), and keeps per
+query only what the exact decision needs (O(queries) numbers). Every item's
+bookkeeping (rows, identities) is int32 where the items allow.
 
 The decision is the one-process ranking's, on the same canonical scores
 (:mod:`recall_at_k.ranking.score`): per query, ``s*`` the best canonical score of its
@@ -72,15 +74,16 @@ from recall_at_k.ranking.score import (
     prepare,
 )
 
-PREPARE_ROWS_BYTES = 2**20
+PREPARE_ROWS_BYTES = 2**18
 """This process's rows are read (their norms, largest value and sum) this many bytes of
 float64 at a time."""
 
-RUN_SHARE = 4
-"""The gallery passes by in runs of a quarter of a tile (``8 D`` bytes a row counted, as
-for a tile's scores): a run is held, prepared and scored at once."""
+RUN_SHARE = 8
+"""The gallery passes by in runs of an eighth of a tile's rows (``8 D`` bytes a row
+counted; float32 rows: a sixteenth of a tile's bytes): a run is held, prepared and
+scored at once, beside the per-item bookkeeping every process holds."""
 
-PAIR_BYTES = 32
+PAIR_BYTES = 64
 """A tile of queries against a run holds ``chunk_bytes / PAIR_BYTES`` pairs: its fast
 scores (4 bytes a pair, 8 in float64), their masked copy and the masks of the pairs
 (1 byte each) take about 13 bytes a pair, a third of a tile (the one-process ranking
@@ -131,12 +134,13 @@ class _Direction:
         here = ((rows >= offset) & (rows < offset + mine)).nonzero().view(-1)
         self.position = here  # [q] index of each of this process's queries in the side
         self.rows = rows[here]  # [q] stored rows
-        self.local = self.rows - offset  # [q] this process's rows of the queries
+        self.local = self.rows.to(torch.int64) - offset  # [q] this process's rows of them
         self.identity = queries.identity[here]
         device = rows.device
         # identity of each stored row that is a gallery item (the first of its id), else -1
-        self.gallery_identity = torch.full((num,), -1, dtype=torch.int64, device=device)
-        self.gallery_identity[gallery.rows] = gallery.identity
+        narrow = torch.int32 if num < 2**31 else torch.int64
+        self.gallery_identity = torch.full((num,), -1, dtype=narrow, device=device)
+        self.gallery_identity[gallery.rows] = gallery.identity.to(narrow)
         count = here.shape[0]
         wide = torch.float64
         self.best = torch.full((count,), -math.inf, dtype=wide, device=device)  # c*, then s*
