@@ -610,3 +610,37 @@ def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes
         assert result["peak"] <= MEMORY_SHARE * gathered, result["peak"] / gathered
         assert _same(result["result"], found[0]["result"])
         assert result["report"] == found[0]["report"]
+
+
+# ---------------------------------------------------------------- Lightning
+
+
+def test_a_lightning_ddp_spawn_validation_logs_the_one_process_values() -> None:
+    """``Trainer(strategy="ddp_spawn", devices=2)`` validating with ``sharded=True``
+    (45 items: the sampler pads one repeat, which ``ids=`` drop) logs bit for bit
+    what one process computes on the items."""
+    import lightning.pytorch as pl
+    from lightning_models import KS as LIGHTNING_KS
+    from lightning_models import EndProcessGroup, ShardedEmbedder, embedding_data
+    from torch.utils.data import DataLoader
+
+    model, data = ShardedEmbedder(), embedding_data(45, seed=8)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[EndProcessGroup()],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logged = trainer.validate(model, DataLoader(data, batch_size=8), verbose=False)[0]
+    single = EmbeddingRecallAtK(LIGHTNING_KS)
+    features, labels, ids = data.tensors
+    with torch.no_grad():
+        single.update(model.layer(features), labels, ids=ids)
+    want = {f"val/{key}": float(value) for key, value in single.compute().items()}
+    assert {key: float(value) for key, value in logged.items()} == want
