@@ -499,12 +499,13 @@ class _Scan:
             if kind == "positive":
                 best = torch.full_like(state.best, -math.inf)
                 best.scatter_reduce_(0, query, part, reduce="amax")
-                before = state.best
-                best = torch.maximum(before, best)
+                best = torch.maximum(state.best, best)
                 equal = torch.zeros_like(state.tied)
                 equal.index_add_(0, query, (part == best[query]).to(torch.int64))
-                state.tied = torch.where(best > before, 0, state.tied) + equal
-                state.best = best
+                # In place: the per-query state stays where it was allocated (new arrays
+                # each run, among a tile's temporaries, fragment the heap).
+                state.tied.masked_fill_(best > state.best, 0).add_(equal)
+                state.best.copy_(best)
             elif kind == "near":
                 threshold = self.options.near_duplicate
                 assert threshold is not None
