@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import TensorDataset
 
-from recall_at_k import RetrievalRecallAtK
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 
 KS = (1, 3, 5)
 GALLERY = 16
@@ -66,3 +66,26 @@ class Ranker(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def embedding_data(num: int, seed: int) -> TensorDataset:
+    """``num`` items of 8 features, 6 labels, ids."""
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(num, 8, generator=gen)
+    labels = torch.randint(0, 6, (num,), generator=gen)
+    return TensorDataset(features, labels, torch.arange(num))
+
+
+class ShardedEmbedder(pl.LightningModule):
+    """Embeds 8 features into 4; validation logs leave-one-out Recall@K, sharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(8, 4)
+        self.recall = EmbeddingRecallAtK(KS, sharded=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        features, labels, ids = batch
+        self.recall.update(self.layer(features), labels, ids=ids)
+        self.log_dict(self.recall.per_k("val/"))

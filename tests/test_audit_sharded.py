@@ -18,7 +18,7 @@ import torch.distributed as dist
 from helpers import run_distributed
 from torch import Tensor
 
-from recall_at_k import _audit, _audit_sharded
+from recall_at_k import _audit, _audit_sharded, _sync
 from recall_at_k._audit import Codes
 
 
@@ -140,9 +140,14 @@ def _run_scenarios(group: Any) -> list[list[Codes]]:
         results = []
         for case in scenarios(world):
             counts = [part.shape[0] for part in case.parts]
+            local: Tensor | _sync.LocalBlocks = case.parts[me]
+            if sizes is TINY:  # the stored blocks of two rows, read without a copy
+                blocks = list(torch.split(local, 2))
+                dtype = _sync.widest_float([local.dtype])
+                local = _sync.LocalBlocks(blocks, local.shape[1], dtype, local.device)
             results.append(
                 _audit_sharded.sharded_codes(
-                    case.parts[me], counts, case.labels, case.groups, group, hashes=HOOKS[case.hook]
+                    local, counts, case.labels, case.groups, group, hashes=HOOKS[case.hook]
                 )
             )
         found.append(results)
@@ -163,9 +168,49 @@ def _refusals(group: Any) -> None:
         _audit_sharded.sharded_codes(rows, wrong, labels, labels, group)
 
 
+def _failures(group: Any) -> None:
+    """A failure in one process's own work (here its row hash, then its projections)
+    raises on every process instead of leaving the others waiting in a collective: that
+    process its own error, the others a RuntimeError; the group works afterwards."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(3 + rank, 4, generator=gen) for rank in range(world)]
+    parts[0][1] = parts[world - 1][0]  # a bitwise copy across processes
+    counts = [part.shape[0] for part in parts]
+    labels = torch.zeros(sum(counts), dtype=torch.int64)
+
+    def broken(words: Tensor) -> Tensor:
+        raise ArithmeticError("forced failure of the row hash")
+
+    def failing_projection(grid: Any, rows: Tensor) -> Tensor:
+        raise ArithmeticError("forced failure of a projection")
+
+    for hook in ("hash", "project"):
+        plain = _audit.project
+        hashes = broken if hook == "hash" and me == 1 else None
+        if hook == "project" and me == 1:
+            _audit.project = failing_projection  # type: ignore[assignment]
+        try:
+            if me == 1:
+                with pytest.raises(ArithmeticError, match="forced failure"):
+                    _audit_sharded.sharded_codes(
+                        parts[me], counts, labels, labels, group, hashes=hashes
+                    )
+            else:
+                with pytest.raises(RuntimeError, match="failed on another process"):
+                    _audit_sharded.sharded_codes(
+                        parts[me], counts, labels, labels, group, hashes=hashes
+                    )
+        finally:
+            _audit.project = plain  # type: ignore[assignment]
+    got = _audit_sharded.sharded_codes(parts[me], counts, labels, labels, group)
+    assert int(got.klass.max()) + 1 == sum(counts) - 1  # one bitwise copy
+
+
 def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"all": _run_scenarios(None)}
     _refusals(None)
+    _failures(None)
     if world_size == 3:
         # Every process creates every group, in the same order.
         outer, middle = dist.new_group([0, 2]), dist.new_group([1])

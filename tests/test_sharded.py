@@ -397,6 +397,12 @@ def test_the_large_galleries_page_states_the_tested_memory() -> None:
     assert f"within {MEMORY_SHARE}x the gathered embeddings' bytes" in page
     assert f"about {MEMORY_TILES} tiles and {MEMORY_FIXED // 2**20} MiB of fixed buffers" in page
     assert "with 4 processes" in page and "the default, `sharded=False`" in page
+    assert (
+        f"with 4 processes, {NARROW_NUM:,} items and `chunk_bytes` {NARROW_CHUNK // 2**20} MiB,"
+        " `tests/test_sharded.py` measures `compute()` and `protocol_report()` together"
+        f" within {MEMORY_SHARE}x the gathered embeddings' bytes, everything included"
+    ) in page
+    assert f"At `D = {NARROW_DIM}` ({NARROW_DIM * 4} bytes an item)" in page
 
 
 def test_planted_copies_are_in_the_report(two_processes: list[dict[str, Any]]) -> None:
@@ -546,3 +552,95 @@ def test_sharded_compute_adds_under_0_6x_the_gathered_bytes(
     gathered = MEMORY_NUM * MEMORY_DIM * 4
     for result in memory:
         assert result["whole"] <= _allowed(gathered), result["whole"] / gathered
+
+
+# ------------------------------------------------------- memory, narrow embeddings
+
+NARROW_NUM, NARROW_DIM, NARROW_CHUNK = 40_000, 128, 4 * 2**20  # 19.5 MiB gathered
+"""Narrow embeddings, many items: a sharded ranking's bookkeeping (a few hundred bytes
+an item in all: the gathered metadata, the sides, the audit's codes, each query's state)
+weighs as much as the embeddings (512 bytes an item), and ``chunk_bytes`` is a fifth of
+them."""
+
+
+def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Leave-one-out with ids, as the scale benchmark ranks it: the peak ``compute()``
+    and ``protocol_report()`` add on this process."""
+    from memory_probe import items, peak_since, start
+
+    torch.set_num_threads(1)
+    num, dim = payload["num"], payload["dim"]
+    options = {"chunk_bytes": payload["chunk"], "sharded": True, "compute_with_cache": False}
+    warm_items, warm_labels = items(400, dim, 1, "cpu")
+    part = slice(400 * rank // world, 400 * (rank + 1) // world)
+    warm = EmbeddingRecallAtK((1, 5, 10), **options)
+    warm.update(warm_items[part], warm_labels[part], ids=torch.arange(400)[part])
+    warm.compute()
+    embeddings, labels = items(num, dim, 0, "cpu")
+    ids = torch.arange(num)
+    metric = EmbeddingRecallAtK((1, 5, 10), **options)
+    first, stop = num * rank // world, num * (rank + 1) // world
+    for begin in range(first, stop, 1000):
+        rows = slice(begin, min(stop, begin + 1000))
+        metric.update(embeddings[rows], labels[rows], ids=ids[rows])
+    del embeddings, labels, ids, warm, warm_items, warm_labels
+    dist.barrier()
+    baseline = start("cpu")
+    result = metric.compute()
+    report = metric.protocol_report()
+    return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
+
+
+def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4 processes, 40,000 x 128 items, ``chunk_bytes`` 4 MiB: compute() and
+    protocol_report() add at most 0.6x the gathered embeddings' bytes on every process,
+    the fixed buffers and the per-item bookkeeping included (no allowance beyond it;
+    with a copy of its own share and wider bookkeeping it took 1.47x),
+    and every process returns the same result and report."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to measure the resident set")
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)  # inherited by the spawned processes
+    payload = {"num": NARROW_NUM, "dim": NARROW_DIM, "chunk": NARROW_CHUNK}
+    found = run_distributed(_narrow_memory_worker, world_size=4, payload=payload)
+    gathered = NARROW_NUM * NARROW_DIM * 4
+    for result in found:
+        assert result["peak"] <= MEMORY_SHARE * gathered, result["peak"] / gathered
+        assert _same(result["result"], found[0]["result"])
+        assert result["report"] == found[0]["report"]
+
+
+# ---------------------------------------------------------------- Lightning
+
+
+def test_a_lightning_ddp_spawn_validation_logs_the_one_process_values() -> None:
+    """``Trainer(strategy="ddp_spawn", devices=2)`` validating with ``sharded=True``
+    (45 items: the sampler pads one repeat, which ``ids=`` drop) logs bit for bit
+    what one process computes on the items."""
+    import lightning.pytorch as pl
+    from lightning_models import KS as LIGHTNING_KS
+    from lightning_models import EndProcessGroup, ShardedEmbedder, embedding_data
+    from torch.utils.data import DataLoader
+
+    model, data = ShardedEmbedder(), embedding_data(45, seed=8)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[EndProcessGroup()],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logged = trainer.validate(model, DataLoader(data, batch_size=8), verbose=False)[0]
+    single = EmbeddingRecallAtK(LIGHTNING_KS)
+    features, labels, ids = data.tensors
+    with torch.no_grad():
+        single.update(model.layer(features), labels, ids=ids)
+    want = {f"val/{key}": float(value) for key, value in single.compute().items()}
+    assert {key: float(value) for key, value in logged.items()} == want

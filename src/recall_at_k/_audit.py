@@ -294,10 +294,12 @@ def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
     return torch.where(finite, unit @ grid.weights, torch.nan)
 
 
-def rounding_candidates(grid: RoundingGrid, projected: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+def rounding_candidates(
+    grid: RoundingGrid, projected: Tensor, chunk_pairs: int = ROUNDING_CHUNK
+) -> Iterator[tuple[Tensor, Tensor]]:
     """The candidate pairs ``(a, b)`` of classes (rows of ``projected``, each class's
-    :func:`project`), each unordered pair once, in chunks of at most
-    :data:`ROUNDING_CHUNK`: the rows in the same or neighbouring cells whose every
+    :func:`project`), each unordered pair once, in chunks of at most ``chunk_pairs``
+    (:data:`ROUNDING_CHUNK`): the rows in the same or neighbouring cells whose every
     projection lies within a cell width. Deterministic (the same chunks wherever
     ``projected`` is the same): processes that hold the same projections check the same
     candidates together."""
@@ -322,8 +324,8 @@ def rounding_candidates(grid: RoundingGrid, projected: Tensor) -> Iterator[tuple
             offset = offset * radix + delta
         offsets.append(offset)
     # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
-    # entry per row and cell (14 a row), at most ROUNDING_CHUNK, never one for every row.
-    row_step = max(1, ROUNDING_CHUNK // len(offsets))
+    # entry per row and cell (14 a row), at most chunk_pairs, never one for every row.
+    row_step = max(1, chunk_pairs // len(offsets))
     for row_start in range(0, members.shape[0], row_step):
         position = torch.arange(
             row_start, min(members.shape[0], row_start + row_step), device=device
@@ -344,8 +346,8 @@ def rounding_candidates(grid: RoundingGrid, projected: Tensor) -> Iterator[tuple
         owner = position.repeat_interleave(len(starts))
         ends = torch.cumsum(size, dim=0)
         total = int(ends[-1])
-        for chunk in range(0, total, ROUNDING_CHUNK):
-            pair = torch.arange(chunk, min(chunk + ROUNDING_CHUNK, total), device=device)
+        for chunk in range(0, total, chunk_pairs):
+            pair = torch.arange(chunk, min(chunk + chunk_pairs, total), device=device)
             at = torch.searchsorted(ends, pair, right=True)
             a = members[owner[at]]
             b = members[begin[at] + pair - (ends[at] - size[at])]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,11 +40,24 @@ from torch import Tensor
 
 from recall_at_k import _audit
 from recall_at_k._audit import Codes
-from recall_at_k._sync import local_counts, widest_float
+from recall_at_k._sync import LocalBlocks, local_counts, widest_float
+
+_T = TypeVar("_T")
+
+PROJECT_SHARE = 8
+"""Each process projects its classes' first rows an eighth of ``_audit.project_step`` at
+a time: a projection's float64 temporaries are a fixed cost beside the per-item arrays
+(the projections are the same whatever the batch: the grid's cell covers every
+rounding, and pairs are decided on the two rows alone)."""
+
+
+CANDIDATE_PAIRS = 2**13
+"""Candidate pairs enumerated at a time (``_audit.rounding_candidates``): a fixed cost
+beside the per-item arrays; every process enumerates the same chunks."""
 
 
 def sharded_codes(
-    local: Tensor,
+    local: Tensor | LocalBlocks,
     counts: list[int],
     labels: Tensor,
     groups: Tensor,
@@ -61,7 +74,9 @@ def sharded_codes(
 
     Args:
         local: this process's rows ``[counts[rank], D]`` (float32 or wider; processes
-            holding different dtypes compare in the widest, widened exactly).
+            holding different dtypes compare in the widest, widened exactly): one
+            tensor, or its stored blocks (:class:`recall_at_k._sync.LocalBlocks`: no
+            copy of them is made).
         counts: the rows of each process of ``group``, in process order.
         labels: int64 ``[sum(counts)]``, every process's, in the same order.
         groups: int64 ``[sum(counts)]``, likewise.
@@ -70,6 +85,8 @@ def sharded_codes(
         hashes: the row hash (tests pass colliding ones), as in ``bitwise_classes``.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if isinstance(local, LocalBlocks):
+            local = local.span(0, local.shape[0])
         return _audit.codes(local, labels, groups, hashes)
     shard = _Shard(local, counts, group)
     if shard.num == 0 or shard.width == 0:
@@ -77,38 +94,68 @@ def sharded_codes(
         none = _audit.both_orientations([], 0, shard.device)
         return _audit.codes_of(klass, none, labels, groups)
     klass, first = shard.classes(hashes)
-    return _audit.codes_of(klass, shard.rounding_pairs(first), labels, groups)
+    adjacent = shard.rounding_pairs(first)
+    shard.raise_any()
+    return _audit.codes_of(klass, adjacent, labels, groups)
 
 
 class _Shard:
     """This process's rows among every process's, and the collectives over them."""
 
-    def __init__(self, local: Tensor, counts: list[int], group: Any) -> None:
+    def __init__(self, local: Tensor | LocalBlocks, counts: list[int], group: Any) -> None:
         self.group = group
         self.me = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = local.device
-        if len(counts) != self.world or local.dim() != 2 or local.shape[0] != counts[self.me]:
+        shape = tuple(local.shape)
+        if len(counts) != self.world or len(shape) != 2 or shape[0] != counts[self.me]:
             raise ValueError(
                 f"`local` must be this process's rows [counts[rank], D] and `counts` one"
                 f" count per process of the group ({self.world} processes), got local of"
-                f" shape {tuple(local.shape)} on process {self.me} and counts {counts}"
+                f" shape {shape} on process {self.me} and counts {counts}"
             )
-        gathered, self.dtype = local_counts(
-            local.shape[0], widest_float([local.dtype]), group, self.device
-        )
+        if isinstance(local, Tensor):
+            local = LocalBlocks([local], shape[1], widest_float([local.dtype]), local.device)
+        gathered, self.dtype = local_counts(shape[0], local.dtype, group, self.device)
         if gathered != list(counts):
             raise ValueError(
                 f"`counts` must be the rows each process holds, {gathered}, got {counts}"
             )
         self.rows = local
-        self.width = local.shape[1]
+        self.width = shape[1]
         self.starts = [0]
         for count in counts:
             self.starts.append(self.starts[-1] + count)
         self.num = self.starts[-1]
         self.ends = torch.tensor(self.starts[1:], dtype=torch.int64, device=self.device)
         self.step = max(1, _audit._COMPARE_BYTES // max(1, self.width * self.dtype.itemsize))
+        self.failure: Exception | None = None
+
+    def guarded(self, fallback: _T, work: Callable[..., _T], *args: Any) -> _T:
+        """``work(*args)``, this process's own work (on its rows); after a failure here,
+        the placeholder ``fallback`` instead: the process keeps taking part in every
+        collective, with values that end every loop, and :meth:`raise_any` raises on
+        every process."""
+        if self.failure is None:
+            try:
+                return work(*args)
+            except Exception as err:  # raised by raise_any, after every collective
+                self.failure = err
+        return fallback
+
+    def raise_any(self) -> None:
+        """Raise a failure of any process on every process (collective), as the
+        ranking's :func:`recall_at_k.ranking.rank.sum_over_processes` does."""
+        failed = torch.tensor(
+            [int(self.failure is not None)], dtype=torch.int64, device=self.device
+        )
+        dist.all_reduce(failed, group=self.group)
+        if self.failure is not None:
+            raise self.failure
+        if int(failed):
+            raise RuntimeError(
+                "the protocol audit of EmbeddingRecallAtK failed on another process; see its error"
+            )
 
     # ------------------------------------------------------------ primitives
 
@@ -122,7 +169,7 @@ class _Shard:
 
     def mine(self, index: Tensor) -> Tensor:
         """The rows of items held here (global indices), in the common dtype."""
-        return self.rows.index_select(0, index - self.starts[self.me]).to(self.dtype)
+        return self.rows.take(index - self.starts[self.me]).to(self.dtype)
 
     def spread(self, values: Tensor, sizes: list[int]) -> Tensor:
         """Every process's ``values`` (``[sizes[rank], ...]``) concatenated in process
@@ -152,9 +199,12 @@ class _Shard:
         home = owner_a == self.me
         ok = torch.ones(a.shape[0], dtype=torch.bool, device=device)
         here = (home & (owner_b == self.me)).nonzero().view(-1)
-        for start in range(0, here.shape[0], step):
-            pairs = here[start : start + step]
+
+        def test_here(pairs: Tensor) -> None:
             ok[pairs] = test(self.mine(a[pairs]), self.mine(b[pairs]))
+
+        for start in range(0, here.shape[0], step):
+            self.guarded(None, test_here, here[start : start + step])
         cross = owner_a != owner_b
         needed = torch.unique(b[cross])  # sorted, so grouped by owner
         bounds = torch.searchsorted(self.owner(needed), torch.arange(self.world + 1, device=device))
@@ -164,6 +214,13 @@ class _Shard:
         buffer = torch.empty(
             (min(step, needed.shape[0]), self.width), dtype=self.dtype, device=device
         )
+
+        def test_away(pairs: Tensor, rows: Tensor) -> None:
+            ok[pairs] = test(self.mine(a[pairs]), rows)
+
+        def copy_mine(out: Tensor, items: Tensor) -> Tensor:
+            return out.copy_(self.mine(items))
+
         for rank, (lo, hi) in enumerate(
             zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
         ):
@@ -171,7 +228,7 @@ class _Shard:
                 batch = needed[start : min(start + step, hi)]
                 part = buffer[: batch.shape[0]]
                 if rank == self.me:
-                    part.copy_(self.mine(batch))
+                    self.guarded(part, copy_mine, part, batch)
                 dist.broadcast(part, src=self.source(rank), group=self.group)
                 if rank == self.me:
                     continue
@@ -180,7 +237,7 @@ class _Shard:
                 for at in range(first, last, step):
                     pairs = away[at : min(at + step, last)]
                     where = torch.searchsorted(batch, wanted[at : min(at + step, last)])
-                    ok[pairs] = test(self.mine(a[pairs]), part[where])
+                    self.guarded(None, test_away, pairs, part[where])
         failed = (~ok).sum().view(1)
         dist.all_reduce(failed, group=self.group)
         if int(failed) == 0:
@@ -195,11 +252,17 @@ class _Shard:
         """int64 ``[N]``: the class of each item's bit pattern, numbered in the order of
         the classes' first items; and int64 ``[C]``: each class's first item."""
         device, num = self.device, self.num
-        mine = [
-            _audit.hash_rows(self.rows[start : start + self.step].to(self.dtype), hashes)
-            for start in range(0, self.rows.shape[0], self.step)
-        ]
-        local = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64, device=device)
+
+        def hashed() -> Tensor:
+            mine = [
+                _audit.hash_rows(part.to(self.dtype), hashes)
+                for _, part in self.rows.runs(self.step)
+            ]
+            return torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64, device=device)
+
+        placeholder = torch.zeros(self.rows.shape[0], dtype=torch.int64, device=device)
+        local = self.guarded(placeholder, hashed)
+        del placeholder
         sizes = [end - start for start, end in itertools.pairwise(self.starts)]
         sorted_keys, order = torch.sort(self.spread(local, sizes), stable=True)
         run = torch.empty_like(order)
@@ -236,19 +299,23 @@ class _Shard:
         starts = torch.tensor(self.starts, dtype=torch.int64, device=device)
         bounds = torch.searchsorted(first, starts).tolist()
         own = first[bounds[self.me] : bounds[self.me + 1]]
-        step = _audit.project_step(self.width)
-        parts = [
-            _audit.project(grid, self.mine(own[s : s + step])) for s in range(0, own.shape[0], step)
-        ]
-        local = (
-            torch.cat(parts)
-            if parts
-            else torch.zeros((0, grid.weights.shape[1]), dtype=torch.float64, device=device)
+        step = max(1, _audit.project_step(self.width) // PROJECT_SHARE)
+        local = torch.empty(
+            (own.shape[0], grid.weights.shape[1]), dtype=torch.float64, device=device
         )
+
+        def project_into(out: Tensor) -> bool:
+            for s in range(0, own.shape[0], step):
+                out[s : s + step] = _audit.project(grid, self.mine(own[s : s + step]))
+            return True
+
+        if not self.guarded(False, project_into, local):
+            local.fill_(torch.nan)  # a failed process's classes: nobody's candidates
         sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
         projected = self.spread(local, sizes)
+        del local
         found = []
-        for a, b in _audit.rounding_candidates(grid, projected):
+        for a, b in _audit.rounding_candidates(grid, projected, CANDIDATE_PAIRS):
             if a.numel():
                 within = self.check(first[a], first[b], _audit.within)
                 found.append(torch.stack([a[within], b[within]], dim=1))

@@ -80,7 +80,8 @@ def stored_blocks(
     if not metas:
         return [], 0, torch.zeros(0, META_COLUMNS, dtype=torch.int64)
     device = values[0].device if values else metas[0].device
-    meta = torch.cat(metas).to(torch.int64).to(device)
+    # One block (a gathered state) is read as it is: no copy of every item's metadata.
+    meta = (metas[0] if len(metas) == 1 else torch.cat(metas)).to(torch.int64).to(device)
     num = meta.shape[0]
     widths = meta[:, WIDTH]
     width_min, width_max = (int(v) for v in torch.aminmax(widths))
@@ -97,6 +98,37 @@ def stored_blocks(
             f" width {width_min}; it was corrupted"
         )
     return [block.reshape(-1, width_min) for block in values], width_min, meta
+
+
+def narrow_sides(directions: list[Any], num: int) -> list[Any]:
+    """Each direction's ``(queries, gallery)`` sides (NamedTuples of int64 ``rows`` and
+    ``identity``, or None) with int32 tensors where ``num`` items allow it (half the
+    bytes of every item's bookkeeping), an equal side read from one tensor (the queries
+    and gallery of leave-one-out, the two directions of a bidirectional metric): the
+    same values."""
+    if num >= 2**31:
+        return directions
+    seen: list[Tensor] = []
+
+    def narrow(values: Tensor) -> Tensor:
+        for other in seen:
+            if other.shape == values.shape and torch.equal(other, values):
+                return other
+        seen.append(values.to(torch.int32))
+        return seen[-1]
+
+    out: list[Any] = []
+    for sides in directions:
+        if sides is None:
+            out.append(None)
+            continue
+        out.append(
+            tuple(
+                side._replace(rows=narrow(side.rows), identity=narrow(side.identity))
+                for side in sides
+            )
+        )
+    return out
 
 
 def check_groups(meta: Tensor, exclude: str) -> None:

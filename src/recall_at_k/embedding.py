@@ -444,7 +444,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         the lean sync): each process ranks the queries it holds against every process's
         rows as they pass by (:func:`recall_at_k.ranking.sharded.rank_sharded`); the
         audit's codes are made without any process holding every row."""
-        directions = self._directions(meta)
+        directions = _items.narrow_sides(self._directions(meta), meta.shape[0])
         audits = self._audits(self._sharded_codes(source, meta), directions)
         options, known = self._rank_options(audits, self.validate_args)
         labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
@@ -499,12 +499,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         def codes() -> _audit.Codes:
             width = source.shape[1]
             dtype = torch.promote_types(source.dtype, _sync.FLOAT_FLOOR)
-            blocks = [block.to(dtype) for block in source.local]
-            local = torch.cat(blocks) if blocks else torch.zeros((0, width), dtype=dtype)
+            local = _sync.LocalBlocks(source.local, width, dtype, source.device)
             labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
-            return _audit_sharded.sharded_codes(
-                local.to(source.device), source.counts, labels, groups, source.group
-            )
+            return _audit_sharded.sharded_codes(local, source.counts, labels, groups, source.group)
 
         return codes
 

@@ -103,13 +103,26 @@ def prepare_rows(rows: Tensor, similarity: Similarity, dtype: torch.dtype) -> Te
     value depends on that row alone."""
     if similarity != "cosine":
         return rows.to(dtype, copy=True)
-    wide = rows.to(torch.float64, copy=True)  # exact
+    return normalised(rows, cosine_norms(rows), dtype)
+
+
+def cosine_norms(rows: Tensor) -> Tensor:
+    """float64 ``[m]``: the norm each row of ``rows`` is divided by for ``"cosine"``
+    (the float64 sum of squares in the order ``d = 0 .. D-1``, its square root clamped
+    to at least 1e-12): a row's depends on that row alone. Pass a few rows at a time
+    (a float64 copy of them is made)."""
+    wide = rows.to(torch.float64)  # exact
     total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     term = torch.empty_like(total)
     for column in wide.T:
         total.add_(torch.mul(column, column, out=term))
-    total.sqrt_().clamp_min_(1e-12)
-    return wide.div_(total.unsqueeze(1)).to(dtype)
+    return total.sqrt_().clamp_min_(1e-12)
+
+
+def normalised(rows: Tensor, norms: Tensor, dtype: torch.dtype) -> Tensor:
+    """``rows`` divided by their :func:`cosine_norms` ``norms`` in float64, then rounded to
+    ``dtype`` (a new tensor): :func:`prepare_rows` for ``"cosine"``."""
+    return rows.to(torch.float64, copy=True).div_(norms.unsqueeze(1)).to(dtype)
 
 
 def canonical_scores(

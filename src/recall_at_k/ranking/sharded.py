@@ -7,8 +7,10 @@ whole, so every process knows every direction's sides; the embeddings are read w
 :class:`recall_at_k._sync.BroadcastRows`: each process broadcasts its own rows in
 turn, in runs of at most a tile's bytes, and every process sees every run once per
 pass, holding one run at a time. A process's queries are the queries (each sample once)
-whose stored row it holds; it keeps them prepared, and per query only what the exact
-decision needs (O(queries) numbers).
+whose stored row it holds; it reads them from its stored blocks a tile at a time,
+prepared as they are read (no copy of its share: :class:`_Prepared`), and keeps per
+query only what the exact decision needs (O(queries) numbers). Every item's
+bookkeeping (rows, identities) is int32 where the items allow.
 
 The decision is the one-process ranking's, on the same canonical scores
 (:mod:`recall_at_k.ranking.score`): per query, ``s*`` the best canonical score of its
@@ -46,10 +48,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from recall_at_k._kernel import TieCounts, Workspace, query_outcomes
-from recall_at_k._sync import BroadcastRows
+from recall_at_k._sync import BroadcastRows, LocalBlocks
 from recall_at_k.ranking.bands import NEAR_COUNTS, RankOptions, edges
 from recall_at_k.ranking.gallery import Side
-from recall_at_k.ranking.ordered import RowSource
 from recall_at_k.ranking.progress import Progress
 from recall_at_k.ranking.rank import (
     CPU_TILE_BYTES,
@@ -66,35 +67,80 @@ from recall_at_k.ranking.score import (
     bound_absolute,
     bound_coefficient,
     canonical_pair_scores,
+    cosine_norms,
     norm_upper,
+    normalised,
     overflows,
     prepare,
-    prepare_rows,
 )
 
-PREPARE_ROWS_BYTES = 2**20
-"""This process's rows are prepared (normalised for ``"cosine"``) this many bytes at a
-time."""
+PREPARE_ROWS_BYTES = 2**18
+"""This process's rows are read (their norms, largest value and sum) this many bytes of
+float64 at a time."""
+
+RUN_SHARE = 8
+"""The gallery passes by in runs of an eighth of a tile's rows (``8 D`` bytes a row
+counted; float32 rows: a sixteenth of a tile's bytes): a run is held, prepared and
+scored at once, beside the per-item bookkeeping every process holds."""
+
+PAIR_BYTES = 64
+"""A tile of queries against a run holds ``chunk_bytes / PAIR_BYTES`` pairs: its fast
+scores (4 bytes a pair, 8 in float64), their masked copy and the masks of the pairs
+(1 byte each) take about 13 bytes a pair, a third of a tile (the one-process ranking
+counts 8 bytes a pair: a sharded gallery's per-item state leaves less room)."""
+
+CANONICAL_SHARE = 16
+"""Candidate pairs are re-scored canonically in batches of a sixteenth of a tile of
+float64 rows (each side), :data:`CANONICAL_MIN_BYTES` at least."""
+
+CANONICAL_MIN_BYTES = 2**18
+
+
+class _Prepared:
+    """This process's rows prepared as the one-process ranking prepares them
+    (:func:`recall_at_k.ranking.score.prepare_rows`: normalised for ``"cosine"``), a few
+    at a time from the stored blocks, never as a whole copy: for ``"cosine"`` each
+    row's norm is kept (float64, one number a row) and the rows divided by it when read,
+    which gives the same values bit for bit."""
+
+    def __init__(self, local: LocalBlocks, similarity: object, norms: Tensor | None) -> None:
+        self.local, self.cosine, self.norms = local, similarity == "cosine", norms
+        self.dtype = local.dtype
+
+    def _ready(self, rows: Tensor, norms: Tensor | None) -> Tensor:
+        if norms is None:
+            return rows
+        return normalised(rows, norms, self.dtype)
+
+    def span(self, first: int, stop: int) -> Tensor:
+        """The prepared rows ``first:stop`` (not to be written into: it may be a view of
+        the stored state)."""
+        norms = None if self.norms is None else self.norms[first:stop]
+        return self._ready(self.local.span(first, stop), norms)
+
+    def take(self, index: Tensor) -> Tensor:
+        """The prepared rows ``index`` (local rows, any order)."""
+        norms = None if self.norms is None else self.norms[index]
+        return self._ready(self.local.take(index), norms)
 
 
 class _Direction:
     """One direction's queries held by this process, the gallery's membership, and the
     per-query state of the two passes."""
 
-    def __init__(
-        self, sides: tuple[Side, Side], local: Tensor, offset: int, mine: int, num: int
-    ) -> None:
+    def __init__(self, sides: tuple[Side, Side], offset: int, mine: int, num: int) -> None:
         queries, gallery = sides
         rows = queries.rows
         here = ((rows >= offset) & (rows < offset + mine)).nonzero().view(-1)
         self.position = here  # [q] index of each of this process's queries in the side
         self.rows = rows[here]  # [q] stored rows
-        self.local = local[self.rows - offset]  # [q] rows of the prepared queries
+        self.local = self.rows.to(torch.int64) - offset  # [q] this process's rows of them
         self.identity = queries.identity[here]
         device = rows.device
         # identity of each stored row that is a gallery item (the first of its id), else -1
-        self.gallery_identity = torch.full((num,), -1, dtype=torch.int64, device=device)
-        self.gallery_identity[gallery.rows] = gallery.identity
+        narrow = torch.int32 if num < 2**31 else torch.int64
+        self.gallery_identity = torch.full((num,), -1, dtype=narrow, device=device)
+        self.gallery_identity[gallery.rows] = gallery.identity.to(narrow)
         count = here.shape[0]
         wide = torch.float64
         self.best = torch.full((count,), -math.inf, dtype=wide, device=device)  # c*, then s*
@@ -111,26 +157,28 @@ class _Direction:
         run = torch.arange(count, device=device) + (int(self.local[0]) if count else 0)
         self.contiguous = bool(torch.equal(self.local, run))
 
-    def queries(self, prepared: Tensor, tile: slice) -> Tensor:
-        """The prepared rows of a tile of the queries (a view where they are one run)."""
+    def queries(self, prepared: _Prepared, tile: slice) -> Tensor:
+        """The prepared rows of a tile of the queries (read from the stored blocks; a view
+        of them where the queries are one run of a block and need no preparing)."""
         if self.contiguous:
             first = int(self.local[0])
-            return prepared[first + tile.start : first + tile.stop]
-        return prepared[self.local[tile]]
+            return prepared.span(first + tile.start, first + tile.stop)
+        return prepared.take(self.local[tile])
 
-    def norms(self, prepared: Tensor, fast: _Fast) -> Tensor:
+    def norms(self, prepared: _Prepared, fast: _Fast) -> Tensor:
         """float64 ``[q, 1]``: upper bounds of the queries' norms as the fast product
         reads them (centred for ``"euclidean"``), computed once, a chunk at a time."""
         if self._norms is None:
-            count, dim = self.rows.shape[0], prepared.shape[1]
-            out = torch.empty((count, 1), dtype=torch.float64, device=prepared.device)
+            count, dim = self.rows.shape[0], prepared.local.shape[1]
+            out = torch.empty((count, 1), dtype=torch.float64, device=prepared.local.device)
             step = max(1, PREPARE_ROWS_BYTES // (8 * max(1, dim)))
             for begin in range(0, count, step):
                 tile = slice(begin, min(count, begin + step))
                 rows = self.queries(prepared, tile).to(fast.dtype)
                 if fast.centre is not None:
                     rows = rows - fast.centre
-                out[tile] = torch.linalg.vector_norm(rows, dim=1, keepdim=True).to(torch.float64)
+                norm = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
+                out[tile] = norm.to(torch.float64)
             self._norms = norm_upper(out, dim, fast.dtype)
         return self._norms
 
@@ -200,32 +248,29 @@ def rank_sharded(
     dtype = torch.promote_types(rows.dtype, torch.float32)
     device = rows.device
     guard = _Guard()
-    # This process's queries (of any direction), prepared once.
-    needed = torch.zeros(mine, dtype=torch.bool, device=device)
-    for sides in directions:
-        if sides is not None:
-            query_rows = sides[0].rows.to(device)
-            inside = query_rows[(query_rows >= offset) & (query_rows < offset + mine)]
-            needed[inside - offset] = True
-    local_index = torch.cumsum(needed, dim=0) - 1
-    prepared = torch.empty((int(needed.sum()), width), dtype=dtype, device=device)
+    local = LocalBlocks(rows.local, width, dtype, device)
+    cosine = options.similarity == "cosine"
+    norms = torch.ones(mine if cosine else 0, dtype=torch.float64, device=device)
     largest = torch.zeros(1, dtype=torch.float64, device=device)
     total = torch.zeros(width, dtype=torch.float64, device=device)
 
-    def prepare_local() -> None:
+    def read_local() -> None:
+        """Per row the cosine norm; the largest prepared value and (``"euclidean"``) the
+        sum of the rows, a few rows at a time."""
         step = max(1, PREPARE_ROWS_BYTES // (8 * max(1, width)))
-        source = RowSource(rows.local, mine, width, dtype)
-        for first, part in source.runs(step):
-            ready = prepare_rows(part, options.similarity, dtype)
+        for first, part in local.runs(step):
+            ready = part
+            if cosine:
+                norms[first : first + part.shape[0]] = cosine_norms(part)
+                ready = normalised(part, norms[first : first + part.shape[0]], dtype)
             if ready.numel():
                 low, high = torch.aminmax(ready)
                 largest[0] = max(float(largest[0]), -float(low), float(high))
                 if options.similarity == "euclidean":
                     total.add_(ready.to(torch.float64).sum(dim=0))
-            keep = needed[first : first + part.shape[0]]
-            prepared[local_index[first : first + part.shape[0]][keep]] = ready[keep]
 
-    guard.run(prepare_local)
+    guard.run(read_local)
+    prepared = _Prepared(local, options.similarity, norms if cosine else None)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     if options.similarity == "euclidean":
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
@@ -239,13 +284,13 @@ def rank_sharded(
         elif before is not None and same_sides(before, sides):
             states.append(states[-1])
         else:
-            made = _Direction(sides, local_index, offset, mine, num)
+            made = _Direction(sides, offset, mine, num)
             states.append(made)
             unique.append(made)
     tile_bytes = options.chunk_bytes
     if device.type == "cpu":
         tile_bytes = min(tile_bytes, CPU_TILE_BYTES)
-    run_rows = max(1, tile_bytes // (8 * max(1, width)))
+    run_rows = max(1, tile_bytes // (RUN_SHARE * 8 * max(1, width)))
     runs = sum(-(-count // run_rows) for count in counts)
     shown = options.progress and me == 0 and bool(unique)
     progress = Progress(2 * runs, shown, "sharded gallery", "block")
@@ -337,7 +382,7 @@ class _Scan:
 
     def __init__(
         self,
-        prepared: Tensor,
+        prepared: _Prepared,
         labels: Tensor,
         groups: Tensor,
         options: RankOptions,
@@ -347,9 +392,11 @@ class _Scan:
         self.prepared, self.labels, self.groups = prepared, labels, groups
         self.options, self.fast, self.tile_bytes = options, fast, tile_bytes
         self.workspace = Workspace()
-        # Re-scored in batches of about a MiB of float64 rows at least: each batch is a
+        # Re-scored in batches of a sixteenth of a tile of float64 rows: each batch is a
         # pass over D, and a run's candidates are few.
-        self.batch_bytes = max(min(CANONICAL_BATCH_BYTES, options.chunk_bytes // 8), 2**20)
+        self.batch_bytes = max(
+            min(CANONICAL_BATCH_BYTES, tile_bytes // CANONICAL_SHARE), CANONICAL_MIN_BYTES
+        )
 
     def run(self, state: _Direction, first: int, part: Tensor, positives: bool) -> None:
         """Pass A (``positives``) or pass B of ``state``'s queries over the stored rows
@@ -385,9 +432,10 @@ class _Scan:
             neg_sq_norms = gallery_fast.square().sum(dim=1).neg_().unsqueeze(0)
         norms = state.norms(self.prepared, fast)
         found: _Found = {"positive": [], "near": [], "negative": []}
-        # A tile's scores and masks take at most a tile's bytes, its queries one.
-        step = max(1, self.tile_bytes // (8 * columns.shape[0]))
-        step = min(step, max(1, self.tile_bytes // (dim * self.prepared.element_size())))
+        # A tile's scores, their copies and masks (about 13 bytes a pair) take at most
+        # a third of a tile's bytes (32 bytes a pair counted), its queries one.
+        step = max(1, self.tile_bytes // (PAIR_BYTES * columns.shape[0]))
+        step = min(step, max(1, self.tile_bytes // (dim * gallery.element_size())))
         for begin in range(0, count, step):
             tile = slice(begin, min(count, begin + step))
             queries = state.queries(self.prepared, tile)
@@ -432,25 +480,32 @@ class _Scan:
         columns = [torch.cat([c for _, c in found[kind]]) for kind in kinds]
         sizes = [part.shape[0] for part in queries]
         state.rescored += sum(sizes)
-        scores = canonical_pair_scores(
-            self.prepared,
-            gallery,
-            state.local[torch.cat(queries)],
-            torch.cat(columns),
-            self.options.similarity,
-            self.workspace,
-            self.batch_bytes,
-        )
+        every_query, every_column = torch.cat(queries), torch.cat(columns)
+        scores = torch.empty(every_query.shape[0], dtype=torch.float64, device=gallery.device)
+        step = max(1, self.batch_bytes // (8 * max(1, gallery.shape[1])))
+        for begin in range(0, every_query.shape[0], step):
+            batch = slice(begin, begin + step)
+            rows = self.prepared.take(state.local[every_query[batch]])
+            scores[batch] = canonical_pair_scores(
+                rows,
+                gallery,
+                torch.arange(rows.shape[0], device=rows.device),
+                every_column[batch],
+                self.options.similarity,
+                self.workspace,
+                self.batch_bytes,
+            )
         for kind, query, part in zip(kinds, queries, torch.split(scores, sizes), strict=True):
             if kind == "positive":
                 best = torch.full_like(state.best, -math.inf)
                 best.scatter_reduce_(0, query, part, reduce="amax")
-                before = state.best
-                best = torch.maximum(before, best)
+                best = torch.maximum(state.best, best)
                 equal = torch.zeros_like(state.tied)
                 equal.index_add_(0, query, (part == best[query]).to(torch.int64))
-                state.tied = torch.where(best > before, 0, state.tied) + equal
-                state.best = best
+                # In place: the per-query state stays where it was allocated (new arrays
+                # each run, among a tile's temporaries, fragment the heap).
+                state.tied.masked_fill_(best > state.best, 0).add_(equal)
+                state.best.copy_(best)
             elif kind == "near":
                 threshold = self.options.near_duplicate
                 assert threshold is not None
