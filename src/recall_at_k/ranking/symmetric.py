@@ -251,6 +251,25 @@ def _label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
     return [slice(a, b) for a, b in itertools.pairwise(cuts)]
 
 
+def _ignore_own_labels(scores: Tensor, share: Queries, rows: slice, workspace: Workspace) -> None:
+    """Write -inf over each query's own label in the diagonal block of a span of whole
+    labels (the query itself, its positives, label-and-group junk): the columns
+    ``block_start .. + block_count`` of its row, one scatter of ``[T, widest]``
+    positions instead of a ``[T, T]`` label mask (a position past the label is the
+    label's last column again)."""
+    count = share.block_count[rows]
+    widest = int(count.max()) if count.numel() else 0
+    if widest == 0:
+        return
+    device = scores.device
+    start = (share.block_start[rows] - rows.start).unsqueeze(1)
+    # The label pass's column buffer (done with): no scratch beyond what it held.
+    columns = workspace.get("block_columns", (scores.shape[0], widest), torch.int64, device)
+    torch.add(start, torch.arange(widest, device=device), out=columns)
+    torch.minimum(columns, start + count.unsqueeze(1) - 1, out=columns)
+    scores.scatter_(1, columns, -math.inf)
+
+
 class _Labelled(NamedTuple):
     """A label task's result: the label blocks, and (aligned spans) the scan of the
     diagonal block."""
@@ -275,7 +294,10 @@ def _diagonal(
         return None
     scores = labelled.scores
     assert scores is not None and scores.shape[1] == rows.stop - rows.start
-    ignore_in_block(scores, gallery, options.exclude, rows, rows)
+    _ignore_own_labels(scores, share, rows, workspace)
+    if options.exclude == "same_group":
+        same = gallery.groups[rows].unsqueeze(1) == gallery.groups[rows].unsqueeze(0)
+        scores.masked_fill_(same, -math.inf)
     lo = labelled.lo.clamp(min=torch.finfo(scores.dtype).min)
     counts = count_dtype(gallery.embeddings.shape[0])
     peak = scores.amax(dim=1, keepdim=True)
