@@ -62,7 +62,13 @@ def _run(batches: list[Batch], route: Route, **kwargs: Any) -> tuple[Any, Any, A
 @pytest.mark.parametrize("ties", ["pessimistic", "expected"])
 def test_bit_identical_for_one_two_and_three_threads(layout: str, ties: str) -> None:
     batches = _batches(layout)
-    routes = (Route(), Route("symmetric", block_bytes=2**10), Route("tiles"), Route("dense"))
+    routes = (
+        Route(),
+        Route("symmetric", block_bytes=2**10),  # blocks narrower than a label
+        Route("symmetric", block_bytes=2**12),  # spans of whole labels
+        Route("tiles"),
+        Route("dense"),
+    )
     first = None
     for threads in (1, 2, 3):
         with _threads(threads):
@@ -120,3 +126,31 @@ def test_results_come_in_order_and_errors_reach_the_caller() -> None:
             assert list(pool.map(range(7))) == [i * i for i in range(7)]
         with Workers(task, count, Workspace()) as pool, pytest.raises(RuntimeError, match="7"):
             list(pool.map(range(20)))
+
+
+def test_leave_one_out_spans_are_whole_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every label fits a block, the symmetric route's spans are whole labels (each
+    span's diagonal block gives its bands and its negatives at once), of about a block's
+    rows and at most a tile's, covering every item in order; the counts are those of the
+    dense route."""
+    seen: set[tuple[int, int]] = set()  # (a report may rank again)
+    original = _symmetric._diagonal
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.add((args[4].start, args[4].stop))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_symmetric, "_diagonal", spy)
+    batches = _batches("leave-one-out")
+    for threads in (1, 2):
+        seen.clear()
+        with _threads(threads):
+            chunk = 4 * 48 * 48  # blocks of about 32 rows, at most 48
+            aligned = _run(batches, Route("symmetric", block_bytes=4 * 32 * 32), chunk_bytes=chunk)
+            assert str(aligned) == str(_run(batches, Route("dense")))
+        ordered = torch.sort(batches[0].labels).values
+        spans = sorted(seen)  # (the worker threads' order may vary)
+        assert [start for start, _ in spans[1:]] == [stop for _, stop in spans[:-1]]
+        assert spans[0][0] == 0 and spans[-1][1] == ordered.shape[0] and len(spans) > 2
+        assert all(0 < stop - start <= 48 for start, stop in spans)
+        assert all(ordered[start - 1] != ordered[start] for start, _ in spans[1:])

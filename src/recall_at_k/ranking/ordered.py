@@ -23,9 +23,11 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
 from recall_at_k.ranking.gallery import Side
 from recall_at_k.ranking.score import prepare_rows
+from recall_at_k.ranking.workers import Workers, worker_count
 
 ORDER_CHUNK_BYTES = 2**20
 """Rows are read from the stored blocks and written in order this many bytes at a time."""
@@ -135,10 +137,18 @@ def ordered_items(
 
 def normalise(embeddings: Tensor, similarity: Similarity) -> None:
     """:func:`~recall_at_k.ranking.score.prepare` in place, a chunk of rows at a time
-    (each row's value depends on that row alone)."""
+    (each row's value depends on that row alone), the chunks on the CPU's worker threads
+    (:mod:`~recall_at_k.ranking.workers`; each writes only its own rows)."""
     if similarity != "cosine":
         return
     step = max(1, ORDER_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
-    for start in range(0, embeddings.shape[0], step):
+    starts = range(0, embeddings.shape[0], step)
+
+    def chunk(start: int, _: Workspace) -> None:
         rows = embeddings[start : start + step]
         rows.copy_(prepare_rows(rows, similarity, embeddings.dtype))
+
+    count = min(worker_count(embeddings.device), len(starts))
+    with Workers(chunk, count, Workspace()) as pool:
+        for _ in pool.map(starts):
+            pass

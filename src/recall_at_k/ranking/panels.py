@@ -82,23 +82,26 @@ def panel_band(
         if state.near is not None:
             labels = tile.labels, gallery.labels[first:stop]
             near_block(scores, peak, state.near, labels, first, False)
-        panel_rows(scores, peak, first, state, stack, workspace)
-        saturate(state.lo, state.greater, options.max_k)  # panels hold no positive
+        if panel_rows(scores, peak, first, state, stack, workspace):
+            saturate(state.lo, state.greater, options.max_k)  # panels hold no positive
     stack.flush()
     return state.band()
 
 
 def panel_rows(
     scores: Tensor, peak: Tensor, first: int, state: TileScan, stack: Stack, workspace: Workspace
-) -> None:
+) -> bool:
     """Scan a panel of scores (columns ``first:``; no positive among them) whose rows'
     largest scores are ``peak`` for the band: the rows that reach it go to ``stack``,
-    or the whole panel when most do (overwriting it)."""
+    or the whole panel when most do (overwriting it). Whether the counts grew (the
+    panel compared, or the stack)."""
     rows = (peak < state.lo).logical_not_().view(-1).nonzero().view(-1)
     if 2 * rows.shape[0] > scores.shape[0]:  # most rows: compare the whole panel
         scan(scores, state.lo, state.hi, first, state.greater, state.found, False, workspace, True)
-    elif rows.shape[0]:
-        stack.add(scores, rows, first)
+        return True
+    if rows.shape[0]:
+        return stack.add(scores, rows, first)
+    return False
 
 
 class Stack:
@@ -123,11 +126,13 @@ class Stack:
         self.rows: list[Tensor] = []
         self.firsts: list[int] = []
 
-    def add(self, scores: Tensor, rows: Tensor, first: int) -> None:
+    def add(self, scores: Tensor, rows: Tensor, first: int) -> bool:
         """Copy ``rows`` of a panel whose first gallery column is ``first`` (a narrower
-        panel is padded with -inf, which no band reaches)."""
+        panel is padded with -inf, which no band reaches); whether the rows copied
+        before were compared first (the buffer was full)."""
         count = rows.shape[0]
-        if self.used + count > self.buffer.shape[0]:
+        flushed = self.used + count > self.buffer.shape[0]
+        if flushed:
             self.flush()
         target = self.buffer[self.used : self.used + count]
         if scores.shape[1] == target.shape[1]:
@@ -141,6 +146,7 @@ class Stack:
         self.used += count
         self.rows.append(rows)
         self.firsts.append(first)
+        return flushed
 
     def flush(self) -> None:
         """What :func:`scan` does, on every row copied so far."""

@@ -9,6 +9,8 @@ columns (block J's): every score is computed once for both of its items.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -91,70 +93,119 @@ def rank_symmetric(
     if route.mode == "auto" and size < min(SYMMETRIC_MIN_ROWS, num):
         return 0
     size = max(1, size)
-    starts = list(range(0, num, size))
     device, dtype = embeddings.device, embeddings.dtype
     bound = gallery_bounds(gallery, options.similarity)
     greater = torch.zeros(num, dtype=count_dtype(num), device=device)
     has_positive = torch.zeros(num, dtype=torch.bool, device=device)
     lo = torch.full((num, 1), math.inf, dtype=dtype, device=device)
     hi = torch.full((num, 1), math.inf, dtype=dtype, device=device)
-    positives: list[Found] = [[] for _ in starts]
-    # The label blocks of as many rows as fit ``tile_bytes``: those of ``step`` rows lie
-    # in a run of at most ``step + 2 * widest`` columns (the rows are in label order).
     widest = int(share.block_count.max()) if num else 0
-    step = size
-    while step > 1 and step * (step + 2 * widest) * embeddings.element_size() > tile_bytes:
-        step = (step + 1) // 2
+    # Spans of rows made of whole labels where every label fits a span: each span's
+    # label blocks are then its diagonal block, scored once for its band and its
+    # negatives, and no block off the diagonal holds items of one label on both sides.
+    most = max(size, math.isqrt(max(1, tile_bytes // embeddings.element_size())))
+    spans = _label_spans(gallery, size, most) if 0 < widest <= size else None
+    aligned = spans is not None
+    if spans is None:
+        spans = [slice(start, min(start + size, num)) for start in range(0, num, size)]
+    positives: list[Found] = [[] for _ in spans]
+    found: list[Found] = [[] for _ in spans]
+    near_found: list[Found] = [[] for _ in spans]
+    near = near_scan(options.near_duplicate, bound, lo, num)
     # Pairs kept for each block's queries, and their total for the blocks not yet done.
-    kept, waiting = [0 for _ in starts], 0
-    parts = [
-        (index, slice(sub, min(sub + step, start + size, num)), sub - start)
-        for index, start in enumerate(starts)
-        for sub in range(start, min(start + size, num), step)
-    ]
+    kept, waiting, positive_count = [0 for _ in spans], 0, 0
+    if aligned:
+        parts = [(index, rows, 0) for index, rows in enumerate(spans)]
+    else:
+        # The label blocks of as many rows as fit ``tile_bytes``: those of ``step`` rows
+        # lie in a run of at most ``step + 2 * widest`` columns (rows in label order).
+        step = size
+        while step > 1 and step * (step + 2 * widest) * embeddings.element_size() > tile_bytes:
+            step = (step + 1) // 2
+        parts = [
+            (index, slice(sub, min(sub + step, rows.stop)), sub - rows.start)
+            for index, rows in enumerate(spans)
+            for sub in range(rows.start, rows.stop, step)
+        ]
 
-    def label_task(part: tuple[int, slice, int], space: Workspace) -> _LabelBlocks | None:
-        return _label_blocks(gallery, share, options, space, part[1], bound, part[2])
+    def label_task(part: tuple[int, slice, int], space: Workspace) -> _Labelled | None:
+        rows = part[1]
+        if not aligned:
+            labelled = _label_blocks(gallery, share, options, space, rows, bound, part[2])
+            return None if labelled is None else _Labelled(labelled, None)
+        return _diagonal(gallery, share, options, space, rows, bound, near)
 
     with Workers(label_task, min(workers, len(parts)), workspace) as pool:
-        for (index, rows, _), labelled in zip(parts, pool.map(parts), strict=True):
-            if labelled is None:
+        for (index, rows, _), result in zip(parts, pool.map(parts), strict=True):
+            if result is None:
                 continue
+            labelled = result.blocks
             lo[rows], hi[rows] = labelled.lo, labelled.hi
             has_positive[rows] = labelled.has_positive
             positives[index].append(labelled.positives)
             kept[index] += labelled.size
             waiting += labelled.size
-            if waiting > route.positive_pairs:  # many tied positives: the tiles are
-                return 0  # better (they decide each tile's pairs as they go)
+            positive_count += labelled.size
+            if positive_count > route.positive_pairs:  # many tied positives: the tiles
+                return 0  # are better (they decide each tile's pairs as they go)
+            if result.diagonal is not None:
+                side, pairs, near_part = result.diagonal
+                if side.greater is not None:
+                    greater[rows] += side.greater
+                if near is not None and side.near is not None:
+                    near.sure[rows] += side.near
+                found[index] += pairs
+                near_found[index] += near_part
+                added = _size(pairs) + _size(near_part)
+                kept[index] += added
+                waiting += added
     # Above -inf, which the blocks write where an item is ignored (scores are finite).
     lo.clamp_(min=torch.finfo(dtype).min)
-    near = near_scan(options.near_duplicate, bound, lo, num)
-    found: list[Found] = [[] for _ in starts]
-    near_found: list[Found] = [[] for _ in starts]
-    spans = [slice(start, min(start + size, num)) for start in starts]
+    if aligned:
+        saturate(lo, greater, options.max_k)
 
-    junk = _junk(gallery, spans)
+    junk = None if aligned else _junk(gallery, spans)
 
     def blocks() -> Iterator[_Block]:
         """The blocks in order, each with copies of its queries' band edges as they
-        are when it is taken."""
+        are when it is taken (the diagonal ones already scanned when aligned)."""
         for index, rows in enumerate(spans):
-            for later in range(index, len(spans)):
+            for later in range(index + int(aligned), len(spans)):
                 columns = spans[later]
                 edges = lo[rows].clone(), hi[rows].clone(), lo[columns].clone(), hi[columns].clone()
                 rectangle = None
-                run_start, run_stop = junk[index]
-                if later > index and run_stop > columns.start:  # one label on both sides
-                    top = max(run_start, rows.start) - rows.start
-                    rectangle = top, min(run_stop, columns.stop) - columns.start
+                if junk is not None:
+                    run_start, run_stop = junk[index]
+                    if later > index and run_stop > columns.start:  # one label both sides
+                        top = max(run_start, rows.start) - rows.start
+                        rectangle = top, min(run_stop, columns.stop) - columns.start
                 yield _Block(index, later, *edges, rectangle)
 
     def block_task(block: _Block, space: Workspace) -> _Scanned:
         return _scan_block(block, spans, gallery, options, near, space)
 
-    total = len(spans) * (len(spans) + 1) // 2
-    with Workers(block_task, min(workers, total), workspace) as block_pool:
+    def complete(index: int) -> bool:
+        """Add the queries of span ``index`` (every block of theirs scanned); whether
+        the route goes on (False: too many pairs wait, the caller ranks the rest)."""
+        nonlocal waiting
+        rows = spans[index]
+        tile = Queries._make(t[rows] for t in share)
+        near_pairs = None if near is None else pairs_of(near_found[index], device)
+        band_pairs = pairs_of(positives[index] + found[index], device)
+        band = Band(
+            greater[rows],
+            has_positive[rows],
+            band_pairs,
+            None if near is None else near.sure[rows],
+            near_pairs,
+        )
+        found[index], near_found[index], positives[index] = [], [], []
+        add_band(tile, band)
+        waiting -= kept[index]
+        return waiting <= route.pending_pairs
+
+    total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
+    with Workers(block_task, max(1, min(workers, total)), workspace) as block_pool:
         for scanned in block_pool.map(blocks()):
             index, later = scanned.row_block, scanned.column_block
             rows = spans[index]
@@ -172,24 +223,95 @@ def rank_symmetric(
                     added = _size(pairs) + _size(near_part)
                     kept[later] += added
                     waiting += added
-            if later < len(spans) - 1:
-                continue
-            tile = Queries._make(t[rows] for t in share)
-            near_pairs = None if near is None else pairs_of(near_found[index], device)
-            band_pairs = pairs_of(positives[index] + found[index], device)
-            band = Band(
-                greater[rows],
-                has_positive[rows],
-                band_pairs,
-                None if near is None else near.sure[rows],
-                near_pairs,
-            )
-            found[index], near_found[index], positives[index] = [], [], []
-            add_band(tile, band)
-            waiting -= kept[index]
-            if waiting > route.pending_pairs:
-                return rows.stop
+            if later == len(spans) - 1 and not complete(index):
+                return int(rows.stop)
+    if aligned:
+        complete(len(spans) - 1)  # the last span has no block off the diagonal as rows
     return num
+
+
+def _label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
+    """Spans of about ``size`` rows (gallery positions), never more than ``most``, made
+    of whole labels (every label's run, ``gallery.block_counts``, at most ``size``
+    long): each span ends at the label boundary nearest ``size`` rows on; one
+    ``bisect`` a span."""
+    num = gallery.embeddings.shape[0]
+    starts = gallery.block_starts.tolist()
+    cuts = [0]
+    while cuts[-1] + size < num:
+        target = cuts[-1] + size
+        index = bisect.bisect_right(starts, target) - 1
+        cut = starts[index]  # after cuts[-1]: the label starting there fits ``size``
+        after = starts[index + 1] if index + 1 < len(starts) else num
+        if after - target < target - cut and after - cuts[-1] <= most:
+            cut = after
+        cuts.append(cut)
+    if cuts[-1] < num:
+        cuts.append(num)
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def _ignore_own_labels(scores: Tensor, share: Queries, rows: slice, workspace: Workspace) -> None:
+    """Write -inf over each query's own label in the diagonal block of a span of whole
+    labels (the query itself, its positives, label-and-group junk): the columns
+    ``block_start .. + block_count`` of its row, one scatter of ``[T, widest]``
+    positions instead of a ``[T, T]`` label mask (a position past the label is the
+    label's last column again)."""
+    count = share.block_count[rows]
+    widest = int(count.max()) if count.numel() else 0
+    if widest == 0:
+        return
+    device = scores.device
+    start = (share.block_start[rows] - rows.start).unsqueeze(1)
+    # The label pass's column buffer (done with): no scratch beyond what it held.
+    columns = workspace.get("block_columns", (scores.shape[0], widest), torch.int64, device)
+    torch.add(start, torch.arange(widest, device=device), out=columns)
+    torch.minimum(columns, start + count.unsqueeze(1) - 1, out=columns)
+    scores.scatter_(1, columns, -math.inf)
+
+
+class _Labelled(NamedTuple):
+    """A label task's result: the label blocks, and (aligned spans) the scan of the
+    diagonal block."""
+
+    blocks: _LabelBlocks
+    diagonal: tuple[_Side, Found, Found] | None
+
+
+def _diagonal(
+    gallery: Gallery,
+    share: Queries,
+    options: RankOptions,
+    workspace: Workspace,
+    rows: slice,
+    bound: Tensor,
+    near: Near | None,
+) -> _Labelled | None:
+    """The diagonal block of a span of whole labels: its label blocks (each query's
+    band), then its negatives scanned by rows with that band."""
+    labelled = _label_blocks(gallery, share, options, workspace, rows, bound, 0, True)
+    if labelled is None:
+        return None
+    scores = labelled.scores
+    assert scores is not None and scores.shape[1] == rows.stop - rows.start
+    _ignore_own_labels(scores, share, rows, workspace)
+    if options.exclude == "same_group":
+        same = gallery.groups[rows].unsqueeze(1) == gallery.groups[rows].unsqueeze(0)
+        scores.masked_fill_(same, -math.inf)
+    lo = labelled.lo.clamp(min=torch.finfo(scores.dtype).min)
+    counts = count_dtype(gallery.embeddings.shape[0])
+    peak = scores.amax(dim=1, keepdim=True)
+    row_found: Found = []
+    row_near: Found = []
+    near_sure = None
+    if near is not None:
+        near_sure = torch.zeros(peak.shape[0], dtype=counts, device=scores.device)
+        labels = gallery.labels[rows], gallery.labels[rows]
+        part = Near(near.lo[rows], near.hi[rows], near_sure, row_near)
+        near_block(scores, peak, part, labels, rows.start, False)
+    greater = _scan_rows(scores, peak, lo, labelled.hi, rows.start, counts, row_found)
+    side = (_Side(greater, near_sure), row_found, row_near)
+    return _Labelled(labelled._replace(scores=None), side)
 
 
 class _Block(NamedTuple):
@@ -333,6 +455,7 @@ class _LabelBlocks(NamedTuple):
     has_positive: Tensor
     positives: tuple[Tensor, Tensor, Tensor | None]
     size: int
+    scores: Tensor | None = None  # the label run's scores, when asked for
 
 
 def _label_blocks(
@@ -343,6 +466,7 @@ def _label_blocks(
     rows: slice,
     bound: Tensor,
     offset: int,
+    keep_scores: bool = False,
 ) -> _LabelBlocks | None:
     """The queries ``rows`` against their label blocks (one run of columns): each one's
     s*_f and band edges, and its valid positives in the band (all of them are at most
@@ -359,7 +483,8 @@ def _label_blocks(
     lo, hi = band_edges(block.best, bound[rows], block.has_positive)
     row, step = (block.valid & (block.values >= lo)).nonzero(as_tuple=True)
     positives = (row + offset, tile.block_start[row] + step, None)
-    return _LabelBlocks(lo, hi, block.has_positive, positives, int(row.shape[0]))
+    scores = run.scores if keep_scores else None
+    return _LabelBlocks(lo, hi, block.has_positive, positives, int(row.shape[0]), scores)
 
 
 def scan_down(
