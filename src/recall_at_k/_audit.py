@@ -89,7 +89,7 @@ _COMPARE_BYTES = 2**20
 the caller gives a ``block_bytes`` (the metric: a share of its ``chunk_bytes``,
 :data:`AUDIT_SHARE`)."""
 
-BLOCK_MIN_ROWS = 64
+BLOCK_MIN_ROWS = 16
 """The metric's blocks hold at least this many rows, whatever ``chunk_bytes``: smaller
 ones cost more in Python calls than they save (and their many small temporaries
 fragment the C heap)."""
@@ -148,10 +148,12 @@ def hash_rows(
     """int64 ``[m]``: each row's hash (:func:`_row_hashes` of its bits, or ``hashes``),
     a block of rows at a time (their float64 words within ``block_bytes``: four times
     their bytes). A row's hash depends on its bits alone."""
-    hash_of = _row_hashes if hashes is None else hashes
-    step = compare_step(rows, block_bytes // 4)
     if rows.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
+    if hashes is None:  # one call: its coefficients made once, its buffer reused
+        return _row_hashes(_words(rows), block_bytes)
+    hash_of = hashes
+    step = compare_step(rows, block_bytes // 4)
     return torch.cat(
         [hash_of(_words(rows[start : start + step])) for start in range(0, rows.shape[0], step)]
     )
@@ -175,12 +177,13 @@ _HASH_MAX_TERMS = 2**15
 2^37, so a sum of up to 2^16 of them is exact in float64, in any order."""
 
 
-def _row_hashes(words: Tensor) -> Tensor:
+def _row_hashes(words: Tensor, block_bytes: int = _HASH_ROW_BYTES) -> Tensor:
     """int64 ``[N]`` in ``[0, 2^63)``: equal rows of int16 ``words`` get equal values.
 
     Three sums of the words (shifted to ``[0, 2^16)``) times fixed coefficients below a
     prime ``p`` of 21 bits, each modulo ``p``: a matrix product in float64 whose every
     partial sum is an integer below 2^53, hence exact whatever the blocking or device.
+    Rows are widened to float64 ``block_bytes`` at a time, in one reused buffer.
     """
     num, width = words.shape
     device, wide = words.device, torch.float64
@@ -188,7 +191,7 @@ def _row_hashes(words: Tensor) -> Tensor:
     coefficients = torch.randint(1, _HASH_PRIME, (width, 3), generator=generator)
     coefficients = coefficients.to(device=device, dtype=wide)
     hashes = torch.zeros((num, 3), dtype=wide, device=device)
-    step = max(1, min(num, _HASH_ROW_BYTES // (8 * width)))
+    step = max(1, min(num, block_bytes // (8 * width)))
     buffer = torch.empty((step, width), dtype=wide, device=device)  # reused, chunk after chunk
     for start in range(0, num, step):
         rows = buffer[: min(step, num - start)]
