@@ -20,17 +20,27 @@ COPIES = 1
 """Copies of the stored (one process) or gathered (DDP) embeddings: the ranking's
 ordered copy, the gallery a view of it."""
 
-SCRATCH_TILES = 8
+SCRATCH_TILES = 4
 """Tiles of scratch (a tile: ``chunk_bytes``, at most ``CPU_TILE_BYTES`` on CPU) that a
-ranking adds: the tile, its scan's masks and copies, the symmetric route's blocks, the
-canonical re-scoring's buffers."""
+ranking adds: its tiles of scores hold a quarter of ``chunk_bytes``
+(``recall_at_k.ranking.rank.SCRATCH_SHARE``) with their queries' copies, the panels,
+their stack and the symmetric blocks are sized from them, the canonical re-scoring's
+buffers from ``chunk_bytes / 8``; the audit, the ordered copy and ``"cosine"``'s
+normalisation work on blocks of ``chunk_bytes / 4``. Measured, what that scratch and the
+bookkeeping add is below 1x ``chunk_bytes`` in one process for leave-one-out with
+1,600 x 2,048 items and a 512 KiB chunk, and up to 4.7x ``chunk_bytes`` for
+query/gallery with 24,000 x 256 items and a 4 MiB chunk (many tiles: their small
+buffers stay in the C heap)."""
 
 BYTES_PER_ITEM = 256
 """Bookkeeping per item: metadata, orders, sides, bands."""
 
-FIXED_BYTES = 8 * 2**20
-"""Buffers of a fixed size: rows read, prepared, hashed and compared a MiB at a time;
-for ``"euclidean"`` leave-one-out, a centred copy of one block of rows."""
+FIXED_BYTES = 4 * 2**20
+"""Blocks of at least 16 rows (``recall_at_k._audit.BLOCK_MIN_ROWS``, their float64
+copies: 512 KiB at D = 2,048, whatever ``chunk_bytes``), and temporaries below the C
+library's mmap threshold (128 KiB here) that, once freed, stay in the heap while a later
+allocation lies above them: measured up to about 3 MiB after the audit of 1,600 x 2,048
+items (``"euclidean"`` leave-one-out), returned to the system later in ``compute()``."""
 
 CPU_TILE_BYTES = 32 * 2**20
 """On CPU a tile never exceeds this (``recall_at_k.ranking.rank.CPU_TILE_BYTES``)."""

@@ -8,7 +8,10 @@ Measured in a fresh process as the benchmarks measure it (``tests/memory_probe.p
 the resident-set high-water mark over the resident set before ``compute()``, freed
 buffers returned at once). Before the ranking wrote its one ordered copy, ``compute()``
 added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one process and
-8x the gathered bytes per process under DDP; the formula allows under 2x here.
+8x the gathered bytes per process under DDP; the formula allows about 1.5x here. With
+the scratch sized from ``chunk_bytes`` (tiles, panels, audit blocks) it measured 1.09x
+(leave-one-out cosine) to 1.29x (leave-one-out euclidean); the issue's target,
+1x + ``chunk_bytes`` (1.04x here), is not met yet (see ``memory_formula``).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def test_compute_adds_one_copy_of_the_embeddings(case: dict[str, Any]) -> None:
     (result,) = _run_probe([case])
     assert result["case"] == case
     # the formula's own terms are what it claims: scratch and bookkeeping are small here
-    assert bound(result) - result["stored"] < result["stored"]
+    assert bound(result) - result["stored"] < 0.6 * result["stored"]
     assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
 
 

@@ -85,10 +85,25 @@ class DirectionAudit(NamedTuple):
 
 
 _COMPARE_BYTES = 2**20
-"""Rows are hashed and compared this many bytes at a time (never the whole set)."""
+"""Rows are hashed and compared this many bytes at a time (never the whole set), unless
+the caller gives a ``block_bytes`` (the metric: a share of its ``chunk_bytes``,
+:data:`AUDIT_SHARE`)."""
+
+BLOCK_MIN_ROWS = 16
+"""The metric's blocks hold at least this many rows, whatever ``chunk_bytes``: smaller
+ones cost more in Python calls than they save (and their many small temporaries
+fragment the C heap)."""
+
+AUDIT_SHARE = 4
+"""The metric's audit works on blocks of ``chunk_bytes / AUDIT_SHARE`` (each block's
+copies -- bit patterns, float64 rows, projections -- together within it)."""
 
 
-def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def bitwise_classes(
+    embeddings: Tensor,
+    hashes: Callable[[Tensor], Tensor] | None = None,
+    block_bytes: int = _COMPARE_BYTES,
+) -> Tensor:
     """int64 ``[N]``: rows with the same bit pattern share a class (``0..C-1``).
 
     Bitwise equality is stricter than ``==``: ``-0.0`` and ``0.0`` differ, and so do
@@ -99,14 +114,14 @@ def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | Non
     sorted by hash and the neighbours that share one are compared bit for bit. Equal
     hashes of different rows (chance about ``N^2 / 2^62``) fall back to an exact sort
     of the rows (``torch.unique(dim=0)``, several times slower, on a whole copy).
-    O(N log N + N D); rows are hashed and compared :data:`_COMPARE_BYTES` at a time.
+    O(N log N + N D); rows are hashed and compared ``block_bytes`` at a time.
     ``hashes``: the row hash (tests pass colliding ones).
     """
     num, width = embeddings.shape
     if num == 0 or width == 0:
         return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
-    step = compare_step(embeddings)
-    sorted_keys, order = torch.sort(hash_rows(embeddings, hashes))
+    step = compare_step(embeddings, block_bytes // 2)  # two copies: the pair's rows
+    sorted_keys, order = torch.sort(hash_rows(embeddings, hashes, block_bytes))
     same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
     for start in range(0, same.shape[0], step):
         pairs = same[start : start + step]
@@ -120,18 +135,25 @@ def bitwise_classes(embeddings: Tensor, hashes: Callable[[Tensor], Tensor] | Non
     return classes
 
 
-def compare_step(rows: Tensor) -> int:
-    """The rows of ``rows`` that :data:`_COMPARE_BYTES` hold (at least one)."""
-    return max(1, _COMPARE_BYTES // max(1, rows.shape[1] * rows.element_size()))
+def compare_step(rows: Tensor, block_bytes: int = _COMPARE_BYTES) -> int:
+    """The rows of ``rows`` that ``block_bytes`` hold (at least one)."""
+    return max(1, block_bytes // max(1, rows.shape[1] * rows.element_size()))
 
 
-def hash_rows(rows: Tensor, hashes: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+def hash_rows(
+    rows: Tensor,
+    hashes: Callable[[Tensor], Tensor] | None = None,
+    block_bytes: int = _COMPARE_BYTES,
+) -> Tensor:
     """int64 ``[m]``: each row's hash (:func:`_row_hashes` of its bits, or ``hashes``),
-    :data:`_COMPARE_BYTES` of rows at a time. A row's hash depends on its bits alone."""
-    hash_of = _row_hashes if hashes is None else hashes
-    step = compare_step(rows)
+    a block of rows at a time (their float64 words within ``block_bytes``: four times
+    their bytes). A row's hash depends on its bits alone."""
     if rows.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
+    if hashes is None:  # one call: its coefficients made once, its buffer reused
+        return _row_hashes(_words(rows), block_bytes)
+    hash_of = hashes
+    step = compare_step(rows, block_bytes // 4)
     return torch.cat(
         [hash_of(_words(rows[start : start + step])) for start in range(0, rows.shape[0], step)]
     )
@@ -155,12 +177,13 @@ _HASH_MAX_TERMS = 2**15
 2^37, so a sum of up to 2^16 of them is exact in float64, in any order."""
 
 
-def _row_hashes(words: Tensor) -> Tensor:
+def _row_hashes(words: Tensor, block_bytes: int = _HASH_ROW_BYTES) -> Tensor:
     """int64 ``[N]`` in ``[0, 2^63)``: equal rows of int16 ``words`` get equal values.
 
     Three sums of the words (shifted to ``[0, 2^16)``) times fixed coefficients below a
     prime ``p`` of 21 bits, each modulo ``p``: a matrix product in float64 whose every
     partial sum is an integer below 2^53, hence exact whatever the blocking or device.
+    Rows are widened to float64 ``block_bytes`` at a time, in one reused buffer.
     """
     num, width = words.shape
     device, wide = words.device, torch.float64
@@ -168,7 +191,7 @@ def _row_hashes(words: Tensor) -> Tensor:
     coefficients = torch.randint(1, _HASH_PRIME, (width, 3), generator=generator)
     coefficients = coefficients.to(device=device, dtype=wide)
     hashes = torch.zeros((num, 3), dtype=wide, device=device)
-    step = max(1, min(num, _HASH_ROW_BYTES // (8 * width)))
+    step = max(1, min(num, block_bytes // (8 * width)))
     buffer = torch.empty((step, width), dtype=wide, device=device)  # reused, chunk after chunk
     for start in range(0, num, step):
         rows = buffer[: min(step, num - start)]
@@ -217,7 +240,9 @@ _FILTERS = 8
 only when each projection of the two is within a cell width."""
 
 
-def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
+def rounding_pairs(
+    embeddings: Tensor, classes: Tensor, block_bytes: int = _COMPARE_BYTES
+) -> Tensor:
     """int64 ``[P, 2]``: the pairs ``(a, b)``, ``a != b``, of bitwise classes whose
     embeddings are equal up to float rounding (:data:`ROUNDING_TOLERANCE`), both
     orientations, sorted.
@@ -236,7 +261,8 @@ def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
 
     The parts: :func:`rounding_grid` (the projections and the cell width),
     :func:`project` (each class's first row), :func:`rounding_candidates` (the pairs
-    of neighbouring cells), :func:`_within` (the check) and :func:`both_orientations`.
+    of neighbouring cells), :func:`_within` (the check) and :func:`both_orientations`;
+    rows are projected and checked ``block_bytes`` at a time.
     """
     device = embeddings.device
     num, width = embeddings.shape
@@ -247,12 +273,14 @@ def rounding_pairs(embeddings: Tensor, classes: Tensor) -> Tensor:
     first.scatter_reduce_(0, classes, torch.arange(num, device=device), reduce="amin")
     grid = rounding_grid(width, device)
     projected = torch.empty((count, _FILTERS), dtype=torch.float64, device=device)
-    step = project_step(width)
+    # Each row's copy, its float64 copy and its finite flags.
+    step = project_step(width, block_bytes, 9 + embeddings.element_size())
     for start in range(0, count, step):
         projected[start : start + step] = project(grid, embeddings[first[start : start + step]])
     found = []
-    for a, b in rounding_candidates(grid, projected):
-        within = _within(embeddings, first[a], first[b])
+    chunk = max(64, min(ROUNDING_CHUNK, block_bytes // 256))  # ~200 bytes a candidate
+    for a, b in rounding_candidates(grid, projected, chunk):
+        within = _within(embeddings, first[a], first[b], block_bytes)
         found.append(torch.stack([a[within], b[within]], dim=1))
     return both_orientations(found, count, device)
 
@@ -279,18 +307,21 @@ def rounding_grid(width: int, device: torch.device) -> RoundingGrid:
     return RoundingGrid(weights, cell)
 
 
-def project_step(width: int) -> int:
-    """The rows projected at a time (a float64 copy of :data:`_HASH_ROW_BYTES`)."""
-    return max(1, _HASH_ROW_BYTES // (8 * max(1, width)))
+def project_step(width: int, block_bytes: int = _HASH_ROW_BYTES, per_value: int = 8) -> int:
+    """The rows projected (or checked) at a time: ``per_value`` bytes a coordinate
+    (a float64 copy by default) within ``block_bytes``."""
+    return max(1, block_bytes // (per_value * max(1, width)))
 
 
 def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
     """float64 ``[m, _FILTERS]``: the projections of the normalised ``rows`` (NaN for a
-    row that is not finite: it has no copies)."""
-    rows = _scaled(rows.to(torch.float64))
+    row that is not finite: it has no copies). One float64 copy of ``rows``, scaled and
+    normalised in place."""
+    rows = rows.to(torch.float64, copy=True)
     finite = rows.isfinite().all(dim=1, keepdim=True)
+    _scale_in_place(rows)
     norms = rows.norm(dim=1, keepdim=True)
-    unit = torch.where(norms > 0, rows / norms.clamp(min=1e-300), 0.0)
+    unit = rows.div_(norms.clamp(min=1e-300)).masked_fill_(~(norms > 0), 0.0)
     return torch.where(finite, unit @ grid.weights, torch.nan)
 
 
@@ -351,7 +382,7 @@ def rounding_candidates(
             at = torch.searchsorted(ends, pair, right=True)
             a = members[owner[at]]
             b = members[begin[at] + pair - (ends[at] - size[at])]
-            close = ((projected[a] - projected[b]).abs() <= cell).all(dim=1)
+            close = (projected[a].sub_(projected[b]).abs_() <= cell).all(dim=1)
             yield a[close], b[close]
 
 
@@ -375,19 +406,24 @@ def _half_space_shifts() -> list[tuple[int, ...]]:
     return sorted((s for s in shifts if s >= zero), key=lambda s: s != zero)
 
 
-def _scaled(rows: Tensor) -> Tensor:
-    """float64 rows, each multiplied by the power of two that brings its largest
-    absolute coordinate into ``[0.5, 1)`` (exact; zero and non-finite rows as they are)."""
-    largest = rows.abs().amax(dim=1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
+def _scale_in_place(rows: Tensor) -> None:
+    """Multiply each float64 row by the power of two that brings its largest absolute
+    coordinate into ``[0.5, 1)`` (exact; zero and non-finite rows as they are): what
+    ``torch.ldexp`` computes (``rows * 2^e``), without a copy."""
+    if rows.shape[1] == 0:
+        return
+    largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
     exponent = torch.frexp(torch.where(largest.isfinite(), largest, 1.0))[1]
-    return torch.ldexp(rows, -exponent.unsqueeze(1).to(rows.dtype))
+    rows.mul_(torch.pow(2.0, -exponent.unsqueeze(1).to(rows.dtype)))
 
 
-def _within(embeddings: Tensor, rows_a: Tensor, rows_b: Tensor) -> Tensor:
+def _within(
+    embeddings: Tensor, rows_a: Tensor, rows_b: Tensor, block_bytes: int = _HASH_ROW_BYTES
+) -> Tensor:
     """bool per pair of rows (indices into ``embeddings``): :func:`within` of the two,
-    :data:`_HASH_ROW_BYTES` of float64 rows at a time."""
+    a block of pairs at a time (their float64 copies, some eight, within ``block_bytes``)."""
     out = torch.empty(rows_a.shape[0], dtype=torch.bool, device=rows_a.device)
-    step = project_step(embeddings.shape[1])
+    step = project_step(embeddings.shape[1], block_bytes, 64)
     for start in range(0, rows_a.shape[0], step):
         stop = start + step
         out[start:stop] = within(embeddings[rows_a[start:stop]], embeddings[rows_b[start:stop]])
@@ -451,11 +487,13 @@ def codes(
     labels: Tensor,
     groups: Tensor,
     hashes: Callable[[Tensor], Tensor] | None = None,
+    block_bytes: int = _COMPARE_BYTES,
 ) -> Codes:
     """The composite keys the audit counts with, over every stored item (``hashes``:
-    the row hash of :func:`bitwise_classes`, for tests)."""
-    klass = bitwise_classes(embeddings, hashes)
-    return codes_of(klass, rounding_pairs(embeddings, klass), labels, groups)
+    the row hash of :func:`bitwise_classes`, for tests), its rows read ``block_bytes``
+    at a time."""
+    klass = bitwise_classes(embeddings, hashes, block_bytes)
+    return codes_of(klass, rounding_pairs(embeddings, klass, block_bytes), labels, groups)
 
 
 def codes_of(klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor) -> Codes:
@@ -641,6 +679,7 @@ class AuditOptions(NamedTuple):
     empty_target_action: str
     near_duplicate: float | None  # the threshold; None: no near-duplicate counts
     names: tuple[str, ...] = ("",)  # the direction names ("" for one direction)
+    block_bytes: int = _COMPARE_BYTES  # rows are read this many bytes at a time
 
 
 def options_of(metric: Any) -> AuditOptions:
@@ -650,6 +689,7 @@ def options_of(metric: Any) -> AuditOptions:
         metric.empty_target_action,
         metric.near_duplicate,
         tuple(metric.directions) if metric.bidirectional else ("",),
+        max(1, metric.chunk_bytes // AUDIT_SHARE),
     )
 
 
@@ -674,7 +714,11 @@ def audit_directions(
     """
     if all(sides is None for sides in directions):
         return [None for _ in directions]
-    keys = stored() if callable(stored) else codes(stored[0], stored[1][:, 0], stored[1][:, 1])
+    if callable(stored):
+        keys = stored()
+    else:
+        embeddings, meta = stored
+        keys = codes(embeddings, meta[:, 0], meta[:, 1], block_bytes=options.block_bytes)
     audits: list[DirectionAudit | None] = []
     previous: Sides | None = None
     for sides in directions:

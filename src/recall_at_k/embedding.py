@@ -415,13 +415,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             return self._rank_sharded(source, meta, computing)
         # The one whole copy: the stored items in the ranking's order, bit for bit
         # (audited so), then prepared in place.
+        block = self._block_bytes(source.shape[1])
         ordered = _ordered.ordered_items(
-            source, meta[:, _items.LABEL], self._directions(meta), None
+            source, meta[:, _items.LABEL], self._directions(meta), None, block
         )
         embeddings, directions = ordered.embeddings, ordered.directions
         meta = meta.index_select(0, ordered.order)
         audits = self._audits((embeddings, meta), directions)
-        _ordered.normalise(embeddings, self.similarity)
+        _ordered.normalise(embeddings, self.similarity, block)
         check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
         options, known = self._rank_options(audits, check_nan)
         group = self._gathered  # shard across processes only when states are gathered
@@ -436,6 +437,13 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             known,
         )
         return self._ranked(shared, audits, directions, computing, 0)
+
+    def _block_bytes(self, width: int) -> int:
+        """Rows of ``width`` are copied, prepared and audited this many bytes at a time:
+        a share of ``chunk_bytes`` (the ranking's tiles take another), but at least
+        ``BLOCK_MIN_ROWS`` rows (their float64 copies)."""
+        least = _audit.BLOCK_MIN_ROWS * 16 * width
+        return max(1, self.chunk_bytes // _audit.AUDIT_SHARE, least)
 
     def _rank_sharded(
         self, source: _sync.BroadcastRows, meta: Tensor, computing: bool
@@ -567,7 +575,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             # The one whole copy, prepared, in the ranking's order; each direction's
             # queries keep their order (the records'), renumbered to its rows.
             ordered = _ordered.ordered_items(
-                source, meta[:, _items.LABEL], directions, self.similarity
+                source,
+                meta[:, _items.LABEL],
+                directions,
+                self.similarity,
+                self._block_bytes(source.shape[1]),
             )
             embeddings, order = ordered.embeddings, ordered.order
             check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
@@ -664,7 +676,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             if meta.shape[0] and self.sharded and isinstance(source, _sync.BroadcastRows):
                 stored = self._sharded_codes(source, meta)  # no whole copy of the rows
             elif meta.shape[0]:
-                ordered = _ordered.ordered_items(source, meta[:, _items.LABEL], sides, None)
+                labels, block = meta[:, _items.LABEL], self._block_bytes(source.shape[1])
+                ordered = _ordered.ordered_items(source, labels, sides, None, block)
                 sides = ordered.directions
                 stored = ordered.embeddings, meta.index_select(0, ordered.order)
             audits = self._audits(stored, sides)
@@ -687,6 +700,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if self._report is not None and not gathered and not self._report_gathered:
             return None
         options = _audit.options_of(self)
+        if not callable(stored):
+            options = options._replace(block_bytes=self._block_bytes(stored[0].shape[1]))
         return _audit.audit_directions(stored, sides[: len(self._prefixes)], options)
 
     def _audit(

@@ -425,7 +425,11 @@ def embedding_recall_at_k(
     query_side = _gallery.select(is_query, identity)
     gallery_side = _gallery.select(is_query if gallery is None else ~is_query, identity)
     # The one whole copy: the items, prepared, in the ranking's order.
-    ordered = _ordered.ordered_items(source, labels, [(query_side, gallery_side)], similarity)
+    # Rows prepared a share of chunk_bytes at a time (at least 64 rows: float64 copies).
+    block = max(1, chunk_bytes // 4, 64 * 16 * queries.shape[1])
+    ordered = _ordered.ordered_items(
+        source, labels, [(query_side, gallery_side)], similarity, block
+    )
     embeddings, sides_ordered = ordered.embeddings, ordered.directions[0]
     assert sides_ordered is not None
     options = _bands.RankOptions(

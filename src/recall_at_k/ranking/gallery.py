@@ -50,6 +50,7 @@ class Gallery(NamedTuple):
     block_counts: Tensor  # [C] the run's length
     identity_sorted: Tensor  # [G] identities, ascending
     identity_column: Tensor  # [G] column of each entry of ``identity_sorted``
+    chunk_rows: int = 0  # rows read at a time (gallery_bounds); 0: GALLERY_CHUNK_BYTES
 
 
 class Queries(NamedTuple):
@@ -96,13 +97,20 @@ of rows at a time."""
 
 
 def gallery_of(
-    embeddings: Tensor, labels: Tensor, groups: Tensor, side: Side, similarity: Similarity
+    embeddings: Tensor,
+    labels: Tensor,
+    groups: Tensor,
+    side: Side,
+    similarity: Similarity,
+    chunk_bytes: int = GALLERY_CHUNK_BYTES,
 ) -> Gallery:
+    """The gallery of ``side``; its norms (and centre) computed ``chunk_bytes`` of rows
+    at a time (a centred copy of them for ``"euclidean"``)."""
     labels_sorted, label_order = torch.sort(labels[side.rows], stable=True)
     rows = side.rows[label_order]
     gallery_embeddings = _rows_of(embeddings, rows)
     num, width = gallery_embeddings.shape
-    step = max(1, GALLERY_CHUNK_BYTES // max(1, width * gallery_embeddings.element_size()))
+    step = max(1, chunk_bytes // max(1, width * gallery_embeddings.element_size()))
     centre = neg_sq_norms = None
     if similarity == "euclidean":
         # Centred on the gallery's mean: a common offset of every vector cancels in the
@@ -150,6 +158,7 @@ def gallery_of(
         block_counts,
         identity_sorted,
         identity_column,
+        step,
     )
 
 
@@ -176,7 +185,9 @@ def gallery_bounds(gallery: Gallery, similarity: Similarity) -> Tensor:
     """:func:`bounds` of the gallery's own rows as queries (leave-one-out), computed a
     chunk of rows at a time."""
     num, width = gallery.embeddings.shape
-    step = max(1, GALLERY_CHUNK_BYTES // max(1, width * gallery.embeddings.element_size()))
+    step = gallery.chunk_rows
+    if step <= 0:
+        step = max(1, GALLERY_CHUNK_BYTES // max(1, width * gallery.embeddings.element_size()))
     parts = [
         bounds(centred_rows(gallery, start, min(num, start + step)), gallery, similarity)
         for start in range(0, num, step)

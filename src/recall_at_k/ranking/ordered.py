@@ -105,18 +105,20 @@ def ordered_items(
     labels: Tensor,
     directions: Sequence[tuple[Side, Side] | None],
     similarity: Similarity | None,
+    chunk_bytes: int = ORDER_CHUNK_BYTES,
 ) -> Ordered:
     """The embeddings in the ranking's order (:func:`ranking_order`), written chunk by
     chunk, prepared for ``similarity`` (None: only brought to at least float32, every
     bit kept, for the audit; :func:`normalise` later): the only whole copy; the sides
-    renumbered to its rows."""
+    renumbered to its rows. Rows are read and prepared ``chunk_bytes`` at a time (their
+    copies: float64 and the dtype's, some 16 bytes a coordinate)."""
     num, width = source.shape
     order = ranking_order(labels, directions)
     position = torch.empty_like(order)
     position[order] = torch.arange(num, dtype=order.dtype, device=order.device)
     dtype = torch.promote_types(source.dtype, torch.float32)
     out = torch.empty((num, width), dtype=dtype, device=source.device)
-    step = max(1, ORDER_CHUNK_BYTES // (8 * max(1, width)))
+    step = max(1, chunk_bytes // (16 * max(1, width)))
     for first, rows in source.runs(step):
         target = position[first : first + rows.shape[0]]
         prepared = rows.to(dtype) if similarity is None else prepare_rows(rows, similarity, dtype)
@@ -135,20 +137,24 @@ def ordered_items(
     return Ordered(out, order, position, renumbered)
 
 
-def normalise(embeddings: Tensor, similarity: Similarity) -> None:
+def normalise(
+    embeddings: Tensor, similarity: Similarity, chunk_bytes: int = ORDER_CHUNK_BYTES
+) -> None:
     """:func:`~recall_at_k.ranking.score.prepare` in place, a chunk of rows at a time
     (each row's value depends on that row alone), the chunks on the CPU's worker threads
-    (:mod:`~recall_at_k.ranking.workers`; each writes only its own rows)."""
+    (:mod:`~recall_at_k.ranking.workers`; each writes only its own rows; the copies of
+    all chunks in flight together within ``chunk_bytes``)."""
     if similarity != "cosine":
         return
-    step = max(1, ORDER_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
+    workers = worker_count(embeddings.device)
+    step = max(1, chunk_bytes // (16 * max(1, embeddings.shape[1]) * max(1, workers)))
     starts = range(0, embeddings.shape[0], step)
 
     def chunk(start: int, _: Workspace) -> None:
         rows = embeddings[start : start + step]
         rows.copy_(prepare_rows(rows, similarity, embeddings.dtype))
 
-    count = min(worker_count(embeddings.device), len(starts))
+    count = min(workers, len(starts))
     with Workers(chunk, count, Workspace()) as pool:
         for _ in pool.map(starts):
             pass

@@ -72,7 +72,9 @@ def panel_band(
     self_outside = (tile.self_column >= 0) & ((tile.self_column < lo) | (tile.self_column >= hi))
     ignore_outside = options.exclude == "same_group" or bool(self_outside.any())
     widest_panel = max((stop - first for first, stop in panels), default=0)
-    stack = Stack(state.lo, state.hi, state.greater, state.found, widest_panel, workspace)
+    stack = Stack(
+        state.lo, state.hi, state.greater, state.found, widest_panel, workspace, route.panel_bytes
+    )
     for first, stop in panels:
         scores = product(queries, gallery, first, stop, options.similarity, workspace)
         if ignore_outside:
@@ -117,10 +119,12 @@ class Stack:
         found: Found,
         width: int,
         workspace: Workspace,
+        stack_bytes: int = CPU_STACK_BYTES,
     ) -> None:
         self.lo, self.hi, self.greater, self.found = lo, hi, greater, found
         self.workspace = workspace
-        capacity = max(lo.shape[0], CPU_STACK_BYTES // max(1, width * lo.element_size()))
+        stack_bytes = min(stack_bytes, CPU_STACK_BYTES)
+        capacity = max(lo.shape[0], stack_bytes // max(1, width * lo.element_size()))
         self.buffer = workspace.get("stack", (capacity, width), lo.dtype, lo.device)
         self.used = 0
         self.rows: list[Tensor] = []

@@ -20,6 +20,7 @@ exact, hence the same, however tiles, threads and processes group the queries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ from torch import Tensor
 from recall_at_k import _kernel
 from recall_at_k._embedding_checks import nan_scores_error
 from recall_at_k._kernel import TieCounts, Workspace
+from recall_at_k._types import Similarity
 from recall_at_k.ranking.bands import (
     AUTO_ROUTE,
     NEAR_COUNTS,
@@ -60,6 +62,11 @@ from recall_at_k.ranking.workers import Workers, worker_count
 CPU_TILE_BYTES = 32 * 2**20
 """On CPU, tiles hold at most this many bytes of scores, whatever ``chunk_bytes`` allows:
 larger tiles buy nothing (the product is as fast in 32 MiB tiles) and cost memory."""
+
+SCRATCH_SHARE = 4
+"""A tile holds at most ``chunk_bytes / SCRATCH_SHARE`` (its scores and its queries'
+copies): with what its scan, the panels' stack and the canonical re-scoring add
+alongside (each sized from the tile), a ranking's scratch stays within ``chunk_bytes``."""
 
 PENDING_PAIRS = 2**16
 """In-band pairs of successive tiles are re-scored together once this many wait (or at
@@ -119,18 +126,21 @@ def rank(
         # Float32 products could overflow, or would come close to the subnormal range:
         # the fast path runs in float64 (exact copies; the canonical scores are the same).
         embeddings = embeddings.to(torch.float64)
-    gallery = gallery_of(embeddings, labels, groups, gallery_side, options.similarity)
+    workers = 1 if callable(options.similarity) else worker_count(device)
+    tile_bytes = scratch_tile_bytes(options.chunk_bytes, device)
+    # Each worker holds its own tile: together at most the one tile's bytes.
+    tile_bytes = max(1, tile_bytes // workers)
+    gallery = gallery_of(
+        embeddings, labels, groups, gallery_side, options.similarity, tile_bytes // 2
+    )
     num_gallery = gallery.embeddings.shape[0]
     share = queries_of(labels, groups, queries, gallery)
     tally = _Tally(embeddings, gallery, options, known, collect, share.rows.shape[0])
-    workers = 1 if callable(options.similarity) else worker_count(device)
-    tile_bytes = options.chunk_bytes
-    if device.type == "cpu":
-        tile_bytes = min(tile_bytes, CPU_TILE_BYTES)
-    # Each worker holds its own tile: together at most the one tile's bytes.
-    tile_bytes = max(1, tile_bytes // workers)
     itemsize = gallery.embeddings.element_size()
-    rows_per_tile = max(1, tile_bytes // max(1, num_gallery * itemsize))
+    route = scratch_route(route, tile_bytes, options.similarity, embeddings.shape[1], itemsize)
+    # A tile's row: its scores and its query's copy (centred for "euclidean").
+    row_bytes = (num_gallery + embeddings.shape[1]) * itemsize
+    rows_per_tile = max(1, tile_bytes // max(1, row_bytes))
     panels_possible = (
         device.type == "cpu" and not callable(options.similarity) and not options.check_nan
     )
@@ -178,6 +188,31 @@ def rank(
             else:
                 tally.add_band(tile, band)
     return tally.result()
+
+
+def scratch_tile_bytes(chunk_bytes: int, device: torch.device) -> int:
+    """The bytes of one tile for a ``chunk_bytes`` (:data:`SCRATCH_SHARE`; on CPU at
+    most :data:`CPU_TILE_BYTES`)."""
+    tile_bytes = max(1, chunk_bytes // SCRATCH_SHARE)
+    return min(tile_bytes, CPU_TILE_BYTES) if device.type == "cpu" else tile_bytes
+
+
+def scratch_route(
+    route: Route, tile_bytes: int, similarity: Similarity, width: int, itemsize: int
+) -> Route:
+    """``route`` with its panels and symmetric blocks no larger than ``tile_bytes``
+    (its panels half of it: the panels' stack and marks take as much again). For
+    ``"euclidean"`` a symmetric block's rows are centred (a copy of ``size x width``):
+    the block and that copy together fit the tile."""
+    block = max(1, min(route.block_bytes, tile_bytes))
+    if similarity == "euclidean":
+        values = block // itemsize  # size^2 + size * width <= values
+        size = (math.isqrt(width * width + 4 * values) - width) // 2
+        block = max(1, size * size * itemsize)
+    return route._replace(
+        panel_bytes=max(1, min(route.panel_bytes, tile_bytes // 2)),
+        block_bytes=block,
+    )
 
 
 class _Tally:
