@@ -145,7 +145,8 @@ def test_leave_one_out_spans_are_whole_labels(monkeypatch: pytest.MonkeyPatch) -
     for threads in (1, 2):
         seen.clear()
         with _threads(threads):
-            chunk = 4 * 48 * 48  # blocks of about 32 rows, at most 48
+            # blocks of about 32 rows, at most a tile's 48 (a tile: a share of chunk_bytes)
+            chunk = _rank.SCRATCH_SHARE * 4 * 48 * 48
             aligned = _run(batches, Route("symmetric", block_bytes=4 * 32 * 32), chunk_bytes=chunk)
             assert str(aligned) == str(_run(batches, Route("dense")))
         ordered = torch.sort(batches[0].labels).values
