@@ -42,13 +42,17 @@ def panel_band(
     options: RankOptions,
     route: Route,
     workspace: Workspace,
+    tile_rows: int = 0,
 ) -> Band:
     """:func:`block_band` of a tile whose scores never exist all at once (CPU).
 
     The tile's queries are in label order, so their label blocks together are one
     run of columns ``[lo, hi)``: those scores come first and give each query's s*_f and
     band; the other columns follow in panels of about ``route.panel_bytes``, each
-    scanned while still in cache.
+    scanned while still in cache. Panels are as wide for a smaller last tile as for
+    ``tile_rows`` rows: the BLAS keeps its packing buffer of the widest panel (about
+    ``width x 128 x 4`` bytes: 3 MiB at 6,000 columns) and allocates a second one for
+    a wider panel.
     """
     num_rows, num_gallery = queries.shape[0], gallery.embeddings.shape[0]
     run = label_run(queries, tile, gallery, options, workspace)
@@ -64,7 +68,7 @@ def panel_band(
         lo,
         num_gallery,
     )
-    width = max(1, route.panel_bytes // (num_rows * queries.element_size()))
+    width = max(1, route.panel_bytes // (max(num_rows, tile_rows) * queries.element_size()))
     panels = [(a, min(a + width, lo)) for a in range(0, lo, width)]
     panels += [(a, min(a + width, num_gallery)) for a in range(hi, num_gallery, width)]
     # Each query lies in its own label block, so only same-group exclusion, or an id

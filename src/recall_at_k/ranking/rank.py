@@ -72,6 +72,12 @@ PENDING_PAIRS = 2**16
 """In-band pairs of successive tiles are re-scored together once this many wait (or at
 the end): one canonical pass over D for many tiles."""
 
+PENDING_QUERIES = 2**10
+"""... or once the waiting tiles hold this many queries: each waiting tile keeps a dozen
+small tensors (about 6 KiB of C heap however few its pairs), and deciding them together
+takes memory in proportion to their queries (at 12,000 queries of 21-row tiles, all
+waiting to the end: about 3 MiB kept, then 3.7 MiB more to decide them)."""
+
 
 Collector = Callable[[Tensor, TieCounts], None]
 """``collect(positions, counts)``: per-query tie counts as :func:`rank` decides them."""
@@ -164,7 +170,9 @@ def rank(
         bound = bounds(tile_embeddings, gallery, options.similarity)
         mode = tile_mode(route, widest, num_gallery, panels_possible and widest > 0)
         if mode == "panels":
-            band = panel_band(tile_embeddings, tile, gallery, bound, options, route, workspace)
+            band = panel_band(
+                tile_embeddings, tile, gallery, bound, options, route, workspace, rows_per_tile
+            )
             return tile, band, nan
         scores = tile_scores(tile_embeddings, gallery, options.similarity, workspace)
         if options.check_nan:
@@ -217,8 +225,8 @@ def scratch_route(
 
 class _Tally:
     """What :func:`rank` adds up, tile after tile: each tile's counts once its in-band
-    pairs are decided (the pairs of successive tiles wait, up to ``PENDING_PAIRS``, to
-    be re-scored in one canonical pass)."""
+    pairs are decided (the pairs of successive tiles wait, up to ``PENDING_PAIRS`` or
+    ``PENDING_QUERIES``, to be re-scored in one canonical pass)."""
 
     def __init__(
         self,
@@ -245,6 +253,7 @@ class _Tally:
         self.workspace = Workspace()
         self.pending: list[tuple[Queries, Band]] = []
         self.pending_pairs = 0
+        self.pending_queries = 0
         total = 0 if gallery is None else int(num_queries)
         self.progress = Progress(total, options.progress)
 
@@ -261,9 +270,10 @@ class _Tally:
         self.pending.append((tile, band))
         self.progress.update(tile.rows.shape[0])
         self.pending_pairs += band.pairs.rows.shape[0]
+        self.pending_queries += tile.rows.shape[0]
         if band.near_pairs is not None:
             self.pending_pairs += band.near_pairs.rows.shape[0]
-        if self.pending_pairs >= PENDING_PAIRS:
+        if self.pending_pairs >= PENDING_PAIRS or self.pending_queries >= PENDING_QUERIES:
             self.flush()
 
     def flush(self) -> None:
@@ -277,7 +287,7 @@ class _Tally:
         self.rescored += decided.rescored
         self.near += decided.near
         self.add_counts(decided.counts, [tile for tile, _ in self.pending])
-        self.pending, self.pending_pairs = [], 0
+        self.pending, self.pending_pairs, self.pending_queries = [], 0, 0
 
     def result(self) -> RankCounts:
         self.flush()
