@@ -454,6 +454,18 @@ def _allowed(gathered: int) -> float:
     return MEMORY_SHARE * gathered + MEMORY_TILES * MEMORY_CHUNK + MEMORY_FIXED
 
 
+def _warm_up(options: dict[str, Any], dim: int, rank: int, world: int) -> None:
+    """One small sharded compute() first, so that the measured one finds the process
+    group, the allocator and the BLAS warm (its own memory is freed before the mark)."""
+    from memory_probe import items
+
+    warm_items, warm_labels = items(400, dim, 1, "cpu")
+    part = slice(400 * rank // world, 400 * (rank + 1) // world)
+    warm = EmbeddingRecallAtK((1, 5, 10), **options)
+    warm.update(warm_items[part], warm_labels[part], ids=torch.arange(400)[part])
+    warm.compute()
+
+
 def _memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
     """Each process holds a quarter of the items (with ids); the peak ``compute()`` and
     ``protocol_report()`` add, and (another instance, same items) the peak of the
@@ -465,11 +477,7 @@ def _memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, 
     torch.set_num_threads(1)
     num, dim = payload["num"], payload["dim"]
     options = {"chunk_bytes": payload["chunk"], "sharded": True, "near_duplicate": 0.5}
-    warm_items, warm_labels = items(400, dim, 1, "cpu")
-    part = slice(400 * rank // world, 400 * (rank + 1) // world)
-    warm = EmbeddingRecallAtK((1, 5, 10), **options)
-    warm.update(warm_items[part], warm_labels[part], ids=torch.arange(400)[part])
-    warm.compute()
+    _warm_up(options, dim, rank, world)
     embeddings, labels = items(num, dim, 0, "cpu")
     mine = slice(num * rank // world, num * (rank + 1) // world)
     metrics = []
@@ -477,7 +485,7 @@ def _memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, 
         metric = EmbeddingRecallAtK((1, 5, 10), **options)
         metric.update(embeddings[mine], labels[mine], ids=torch.arange(num)[mine])
         metrics.append(metric)
-    del embeddings, labels, warm, warm_items, warm_labels
+    del embeddings, labels
     baseline = start("cpu")
     result = metrics[0].compute()
     report = metrics[0].protocol_report()
@@ -571,11 +579,7 @@ def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dic
     torch.set_num_threads(1)
     num, dim = payload["num"], payload["dim"]
     options = {"chunk_bytes": payload["chunk"], "sharded": True, "compute_with_cache": False}
-    warm_items, warm_labels = items(400, dim, 1, "cpu")
-    part = slice(400 * rank // world, 400 * (rank + 1) // world)
-    warm = EmbeddingRecallAtK((1, 5, 10), **options)
-    warm.update(warm_items[part], warm_labels[part], ids=torch.arange(400)[part])
-    warm.compute()
+    _warm_up(options, dim, rank, world)
     embeddings, labels = items(num, dim, 0, "cpu")
     ids = torch.arange(num)
     metric = EmbeddingRecallAtK((1, 5, 10), **options)
@@ -583,7 +587,7 @@ def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dic
     for begin in range(first, stop, 1000):
         rows = slice(begin, min(stop, begin + 1000))
         metric.update(embeddings[rows], labels[rows], ids=ids[rows])
-    del embeddings, labels, ids, warm, warm_items, warm_labels
+    del embeddings, labels, ids
     dist.barrier()
     baseline = start("cpu")
     result = metric.compute()
