@@ -168,6 +168,7 @@ class Target:
 
 
 TORCHMETRICS = "torchmetrics RetrievalHitRate x 3"
+WIDE = embedding.WIDE_DIM
 # fmt: off
 TARGETS = (
     Target("dense", f"{TORCHMETRICS} time / ours (index target, defaults)", 300, True,
@@ -182,8 +183,14 @@ TARGETS = (
            _time_over(flat.TORCHMETRICS, flat.OURS)),
     Target("flat", "torchmetrics peak memory / ours", 10, True,
            _memory_over(flat.TORCHMETRICS, flat.OURS)),
-    Target("embedding", "ours / matmul floor", 1.5, False,
+    Target("embedding", "ours / matmul floor (leave-one-out, D = 128)", 0.75, False,
            _time_over(embedding.OURS, embedding.FLOOR)),
+    Target("embedding", "ours / matmul floor (queries and gallery, ids=, D = 128)", 1.3, False,
+           _time_over(embedding.OURS_QUERY_GALLERY, embedding.FLOOR)),
+    Target("embedding", f"ours / matmul floor (leave-one-out, D = {WIDE})", 0.75, False,
+           _time_over(embedding.OURS_WIDE, embedding.FLOOR_WIDE)),
+    Target("embedding", f"ours / matmul floor (queries and gallery, ids=, D = {WIDE})", 1.3, False,
+           _time_over(embedding.OURS_QUERY_GALLERY_WIDE, embedding.FLOOR_WIDE)),
     Target("embedding", "AccuracyCalculator time / ours", 1, True,
            _time_over(embedding.PML, embedding.OURS)),
     Target("embedding", "full N x N matrix / ours' peak memory during compute", 10, True,
