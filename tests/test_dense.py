@@ -185,6 +185,36 @@ def test_mask_path_counts_equal_the_select_path_for_every_count() -> None:
         assert torch.equal(a[has], b[has]), name
 
 
+def test_positives_per_row_counts_every_layout_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The word-sum count of positives equals ``mask.sum(1)`` (dense rows, rows of more
+    than one lane sum, row slices), is None where the layout does not allow it, and the
+    block path gives the same counts with and without it."""
+    gen = torch.Generator().manual_seed(3)
+    for num_queries, gallery, density in [
+        (3, 8, 0.5),
+        (5, 127 * 8, 1.0),
+        (4, 1250 * 8, 1.0),
+        (6, 1000, 0.3),
+        (2, 16 * 8 * 7, 0.9),
+    ]:
+        mask = torch.rand(num_queries, gallery, generator=gen) < density
+        got = _dense._positives_per_row(mask)
+        assert got is not None and torch.equal(got, mask.sum(dim=1)), (num_queries, gallery)
+        got = _dense._positives_per_row(mask[1:])
+        assert got is not None and torch.equal(got, mask[1:].sum(dim=1))
+    mask = torch.rand(4, 1000, generator=gen) < 0.5
+    assert _dense._positives_per_row(mask[:, 1 : 1001 - 8]) is None  # offset of one byte
+    assert _dense._positives_per_row(mask[:, :996]) is None  # not whole words
+    assert _dense._positives_per_row(torch.ones(2, 131 * 8, dtype=torch.bool)) is None  # no divisor
+    scores, mask = _several_row_blocks_case()
+    need = _kernel.needed_counts("expected")
+    words = _dense.dense_tie_counts(scores, mask, None, need, small_batch=0)
+    monkeypatch.setattr(_dense, "_positives_per_row", lambda mask: None)
+    signs = _dense.dense_tie_counts(scores, mask, None, need, small_batch=0)
+    for a, b in zip(words, signs, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 def test_small_batch_mask_path_counts_equal_the_other_paths(dtype: torch.dtype) -> None:
     """The small-batch mask path (bool comparisons), the CPU block path and the select

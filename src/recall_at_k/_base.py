@@ -43,6 +43,11 @@ Histogram = tuple[Tensor, Tensor] | None
 ranked (a batch value of ``forward`` without queries or gallery): NaN, no warning."""
 
 
+_WRITTEN_EVERY_UPDATE = frozenset({"_computed", "_update_count"})
+"""Plain attributes (never parameters, buffers or modules) of torchmetrics' ``Metric``
+that its ``update`` wrapper writes at every call."""
+
+
 def _forget_computed(metric: Metric) -> None:
     # torchmetrics' compute cache; setting it is harmless if it is ever renamed.
     if hasattr(metric, "_computed"):
@@ -99,6 +104,16 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self.views = torch.nn.ModuleList(views)
         self.__dict__["_view_list"] = views
         object.__setattr__(self, "_views_need_touch", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``Module.__setattr__``, except for the plain attributes that torchmetrics'
+        ``update`` wrapper writes at every call (``_computed``, ``_update_count``):
+        through ``Module.__setattr__`` those two writes cost about half of
+        torchmetrics' own small update."""
+        if name in _WRITTEN_EVERY_UPDATE:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     @property
     def output_keys(self) -> list[str]:
