@@ -518,11 +518,20 @@ def test_compaction_keeps_the_state_bounded_when_queries_arrive_in_many_pieces()
         largest = max(largest, _state_elements(metric))
     # Merged: one row a query, up to twice that plus the slack before the next merge, plus
     # one update's rows (without compaction: 100 rows a query).
-    bound = (3 * num_queries + _flat.COMPACT_SLACK) * (_flat.ROW_PREFIX + max_k)
+    bound = (3 * num_queries + _flat.compact_slack(max_k)) * (_flat.ROW_PREFIX + max_k)
     assert largest <= bound < rounds * num_queries * (_flat.ROW_PREFIX + max_k) // 10
     assert_recall_close(
         compute_or_error(metric), _reference(items, (1, 5, max_k), "expected", "neg"), where=""
     )
+
+
+@pytest.mark.parametrize("max_k", [1, 10, 100, 1000])
+def test_the_rows_waiting_for_a_merge_hold_a_bounded_number_of_bytes(max_k: int) -> None:
+    slack = _flat.compact_slack(max_k)
+    row_bytes = 8 * (_flat.ROW_PREFIX + max_k)
+    assert slack >= 1 and slack * row_bytes <= _flat.COMPACT_SLACK_BYTES
+    assert (slack + 1) * row_bytes > _flat.COMPACT_SLACK_BYTES
+    assert _flat.compact_slack(10) == 1024
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -72,12 +72,13 @@ from recall_at_k._checks import (
 )
 
 __all__ = [
-    "COMPACT_SLACK",
+    "COMPACT_SLACK_BYTES",
     "PADDED_FILL",
     "Partials",
     "SegmentPath",
     "choose_path",
     "compact",
+    "compact_slack",
     "flat_outcomes",
     "flat_partials",
     "flat_rank_histogram",
@@ -94,11 +95,19 @@ ROW_PREFIX = _BEST + 1
 # at most this many cells per item; beyond that (one huge query among many small ones)
 # a sort on (id, -score) costs less memory.
 PADDED_FILL = 4
-# compact() merges the state into one block once it holds more than twice the rows of
-# its first block plus this many rows: at most this many rows (120 KiB at max K = 10)
-# wait for a merge, and small updates merge rarely (each merge costs ~30 operations; at
-# 8 queries x 100 items an update, 1,024 rather than 256 saved 4-6 us of ~65 us a call).
-COMPACT_SLACK = 1024
+COMPACT_SLACK_BYTES = 1024 * (ROW_PREFIX + 10) * 8
+"""compact() merges the state into one block once it holds more than twice the rows of
+its first block plus :func:`compact_slack` rows: rows of at most this many bytes in all
+(1,024 rows at max K = 10; 15 at max K = 1,000) wait for a merge, so small updates merge
+rarely (each merge costs ~30 operations; at 8 queries x 100 items an update, 1,024 rather
+than 256 rows saved 4-6 us of ~65 us a call) and a large max K does not keep more bytes
+waiting."""
+
+
+def compact_slack(max_k: int) -> int:
+    """The rows that may wait for a merge at ``max_k`` (:data:`COMPACT_SLACK_BYTES`)."""
+    return max(1, COMPACT_SLACK_BYTES // (8 * (ROW_PREFIX + max_k)))
+
 
 SegmentPath = Literal["auto", "padded", "sorted"]
 """How :func:`segment_top` finds each segment's top K: ``"auto"`` chooses by
@@ -637,7 +646,7 @@ def compact(
     complete_queries: bool = False,
     *,
     path: SegmentPath = "auto",
-    slack: int = COMPACT_SLACK,
+    slack: int | None = None,
     rows: int | None = None,
 ) -> list[Tensor]:
     """Merge the state blocks into one once they hold too many rows.
@@ -645,10 +654,13 @@ def compact(
     Merging happens when the blocks hold more than twice the rows of the first block
     (the result of the last merge) plus a small slack, so the state stays within about
     twice the number of distinct queries and the merges cost O(1) amortised per row.
-    ``rows``: the blocks' row count, when the caller keeps it.
+    ``rows``: the blocks' row count, when the caller keeps it; ``slack``: the rows that
+    may wait (default :func:`compact_slack`).
     """
     if len(state) < 2:
         return state
+    if slack is None:
+        slack = compact_slack(max_k)
     total = sum(block.shape[0] for block in state) if rows is None else rows
     if total <= 2 * state[0].shape[0] + slack:
         return state

@@ -114,7 +114,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     _flat_path: _flat.SegmentPath = "auto"
     """How the flat form finds each query's top K (a private switch for tests; every
     path gives the same counts)."""
-    _flat_slack: int = _flat.COMPACT_SLACK
+    _flat_slack: int | None = None  # None: _flat.compact_slack(max_k)
     """Rows the flat state may grow by before it is compacted (a private switch for
     tests; every slack gives the same counts)."""
 
