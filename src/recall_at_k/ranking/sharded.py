@@ -90,7 +90,8 @@ counts 8 bytes a pair: a sharded gallery's per-item state leaves less room)."""
 
 CANONICAL_SHARE = 16
 """Candidate pairs are re-scored canonically in batches of a sixteenth of a tile of
-float64 rows (each side), :data:`CANONICAL_MIN_BYTES` at least."""
+float64 rows (each side), :data:`CANONICAL_MIN_BYTES` at least, and at most a tile's
+queries (whose buffers the batches reuse)."""
 
 CANONICAL_MIN_BYTES = 2**18
 
@@ -124,7 +125,7 @@ class _Prepared:
 
     def span_into(self, first: int, stop: int, out: Tensor, wide: Tensor) -> Tensor:
         """:meth:`span` written into ``out`` (``[stop - first, D]`` of the prepared
-        dtype; ``wide``: a float64 buffer of as many rows, for ``"cosine"``): the same
+        dtype; ``wide``: a float64 buffer of ``D`` columns, for ``"cosine"``): the same
         values, bit for bit."""
         self.local.span_into(first, stop, out)
         if self.norms is None:
@@ -140,9 +141,15 @@ class _Prepared:
 
     @staticmethod
     def _ready_into(rows: Tensor, norms: Tensor, wide: Tensor) -> Tensor:
-        """:func:`recall_at_k.ranking.score.normalised` of ``rows`` in place (through
-        ``wide``, a float64 buffer of their shape): the same values, bit for bit."""
-        return rows.copy_(wide.copy_(rows).div_(norms.unsqueeze(1)))
+        """:func:`recall_at_k.ranking.score.normalised` of ``rows`` in place, through
+        ``wide`` (a float64 buffer of ``D`` columns, a few rows at a time): the same
+        values, bit for bit."""
+        step = wide.shape[0]
+        for begin in range(0, rows.shape[0], step):
+            part = rows[begin : begin + step]
+            size = part.shape[0]
+            part.copy_(wide[:size].copy_(part).div_(norms[begin : begin + size].unsqueeze(1)))
+        return rows
 
 
 class _Direction:
@@ -437,11 +444,15 @@ class _Scan:
         device = prepared.local.device
         self.device = device
         self.minus_inf = torch.tensor(-math.inf, dtype=fast.dtype, device=device)
+        dim = max(1, prepared.local.shape[1])
+        # Rows are normalised through float64 a few at a time.
+        self.wide_rows = max(1, PREPARE_ROWS_BYTES // (8 * dim))
         # Re-scored in batches of a sixteenth of a tile of float64 rows: each batch is a
-        # pass over D, and a run's candidates are few.
-        self.batch_bytes = max(
+        # pass over D, and a run's candidates are few (:meth:`reserve` narrows them).
+        batch_bytes = max(
             min(CANONICAL_BATCH_BYTES, tile_bytes // CANONICAL_SHARE), CANONICAL_MIN_BYTES
         )
+        self.batch_rows = max(1, batch_bytes // (8 * dim))
 
     def tile_rows(self, columns: int, dim: int) -> int:
         """Queries a tile against ``columns`` gallery columns: its scores, their copies
@@ -457,6 +468,8 @@ class _Scan:
         if queries == 0 or columns == 0:
             return
         rows = min(queries, self.tile_rows(columns, dim))
+        # the rows re-scored a batch at a time reuse a tile's query buffers
+        self.batch_rows = min(self.batch_rows, rows)
         for index in range(_MASKS + (1 if near else 0)):
             self._mask(index, rows, columns)
         self._scores("scores", rows, columns)
@@ -473,10 +486,11 @@ class _Scan:
         return self.space.get(f"sharded_{slot}", (rows, columns), self.fast.dtype, self.device)
 
     def _rows(self, rows: int, dim: int) -> tuple[Tensor, Tensor]:
-        """Buffers of ``rows`` prepared rows and their float64 copies."""
+        """Buffers of ``rows`` prepared rows and of float64 copies of a few of them."""
         dtype = self.prepared.dtype
         ready = self.space.get("sharded_rows", (rows, dim), dtype, self.device)
-        wide = self.space.get("sharded_wide", (rows, dim), torch.float64, self.device)
+        wide_rows = min(rows, self.wide_rows)
+        wide = self.space.get("sharded_wide", (wide_rows, dim), torch.float64, self.device)
         return ready, wide
 
     def _gallery(self, columns: int, dim: int) -> Tensor:
@@ -493,7 +507,7 @@ class _Scan:
         """Rows re-scored a batch at a time; the buffers of
         :func:`recall_at_k.ranking.score.canonical_pair_scores` reserved at their
         largest."""
-        step = max(1, self.batch_bytes // (8 * max(1, dim)))
+        step = self.batch_rows
         dtype, device = self.prepared.dtype, self.device
         self.space.get("canonical_rows", (step, dim), dtype, device)
         self.space.get("canonical_q", (dim, step), torch.float64, device)
@@ -509,7 +523,7 @@ class _Scan:
             return rows
         count, dim = rows.shape
         out = self._gallery(count, dim)
-        _, wide = self._rows(self.tile_rows(max(1, count), dim), dim)
+        _, wide = self._rows(min(count, self.tile_rows(max(1, count), dim)), dim)
         step = wide.shape[0]
         for begin in range(0, count, step):
             part = wide[: min(step, count - begin)].copy_(rows[begin : begin + step])  # exact
@@ -626,7 +640,7 @@ class _Scan:
                 every_column[batch],
                 self.options.similarity,
                 self.workspace,
-                self.batch_bytes,
+                step * 8 * dim,
             )
         for kind, query, part in zip(kinds, queries, torch.split(scores, sizes), strict=True):
             if kind == "positive":
