@@ -422,7 +422,7 @@ class _Scan:
     Every buffer of a tile or run of non-trivial size (the queries prepared, the fast
     scores and their masked copy, the masks of the pairs, the run's gallery rows
     prepared, the rows re-scored canonically, the per-query scratch of a run's
-    decision) is a view of :attr:`space`, allocated once per ranking at the largest size
+    decision) is a view of :attr:`workspace`, allocated once per ranking at the largest size
     asked for and reused by every tile and run: tens of kilobytes allocated and freed
     per tile fragment the C heap, which then keeps megabytes resident (with 20,000
     items on 4 processes the heap grew by 2.7 MiB of free blocks during a ranking that
@@ -440,7 +440,6 @@ class _Scan:
         self.prepared, self.labels, self.groups = prepared, labels, groups
         self.options, self.fast, self.tile_bytes = options, fast, tile_bytes
         self.workspace = Workspace()
-        self.space = self.workspace  # this ranking's buffers, beside the canonical ones
         device = prepared.local.device
         self.device = device
         self.minus_inf = torch.tensor(-math.inf, dtype=fast.dtype, device=device)
@@ -480,27 +479,27 @@ class _Scan:
         self._canonical(dim)
 
     def _mask(self, index: int, rows: int, columns: int) -> Tensor:
-        return self.space.get(f"sharded_mask{index}", (rows, columns), torch.bool, self.device)
+        return self.workspace.get(f"sharded_mask{index}", (rows, columns), torch.bool, self.device)
 
     def _scores(self, slot: str, rows: int, columns: int) -> Tensor:
-        return self.space.get(f"sharded_{slot}", (rows, columns), self.fast.dtype, self.device)
+        return self.workspace.get(f"sharded_{slot}", (rows, columns), self.fast.dtype, self.device)
 
     def _rows(self, rows: int, dim: int) -> tuple[Tensor, Tensor]:
         """Buffers of ``rows`` prepared rows and of float64 copies of a few of them."""
         dtype = self.prepared.dtype
-        ready = self.space.get("sharded_rows", (rows, dim), dtype, self.device)
+        ready = self.workspace.get("sharded_rows", (rows, dim), dtype, self.device)
         wide_rows = min(rows, self.wide_rows)
-        wide = self.space.get("sharded_wide", (wide_rows, dim), torch.float64, self.device)
+        wide = self.workspace.get("sharded_wide", (wide_rows, dim), torch.float64, self.device)
         return ready, wide
 
     def _gallery(self, columns: int, dim: int) -> Tensor:
         dtype = self.prepared.dtype
-        return self.space.get("sharded_gallery", (columns, dim), dtype, self.device)
+        return self.workspace.get("sharded_gallery", (columns, dim), dtype, self.device)
 
     def _per_query(self, count: int) -> tuple[Tensor, Tensor, Tensor]:
-        best = self.space.get("sharded_best", (count,), torch.float64, self.device)
-        tied = self.space.get("sharded_tied", (count,), torch.int64, self.device)
-        flag = self.space.get("sharded_flag", (count,), torch.bool, self.device)
+        best = self.workspace.get("sharded_best", (count,), torch.float64, self.device)
+        tied = self.workspace.get("sharded_tied", (count,), torch.int64, self.device)
+        flag = self.workspace.get("sharded_flag", (count,), torch.bool, self.device)
         return best, tied, flag
 
     def _canonical(self, dim: int) -> int:
@@ -509,9 +508,9 @@ class _Scan:
         largest."""
         step = self.batch_rows
         dtype, device = self.prepared.dtype, self.device
-        self.space.get("canonical_rows", (step, dim), dtype, device)
-        self.space.get("canonical_q", (dim, step), torch.float64, device)
-        self.space.get("canonical_g", (dim, step), torch.float64, device)
+        self.workspace.get("canonical_rows", (step, dim), dtype, device)
+        self.workspace.get("canonical_q", (dim, step), torch.float64, device)
+        self.workspace.get("canonical_g", (dim, step), torch.float64, device)
         self._rows(step, dim)
         return step
 
