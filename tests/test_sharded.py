@@ -570,9 +570,11 @@ an item in all: the gathered metadata, the sides, the audit's codes, each query'
 weighs as much as the embeddings (512 bytes an item), and ``chunk_bytes`` is a fifth of
 them."""
 
-NARROW_SHARE = 0.7
-"""What the narrow test allows: it reads 0.49-0.61x the gathered bytes from run to run
-(the heap's layout), the scale benchmark 0.55x and 0.50x at 50,000 and 100,000 items."""
+NARROW_SHARE = 0.6
+"""What the narrow test allows: it reads 0.42-0.52x the gathered bytes from run to run
+(the audit's candidate pairs peak; the ranking's tile and run buffers are reserved once,
+so the heap no longer fragments), the scale benchmark 0.51-0.54x, 0.45x and 0.46x at 20,000,
+50,000 and 100,000 items."""
 
 
 def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
@@ -599,11 +601,11 @@ def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dic
     return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
 
 
-def test_sharded_compute_of_narrow_embeddings_adds_under_0_7x_the_gathered_bytes(
+def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """4 processes, 40,000 x 128 items, ``chunk_bytes`` 4 MiB: compute() and
-    protocol_report() add at most 0.7x the gathered embeddings' bytes on every process,
+    protocol_report() add at most 0.6x the gathered embeddings' bytes on every process,
     the fixed buffers and the per-item bookkeeping included (no allowance beyond it;
     with a copy of its own share and wider bookkeeping it took 1.47x),
     and every process returns the same result and report."""

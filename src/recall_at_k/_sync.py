@@ -160,6 +160,29 @@ class LocalBlocks:
             out[chosen] = self.blocks[block].index_select(0, rows).to(self.dtype)
         return out
 
+    def span_into(self, first: int, stop: int, out: Tensor) -> None:
+        """:meth:`span` written into ``out`` (``[stop - first, D]``, of ``dtype`` or
+        wider: widened exactly), a block's part at a time."""
+        for start, block in zip(self.starts, self.blocks, strict=False):
+            lo, hi = max(first, start), min(stop, start + block.shape[0])
+            if lo < hi:
+                out[lo - first : hi - first].copy_(block[lo - start : hi - start])
+
+    def take_into(self, index: Tensor, out: Tensor) -> None:
+        """:meth:`take` written into ``out`` (``[len(index), D]``, of ``dtype`` or
+        wider)."""
+        if len(self.blocks) == 1 and self.blocks[0].dtype == out.dtype:
+            torch.index_select(self.blocks[0], 0, index, out=out)
+            return
+        if len(self.blocks) == 1:
+            out.copy_(self.blocks[0].index_select(0, index))
+            return
+        which = torch.searchsorted(self._ends, index, right=True)
+        for block in torch.unique(which).tolist():
+            chosen = (which == block).nonzero().view(-1)
+            rows = index.index_select(0, chosen) - self.starts[block]
+            out.index_copy_(0, chosen, self.blocks[block].index_select(0, rows).to(out.dtype))
+
     def runs(self, rows_per_chunk: int) -> Iterator[tuple[int, Tensor]]:
         """``(first row, rows)`` of every row in order, at most ``rows_per_chunk`` rows a
         part (views of the blocks, in their stored dtype)."""

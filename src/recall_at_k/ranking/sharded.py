@@ -71,7 +71,6 @@ from recall_at_k.ranking.score import (
     norm_upper,
     normalised,
     overflows,
-    prepare,
 )
 
 PREPARE_ROWS_BYTES = 2**18
@@ -91,7 +90,8 @@ counts 8 bytes a pair: a sharded gallery's per-item state leaves less room)."""
 
 CANONICAL_SHARE = 16
 """Candidate pairs are re-scored canonically in batches of a sixteenth of a tile of
-float64 rows (each side), :data:`CANONICAL_MIN_BYTES` at least."""
+float64 rows (each side), :data:`CANONICAL_MIN_BYTES` at least, and at most a tile's
+queries (whose buffers the batches reuse)."""
 
 CANONICAL_MIN_BYTES = 2**18
 
@@ -122,6 +122,34 @@ class _Prepared:
         """The prepared rows ``index`` (local rows, any order)."""
         norms = None if self.norms is None else self.norms[index]
         return self._ready(self.local.take(index), norms)
+
+    def span_into(self, first: int, stop: int, out: Tensor, wide: Tensor) -> Tensor:
+        """:meth:`span` written into ``out`` (``[stop - first, D]`` of the prepared
+        dtype; ``wide``: a float64 buffer of ``D`` columns, for ``"cosine"``): the same
+        values, bit for bit."""
+        self.local.span_into(first, stop, out)
+        if self.norms is None:
+            return out
+        return self._ready_into(out, self.norms[first:stop], wide)
+
+    def take_into(self, index: Tensor, out: Tensor, wide: Tensor) -> Tensor:
+        """:meth:`take` written into ``out`` (as :meth:`span_into`)."""
+        self.local.take_into(index, out)
+        if self.norms is None:
+            return out
+        return self._ready_into(out, self.norms[index], wide)
+
+    @staticmethod
+    def _ready_into(rows: Tensor, norms: Tensor, wide: Tensor) -> Tensor:
+        """:func:`recall_at_k.ranking.score.normalised` of ``rows`` in place, through
+        ``wide`` (a float64 buffer of ``D`` columns, a few rows at a time): the same
+        values, bit for bit."""
+        step = wide.shape[0]
+        for begin in range(0, rows.shape[0], step):
+            part = rows[begin : begin + step]
+            size = part.shape[0]
+            part.copy_(wide[:size].copy_(part).div_(norms[begin : begin + size].unsqueeze(1)))
+        return rows
 
 
 class _Direction:
@@ -164,6 +192,14 @@ class _Direction:
             first = int(self.local[0])
             return prepared.span(first + tile.start, first + tile.stop)
         return prepared.take(self.local[tile])
+
+    def queries_into(self, prepared: _Prepared, tile: slice, out: Tensor, wide: Tensor) -> Tensor:
+        """:meth:`queries`, written into ``out`` (``wide``: a float64 buffer of as many
+        rows, for ``"cosine"``)."""
+        if self.contiguous:
+            first = int(self.local[0])
+            return prepared.span_into(first + tile.start, first + tile.stop, out, wide)
+        return prepared.take_into(self.local[tile], out, wide)
 
     def norms(self, prepared: _Prepared, fast: _Fast) -> Tensor:
         """float64 ``[q, 1]``: upper bounds of the queries' norms as the fast product
@@ -295,6 +331,9 @@ def rank_sharded(
     shown = options.progress and me == 0 and bool(unique)
     progress = Progress(2 * runs, shown, "sharded gallery", "block")
     scan = _Scan(prepared, labels.to(device), groups.to(device), options, fast, tile_bytes)
+    most = max((int(state.rows.shape[0]) for state in unique), default=0)
+    near_duplicates = options.near_duplicate is not None
+    guard.run(scan.reserve, most, min(run_rows, max(counts, default=0)), width, near_duplicates)
     for positives in (True, False):  # pass A, then pass B
         for first, part in rows.runs(run_rows):
             for state in unique:
@@ -378,7 +417,16 @@ def _fast_scores(
 
 
 class _Scan:
-    """The work on one run of the gallery, per direction and pass."""
+    """The work on one run of the gallery, per direction and pass.
+
+    Every buffer of a tile or run of non-trivial size (the queries prepared, the fast
+    scores and their masked copy, the masks of the pairs, the run's gallery rows
+    prepared, the rows re-scored canonically, the per-query scratch of a run's
+    decision) is a view of :attr:`workspace`, allocated once per ranking at the largest size
+    asked for and reused by every tile and run: tens of kilobytes allocated and freed
+    per tile fragment the C heap, which then keeps megabytes resident (with 20,000
+    items on 4 processes the heap grew by 2.7 MiB of free blocks during a ranking that
+    holds 1 MiB of scratch at a time)."""
 
     def __init__(
         self,
@@ -392,11 +440,95 @@ class _Scan:
         self.prepared, self.labels, self.groups = prepared, labels, groups
         self.options, self.fast, self.tile_bytes = options, fast, tile_bytes
         self.workspace = Workspace()
+        device = prepared.local.device
+        self.device = device
+        self.minus_inf = torch.tensor(-math.inf, dtype=fast.dtype, device=device)
+        dim = max(1, prepared.local.shape[1])
+        # Rows are normalised through float64 a few at a time.
+        self.wide_rows = max(1, PREPARE_ROWS_BYTES // (8 * dim))
         # Re-scored in batches of a sixteenth of a tile of float64 rows: each batch is a
-        # pass over D, and a run's candidates are few.
-        self.batch_bytes = max(
+        # pass over D, and a run's candidates are few (:meth:`reserve` narrows them).
+        batch_bytes = max(
             min(CANONICAL_BATCH_BYTES, tile_bytes // CANONICAL_SHARE), CANONICAL_MIN_BYTES
         )
+        self.batch_rows = max(1, batch_bytes // (8 * dim))
+
+    def tile_rows(self, columns: int, dim: int) -> int:
+        """Queries a tile against ``columns`` gallery columns: its scores, their copies
+        and masks (about 13 bytes a pair) take at most a third of a tile's bytes (32
+        bytes a pair counted), its queries one."""
+        step = max(1, self.tile_bytes // (PAIR_BYTES * columns))
+        return min(step, max(1, self.tile_bytes // (dim * self.prepared.dtype.itemsize)))
+
+    def reserve(self, queries: int, columns: int, dim: int, near: bool) -> None:
+        """Allocate the buffers at their largest: tiles of up to ``queries`` queries
+        against runs of ``columns`` columns (their sizes are then reused, never grown
+        a little at a time)."""
+        if queries == 0 or columns == 0:
+            return
+        rows = min(queries, self.tile_rows(columns, dim))
+        # the rows re-scored a batch at a time reuse a tile's query buffers
+        self.batch_rows = min(self.batch_rows, rows)
+        for index in range(_MASKS + (1 if near else 0)):
+            self._mask(index, rows, columns)
+        self._scores("scores", rows, columns)
+        self._scores("masked", rows, columns)
+        self._rows(rows, dim)
+        self._gallery(columns, dim)
+        self._per_query(queries)
+        self._canonical(dim)
+
+    def _mask(self, index: int, rows: int, columns: int) -> Tensor:
+        return self.workspace.get(f"sharded_mask{index}", (rows, columns), torch.bool, self.device)
+
+    def _scores(self, slot: str, rows: int, columns: int) -> Tensor:
+        return self.workspace.get(f"sharded_{slot}", (rows, columns), self.fast.dtype, self.device)
+
+    def _rows(self, rows: int, dim: int) -> tuple[Tensor, Tensor]:
+        """Buffers of ``rows`` prepared rows and of float64 copies of a few of them."""
+        dtype = self.prepared.dtype
+        ready = self.workspace.get("sharded_rows", (rows, dim), dtype, self.device)
+        wide_rows = min(rows, self.wide_rows)
+        wide = self.workspace.get("sharded_wide", (wide_rows, dim), torch.float64, self.device)
+        return ready, wide
+
+    def _gallery(self, columns: int, dim: int) -> Tensor:
+        dtype = self.prepared.dtype
+        return self.workspace.get("sharded_gallery", (columns, dim), dtype, self.device)
+
+    def _per_query(self, count: int) -> tuple[Tensor, Tensor, Tensor]:
+        best = self.workspace.get("sharded_best", (count,), torch.float64, self.device)
+        tied = self.workspace.get("sharded_tied", (count,), torch.int64, self.device)
+        flag = self.workspace.get("sharded_flag", (count,), torch.bool, self.device)
+        return best, tied, flag
+
+    def _canonical(self, dim: int) -> int:
+        """Rows re-scored a batch at a time; the buffers of
+        :func:`recall_at_k.ranking.score.canonical_pair_scores` reserved at their
+        largest."""
+        step = self.batch_rows
+        dtype, device = self.prepared.dtype, self.device
+        self.workspace.get("canonical_rows", (step, dim), dtype, device)
+        self.workspace.get("canonical_q", (dim, step), torch.float64, device)
+        self.workspace.get("canonical_g", (dim, step), torch.float64, device)
+        self._rows(step, dim)
+        return step
+
+    def gallery(self, rows: Tensor) -> Tensor:
+        """The run's gallery rows prepared as the one-process copy is (row by row:
+        :func:`recall_at_k.ranking.score.prepare` for ``"cosine"``, into a buffer); other
+        similarities read the rows as they are."""
+        if self.options.similarity != "cosine":
+            return rows
+        count, dim = rows.shape
+        out = self._gallery(count, dim)
+        _, wide = self._rows(min(count, self.tile_rows(max(1, count), dim)), dim)
+        step = wide.shape[0]
+        for begin in range(0, count, step):
+            part = wide[: min(step, count - begin)].copy_(rows[begin : begin + step])  # exact
+            part.div_(cosine_norms(part).unsqueeze(1))
+            out[begin : begin + part.shape[0]].copy_(part)
+        return out
 
     def run(self, state: _Direction, first: int, part: Tensor, positives: bool) -> None:
         """Pass A (``positives``) or pass B of ``state``'s queries over the stored rows
@@ -415,7 +547,7 @@ class _Scan:
         options, fast = self.options, self.fast
         rows = part if columns.shape[0] == part.shape[0] else part.index_select(0, columns)
         # Prepared as the one-process copy is (row by row); non-cosine rows are as stored.
-        gallery = prepare(rows, options.similarity) if options.similarity == "cosine" else rows
+        gallery = self.gallery(rows)
         stored = columns + first
         column_labels, column_groups = self.labels[stored], self.groups[stored]
         column_identity = identity[columns]
@@ -432,42 +564,53 @@ class _Scan:
             neg_sq_norms = gallery_fast.square().sum(dim=1).neg_().unsqueeze(0)
         norms = state.norms(self.prepared, fast)
         found: _Found = {"positive": [], "near": [], "negative": []}
-        # A tile's scores, their copies and masks (about 13 bytes a pair) take at most
-        # a third of a tile's bytes (32 bytes a pair counted), its queries one.
-        step = max(1, self.tile_bytes // (PAIR_BYTES * columns.shape[0]))
-        step = min(step, max(1, self.tile_bytes // (dim * gallery.element_size())))
+        width = columns.shape[0]
+        step = self.tile_rows(width, dim)
         for begin in range(0, count, step):
             tile = slice(begin, min(count, begin + step))
-            queries = state.queries(self.prepared, tile)
+            size = tile.stop - tile.start
+            ready, wide = self._rows(size, dim)
+            queries = state.queries_into(self.prepared, tile, ready, wide)
             query_fast = queries.to(fast.dtype)
             if fast.centre is not None:
                 query_fast = query_fast - fast.centre
+            scores = self._scores("scores", size, width)
             if neg_sq_norms is not None:
                 bound = (norms[tile] + gallery_norm).square_().mul_(fast.coefficient)
-                scores = torch.addmm(neg_sq_norms, query_fast, gallery_fast.T, alpha=2)
+                torch.addmm(neg_sq_norms, query_fast, gallery_fast.T, alpha=2, out=scores)
                 scores.sub_(query_fast.square().sum(dim=1, keepdim=True))
             else:
                 bound = norms[tile] * (gallery_norm * fast.coefficient)
-                scores = query_fast @ gallery_fast.T
+                torch.mm(query_fast, gallery_fast.T, out=scores)
             bound.add_(fast.absolute)
             if fast.check_nan:
                 state.nan[tile] |= torch.isnan(scores).any(dim=1)
-            same_label = state_labels(self.labels, state, tile).unsqueeze(1) == column_labels
-            ignored = state.identity[tile].unsqueeze(1) == column_identity
+            masks = [self._mask(index, size, width) for index in range(_MASKS)]
+            same_label, ignored = masks[0], masks[1]
+            torch.eq(
+                state_labels(self.labels, state, tile).unsqueeze(1), column_labels, out=same_label
+            )
+            torch.eq(state.identity[tile].unsqueeze(1), column_identity, out=ignored)
             if options.exclude != "none":
-                same_group = self.groups[state.rows[tile]].unsqueeze(1) == column_groups
-                if options.exclude == "same_group":
-                    ignored |= same_group
-                else:
-                    ignored |= same_label & same_group
+                same_group = masks[2]
+                torch.eq(self.groups[state.rows[tile]].unsqueeze(1), column_groups, out=same_group)
+                if options.exclude != "same_group":
+                    same_group.bitwise_and_(same_label)
+                ignored.bitwise_or_(same_group)
             offset = tile.start
             if positives:
-                self.positives(state, tile, scores, bound, same_label & ~ignored, found, offset)
+                # same_label & ~ignored
+                valid = torch.bitwise_not(ignored, out=masks[2]).bitwise_and_(same_label)
+                self.positives(state, tile, scores, bound, valid, masks[3], found, offset)
                 if options.near_duplicate is not None:
-                    valid = ~same_label & ~ignored
-                    self.near(state, tile, scores, bound, valid, found, offset)
+                    # ~same_label & ~ignored
+                    valid = self._mask(_MASKS, size, width)
+                    torch.bitwise_or(same_label, ignored, out=valid).bitwise_not_()
+                    self.near(state, tile, scores, bound, valid, masks[3], found, offset)
             else:
-                self.negatives(state, tile, scores, bound, ~same_label & ~ignored, found, offset)
+                # ~same_label & ~ignored; then the same label and ignored masks are scratch
+                valid = torch.bitwise_or(same_label, ignored, out=masks[2]).bitwise_not_()
+                self.negatives(state, tile, scores, bound, valid, masks[:2], found, offset)
         self.decide(state, gallery, found)
 
     def decide(self, state: _Direction, gallery: Tensor, found: _Found) -> None:
@@ -482,10 +625,13 @@ class _Scan:
         state.rescored += sum(sizes)
         every_query, every_column = torch.cat(queries), torch.cat(columns)
         scores = torch.empty(every_query.shape[0], dtype=torch.float64, device=gallery.device)
-        step = max(1, self.batch_bytes // (8 * max(1, gallery.shape[1])))
+        dim = gallery.shape[1]
+        step = self._canonical(dim)
         for begin in range(0, every_query.shape[0], step):
             batch = slice(begin, begin + step)
-            rows = self.prepared.take(state.local[every_query[batch]])
+            index = state.local[every_query[batch]]
+            ready, wide = self._rows(index.shape[0], dim)
+            rows = self.prepared.take_into(index, ready, wide)
             scores[batch] = canonical_pair_scores(
                 rows,
                 gallery,
@@ -493,18 +639,18 @@ class _Scan:
                 every_column[batch],
                 self.options.similarity,
                 self.workspace,
-                self.batch_bytes,
+                step * 8 * dim,
             )
         for kind, query, part in zip(kinds, queries, torch.split(scores, sizes), strict=True):
             if kind == "positive":
-                best = torch.full_like(state.best, -math.inf)
-                best.scatter_reduce_(0, query, part, reduce="amax")
-                best = torch.maximum(state.best, best)
-                equal = torch.zeros_like(state.tied)
-                equal.index_add_(0, query, (part == best[query]).to(torch.int64))
-                # In place: the per-query state stays where it was allocated (new arrays
-                # each run, among a tile's temporaries, fragment the heap).
-                state.tied.masked_fill_(best > state.best, 0).add_(equal)
+                # In place, in buffers: the per-query state stays where it was allocated
+                # (new arrays each run, among a tile's temporaries, fragment the heap).
+                best, equal, raised = self._per_query(state.best.shape[0])
+                best.fill_(-math.inf).scatter_reduce_(0, query, part, reduce="amax")
+                torch.maximum(state.best, best, out=best)
+                equal.zero_().index_add_(0, query, (part == best[query]).to(torch.int64))
+                torch.gt(best, state.best, out=raised)
+                state.tied.masked_fill_(raised, 0).add_(equal)
                 state.best.copy_(best)
             elif kind == "near":
                 threshold = self.options.near_duplicate
@@ -522,6 +668,7 @@ class _Scan:
         scores: Tensor,
         bound: Tensor,
         valid: Tensor,
+        scratch: Tensor,
         found: _Found,
         offset: int,
     ) -> None:
@@ -531,14 +678,17 @@ class _Scan:
         ``bound`` (float64 ``[T, 1]``) holds for every item of the run: the run's best
         fast positive minus it is a canonical score reached, and a positive whose fast
         score is below ``max(c*, that) - bound`` scores below s* canonically. The
-        comparisons are in the scores' dtype, the edges rounded outwards."""
+        comparisons are in the scores' dtype, the edges rounded outwards. ``scratch``: a
+        mask buffer of the tile's shape."""
         state.has_positive[tile] |= valid.any(dim=1)
-        best_fast = torch.where(valid, scores, -math.inf).amax(dim=1, keepdim=True)
+        masked = self._scores("masked", scores.shape[0], scores.shape[1])
+        best_fast = torch.where(valid, scores, self.minus_inf, out=masked)
+        best_fast = best_fast.amax(dim=1, keepdim=True)
         lower, _ = edges(best_fast.to(torch.float64), bound, scores.dtype)
         # a proven lower bound of s* (c* so far, or the run's best positive minus B)
         floor = torch.maximum(state.best[tile].unsqueeze(1), lower.to(torch.float64))
         reach, _ = edges(floor, bound, scores.dtype)
-        _keep(found, "positive", valid & (scores >= reach), offset)
+        _keep(found, "positive", torch.ge(scores, reach, out=scratch).bitwise_and_(valid), offset)
 
     def near(
         self,
@@ -547,19 +697,21 @@ class _Scan:
         scores: Tensor,
         bound: Tensor,
         valid: Tensor,
+        scratch: Tensor,
         found: _Found,
         offset: int,
     ) -> None:
         """Pass A: whether a valid negative scores at or above the near-duplicate
-        threshold (surely, or to be decided canonically)."""
+        threshold (surely, or to be decided canonically). ``valid`` is written into;
+        ``scratch``: a mask buffer of the tile's shape."""
         threshold = self.options.near_duplicate
         assert threshold is not None
         lo, hi = edges(torch.full_like(bound, threshold), bound, scores.dtype)
-        candidates = valid & ~state.near_negative[tile].unsqueeze(1)
-        sure = (candidates & (scores > hi)).any(dim=1)
+        candidates = valid.bitwise_and_(~state.near_negative[tile].unsqueeze(1))
+        sure = torch.gt(scores, hi, out=scratch).bitwise_and_(candidates).any(dim=1)
         state.near_negative[tile] |= sure
-        unsure = candidates & ~sure.unsqueeze(1) & (scores >= lo)
-        _keep(found, "near", unsure, offset)
+        unsure = candidates.bitwise_and_(~sure.unsqueeze(1))
+        _keep(found, "near", torch.ge(scores, lo, out=scratch).bitwise_and_(unsure), offset)
 
     def negatives(
         self,
@@ -568,18 +720,26 @@ class _Scan:
         scores: Tensor,
         bound: Tensor,
         valid: Tensor,
+        scratch: Sequence[Tensor],
         found: _Found,
         offset: int,
     ) -> None:
         """Pass B: the valid negatives surely above s* (fast score above ``s* + B``),
         and those to compare with it canonically (within ``B`` of it; queries with
-        ``max K`` above it are done)."""
+        ``max K`` above it are done). ``valid`` is written into; ``scratch``: two mask
+        buffers of the tile's shape."""
         active = state.has_positive[tile] & (state.greater[tile] < self.options.max_k)
         best = torch.where(active, state.best[tile], math.inf).unsqueeze(1)
         lo, hi = edges(best, bound, scores.dtype)
-        above = valid & (scores > hi)
+        above = torch.gt(scores, hi, out=scratch[0]).bitwise_and_(valid)
         state.greater[tile] += above.sum(dim=1)
-        _keep(found, "negative", valid & ~above & (scores >= lo), offset)
+        within = valid.bitwise_xor_(above)  # valid & ~above (above lies within valid)
+        _keep(found, "negative", torch.ge(scores, lo, out=scratch[1]).bitwise_and_(within), offset)
+
+
+_MASKS = 4
+"""Mask buffers a tile uses (the same label, ignored, valid, scratch); one more for the
+near-duplicate negatives."""
 
 
 _Found = dict[str, list[tuple[Tensor, Tensor]]]
