@@ -128,6 +128,28 @@ def test_results_come_in_order_and_errors_reach_the_caller() -> None:
             list(pool.map(range(20)))
 
 
+def test_the_caller_runs_torch_on_one_thread_while_its_workers_run() -> None:
+    """While a pool of workers runs, the calling thread (which merges their results)
+    runs torch on one thread (its own torch threads would spin beside the workers); its
+    count is back after, also when a task fails."""
+
+    def task(item: int, workspace: Workspace) -> int:
+        if item == 5:
+            raise RuntimeError("task 5 failed")
+        return torch.get_num_threads()
+
+    with _threads(2):
+        with Workers(task, 2, Workspace()) as pool:
+            inside = torch.get_num_threads()
+            assert list(pool.map(range(4))) == [1, 1, 1, 1]
+        assert inside == 1 and torch.get_num_threads() == 2
+        with Workers(task, 2, Workspace()) as pool, pytest.raises(RuntimeError, match="5"):
+            list(pool.map(range(8)))
+        assert torch.get_num_threads() == 2
+        with Workers(task, 1, Workspace()) as pool:  # no workers: the caller's own count
+            assert list(pool.map(range(2))) == [2, 2]
+
+
 def test_leave_one_out_spans_are_whole_labels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where every label fits a block, the symmetric route's spans are whole labels (each
     span's diagonal block gives its bands and its negatives at once), of about a block's

@@ -9,6 +9,9 @@ task's results in the order the tasks were given; what a task returns depends on
 its inputs (copies taken when it was given), so the counts are integer sums over
 independent tiles, exact and the same for any number of threads. Each worker has its
 own scratch :class:`~recall_at_k._kernel.Workspace`; tasks never write shared tensors.
+Meanwhile the caller, which merges, runs torch on one thread too: its own torch
+threads would otherwise wake for its larger operations and spin after each, taking
+the workers' cores.
 
 With one thread (or on a GPU, or for a callable similarity, whose thread safety is
 the user's) the tasks run one after the other in the calling thread, the same code.
@@ -58,16 +61,22 @@ class Workers(Generic[Item, Result]):
         self.workspace = workspace  # the caller's, for one worker
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
+        self.caller_threads = 0
 
     def __enter__(self) -> Workers[Item, Result]:
         if self.count > 1:
             self.pool = _single_threaded_pool(self.count)
+            # The caller merges on one thread while the workers hold the cores: its own
+            # torch threads would wake for its larger operations and spin after each.
+            self.caller_threads = torch.get_num_threads()
+            torch.set_num_threads(1)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+            torch.set_num_threads(self.caller_threads)
 
     def _run(self, item: Item) -> Result:
         workspace = getattr(self.local, "workspace", None)
