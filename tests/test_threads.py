@@ -20,7 +20,7 @@ from recall_at_k.ranking import panels as _panels
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import symmetric as _symmetric
 from recall_at_k.ranking.bands import Route
-from recall_at_k.ranking.workers import Workers
+from recall_at_k.ranking.workers import Workers, caller_on_one_thread, worker_count
 
 KS = (1, 2, 5)
 
@@ -148,6 +148,30 @@ def test_the_caller_runs_torch_on_one_thread_while_its_workers_run() -> None:
         assert torch.get_num_threads() == 2
         with Workers(task, 1, Workspace()) as pool:  # no workers: the caller's own count
             assert list(pool.map(range(2))) == [2, 2]
+        # Held around a whole compute(): one torch thread, the workers still counted.
+        with caller_on_one_thread():
+            assert torch.get_num_threads() == 1
+            assert worker_count(torch.device("cpu")) == 2
+            with Workers(task, 2, Workspace()) as pool:
+                assert list(pool.map(range(4))) == [1, 1, 1, 1]
+            assert torch.get_num_threads() == 1  # the outer hold keeps it
+            with caller_on_one_thread():
+                assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with caller_on_one_thread(hold=False):
+            assert torch.get_num_threads() == 2
+        seen: list[int] = []
+        original = _rank.rank
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            seen.append(torch.get_num_threads())
+            return original(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_rank, "rank", spy)
+            _run(_batches("query-gallery"), Route())
+        assert seen and all(count == 1 for count in seen)
+        assert torch.get_num_threads() == 2
 
 
 def test_leave_one_out_spans_are_whole_labels(monkeypatch: pytest.MonkeyPatch) -> None:
