@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -874,6 +875,51 @@ def test_rounding_pairs_equal_the_brute_force(monkeypatch: pytest.MonkeyPatch) -
     # In float64 storage and reordered: the same pairs of rows.
     order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(2))
     assert _pairs(rows[order]) == _pairs_brute_force(rows[order])
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_audit_blocks_on_worker_threads_give_the_same_codes(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At ``threads`` torch threads :func:`_audit.codes` hashes, compares, projects and
+    checks its rows in blocks on that many worker threads (each running torch on one
+    thread, at least BLOCKS_PER_WORKER blocks each): the codes are those of one thread,
+    the rounding pairs the brute force's; a hash that collides falls back as on one."""
+    rows = _tricky_rows()
+    rows = torch.cat([rows, rows[:60], rows[90:]])  # bitwise copies in other blocks
+    labels = torch.arange(rows.shape[0]) % 5
+    groups = torch.arange(rows.shape[0]) % 3
+    block = 4 * 2**10  # several blocks a worker even at one thread
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _audit.codes(rows, labels, groups, block_bytes=block)
+        torch.set_num_threads(threads)
+        seen: list[tuple[str, int]] = []
+        original = _audit._call
+
+        def spy(task: Any, workspace: Any) -> Any:
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            return original(task, workspace)
+
+        monkeypatch.setattr(_audit, "_call", spy)
+        many = _audit.codes(rows, labels, groups, block_bytes=block)
+        assert torch.get_num_threads() == threads
+        workers = {name for name, _ in seen}
+        assert len(workers) == threads and all(n.startswith("recall-at-k") for n in workers)
+        assert all(count == 1 for _, count in seen) and len(seen) > 3 * threads
+        for a, b in zip(one, many, strict=True):
+            assert torch.equal(a, b)
+        pairs = {(int(a), int(b)) for a, b in many.adjacent.tolist()}
+        assert pairs == _pairs_brute_force(rows) and len(pairs) > 30 * 29
+        collide = lambda words: torch.zeros(words.shape[0], dtype=torch.int64)  # noqa: E731
+        with _audit.Blocks(rows.device) as blocks:
+            exact = _audit.bitwise_classes(rows, collide, block, blocks)
+        assert torch.equal(exact, _audit.bitwise_classes(rows, collide, block))
+        same = exact.unsqueeze(0) == exact.unsqueeze(1)
+        assert torch.equal(same, one.klass.unsqueeze(0) == one.klass.unsqueeze(1))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_rounding_pairs_ignore_rows_that_are_not_finite() -> None:

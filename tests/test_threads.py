@@ -20,7 +20,7 @@ from recall_at_k.ranking import panels as _panels
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import symmetric as _symmetric
 from recall_at_k.ranking.bands import Route
-from recall_at_k.ranking.workers import Workers
+from recall_at_k.ranking.workers import Workers, caller_on_one_thread, worker_count
 
 KS = (1, 2, 5)
 
@@ -126,6 +126,52 @@ def test_results_come_in_order_and_errors_reach_the_caller() -> None:
             assert list(pool.map(range(7))) == [i * i for i in range(7)]
         with Workers(task, count, Workspace()) as pool, pytest.raises(RuntimeError, match="7"):
             list(pool.map(range(20)))
+
+
+def test_the_caller_runs_torch_on_one_thread_while_its_workers_run() -> None:
+    """While a pool of workers runs, the calling thread (which merges their results)
+    runs torch on one thread (its own torch threads would spin beside the workers); its
+    count is back after, also when a task fails."""
+
+    def task(item: int, workspace: Workspace) -> int:
+        if item == 5:
+            raise RuntimeError("task 5 failed")
+        return torch.get_num_threads()
+
+    with _threads(2):
+        with Workers(task, 2, Workspace()) as pool:
+            inside = torch.get_num_threads()
+            assert list(pool.map(range(4))) == [1, 1, 1, 1]
+        assert inside == 1 and torch.get_num_threads() == 2
+        with Workers(task, 2, Workspace()) as pool, pytest.raises(RuntimeError, match="5"):
+            list(pool.map(range(8)))
+        assert torch.get_num_threads() == 2
+        with Workers(task, 1, Workspace()) as pool:  # no workers: the caller's own count
+            assert list(pool.map(range(2))) == [2, 2]
+        # Held around a whole compute(): one torch thread, the workers still counted.
+        with caller_on_one_thread():
+            assert torch.get_num_threads() == 1
+            assert worker_count(torch.device("cpu")) == 2
+            with Workers(task, 2, Workspace()) as pool:
+                assert list(pool.map(range(4))) == [1, 1, 1, 1]
+            assert torch.get_num_threads() == 1  # the outer hold keeps it
+            with caller_on_one_thread():
+                assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with caller_on_one_thread(hold=False):
+            assert torch.get_num_threads() == 2
+        seen: list[int] = []
+        original = _rank.rank
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            seen.append(torch.get_num_threads())
+            return original(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_rank, "rank", spy)
+            _run(_batches("query-gallery"), Route())
+        assert seen and all(count == 1 for count in seen)
+        assert torch.get_num_threads() == 2
 
 
 def test_leave_one_out_spans_are_whole_labels(monkeypatch: pytest.MonkeyPatch) -> None:

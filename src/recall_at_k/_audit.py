@@ -41,12 +41,18 @@ known near items. This module turns them into the report.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, cast
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from recall_at_k._kernel import Workspace
+from recall_at_k.ranking.workers import Workers, worker_count
+
+Result = TypeVar("Result")
 
 
 class Codes(NamedTuple):
@@ -99,10 +105,61 @@ AUDIT_SHARE = 4
 copies -- bit patterns, float64 rows, projections -- together within it)."""
 
 
+BLOCKS_PER_WORKER = 4
+"""On several threads the rows are cut into at least this many blocks a worker thread
+(hashed, compared, projected and checked side by side), so that the threads finish
+together."""
+
+
+class Blocks:
+    """The audit's block work on the ranking's worker threads
+    (:class:`~recall_at_k.ranking.workers.Workers`: ``torch.get_num_threads()`` of them on
+    CPU, each running torch on one thread; one, the caller, elsewhere). Use as a context
+    manager. Each block's result depends on its rows alone and the results come in the
+    blocks' order, so the audit is the same for every thread count."""
+
+    def __init__(self, device: torch.device, count: int | None = None) -> None:
+        self.count = worker_count(device) if count is None else count
+        self.workers: Workers[Callable[[Workspace], Any], Any]
+        self.workers = Workers(_call, self.count, Workspace())
+
+    def __enter__(self) -> Blocks:
+        self.workers.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.workers.__exit__(*exc)
+
+    def map(
+        self, function: Callable[[Any, Workspace], Result], items: Iterable[Any]
+    ) -> Iterator[Result]:
+        """``function(item, workspace)`` for each item, in order (``workspace``: the
+        thread's own scratch)."""
+        tasks = (functools.partial(function, item) for item in items)
+        return cast(Iterator[Result], self.workers.map(tasks))
+
+    def step(self, num: int, step: int) -> int:
+        """``step`` rows a block, fewer where that makes under :data:`BLOCKS_PER_WORKER`
+        blocks a worker (one block on one thread)."""
+        if self.count == 1:
+            return step
+        return max(1, min(step, -(-num // (BLOCKS_PER_WORKER * self.count))))
+
+
+def _call(task: Callable[[Workspace], Result], workspace: Workspace) -> Result:
+    return task(workspace)
+
+
+def _serial(blocks: Blocks | None, device: torch.device) -> Blocks:
+    """``blocks``, or every block in the calling thread."""
+    return Blocks(device, 1) if blocks is None else blocks
+
+
 def bitwise_classes(
     embeddings: Tensor,
     hashes: Callable[[Tensor], Tensor] | None = None,
     block_bytes: int = _COMPARE_BYTES,
+    blocks: Blocks | None = None,
 ) -> Tensor:
     """int64 ``[N]``: rows with the same bit pattern share a class (``0..C-1``).
 
@@ -114,22 +171,29 @@ def bitwise_classes(
     sorted by hash and the neighbours that share one are compared bit for bit. Equal
     hashes of different rows (chance about ``N^2 / 2^62``) fall back to an exact sort
     of the rows (``torch.unique(dim=0)``, several times slower, on a whole copy).
-    O(N log N + N D); rows are hashed and compared ``block_bytes`` at a time.
+    O(N log N + N D); rows are hashed and compared ``block_bytes`` at a time
+    (``blocks``: on which threads; together within ``block_bytes``).
     ``hashes``: the row hash (tests pass colliding ones).
     """
     num, width = embeddings.shape
     if num == 0 or width == 0:
         return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
-    step = compare_step(embeddings, block_bytes // 2)  # two copies: the pair's rows
-    sorted_keys, order = torch.sort(hash_rows(embeddings, hashes, block_bytes))
+    blocks = _serial(blocks, embeddings.device)
+    sorted_keys, order = torch.sort(hash_rows(embeddings, hashes, block_bytes, blocks))
     same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
-    for start in range(0, same.shape[0], step):
+    # Two copies a block: the pairs' rows.
+    step = compare_step(embeddings, block_bytes // (2 * blocks.count))
+    step = blocks.step(same.shape[0], step)
+
+    def equal(start: int, workspace: Workspace) -> bool:
         pairs = same[start : start + step]
         first = embeddings.index_select(0, order[pairs])
         second = embeddings.index_select(0, order[pairs + 1])
-        if not bool(torch.equal(_words(first), _words(second))):  # a collision: exact, slower
-            words = _words(embeddings)
-            return cast(Tensor, torch.unique(words, dim=0, return_inverse=True)[1])
+        return bool(torch.equal(_words(first), _words(second)))
+
+    if not all(blocks.map(equal, range(0, same.shape[0], step))):  # a collision: exact, slower
+        words = _words(embeddings)
+        return cast(Tensor, torch.unique(words, dim=0, return_inverse=True)[1])
     classes = torch.empty_like(order)
     classes[order] = torch.unique_consecutive(sorted_keys, return_inverse=True)[1]
     return classes
@@ -144,14 +208,15 @@ def hash_rows(
     rows: Tensor,
     hashes: Callable[[Tensor], Tensor] | None = None,
     block_bytes: int = _COMPARE_BYTES,
+    blocks: Blocks | None = None,
 ) -> Tensor:
     """int64 ``[m]``: each row's hash (:func:`_row_hashes` of its bits, or ``hashes``),
     a block of rows at a time (their float64 words within ``block_bytes``: four times
     their bytes). A row's hash depends on its bits alone."""
     if rows.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
-    if hashes is None:  # one call: its coefficients made once, its buffer reused
-        return _row_hashes(_words(rows), block_bytes)
+    if hashes is None:  # one call: its coefficients made once, its buffers reused
+        return _row_hashes(_words(rows), block_bytes, blocks)
     hash_of = hashes
     step = compare_step(rows, block_bytes // 4)
     return torch.cat(
@@ -177,31 +242,37 @@ _HASH_MAX_TERMS = 2**15
 2^37, so a sum of up to 2^16 of them is exact in float64, in any order."""
 
 
-def _row_hashes(words: Tensor, block_bytes: int = _HASH_ROW_BYTES) -> Tensor:
+def _row_hashes(
+    words: Tensor, block_bytes: int = _HASH_ROW_BYTES, blocks: Blocks | None = None
+) -> Tensor:
     """int64 ``[N]`` in ``[0, 2^63)``: equal rows of int16 ``words`` get equal values.
 
     Three sums of the words (shifted to ``[0, 2^16)``) times fixed coefficients below a
     prime ``p`` of 21 bits, each modulo ``p``: a matrix product in float64 whose every
     partial sum is an integer below 2^53, hence exact whatever the blocking or device.
-    Rows are widened to float64 ``block_bytes`` at a time, in one reused buffer.
+    Rows are widened to float64 ``block_bytes`` at a time (``blocks``: on which threads,
+    each reusing its own buffer; together within ``block_bytes``).
     """
     num, width = words.shape
     device, wide = words.device, torch.float64
     generator = torch.Generator().manual_seed(20261203)
     coefficients = torch.randint(1, _HASH_PRIME, (width, 3), generator=generator)
     coefficients = coefficients.to(device=device, dtype=wide)
-    hashes = torch.zeros((num, 3), dtype=wide, device=device)
-    step = max(1, min(num, block_bytes // (8 * width)))
-    buffer = torch.empty((step, width), dtype=wide, device=device)  # reused, chunk after chunk
-    for start in range(0, num, step):
-        rows = buffer[: min(step, num - start)]
+    blocks = _serial(blocks, device)
+    step = max(1, min(num, block_bytes // (8 * width * blocks.count)))
+    step = blocks.step(num, step)
+
+    def hash_block(start: int, workspace: Workspace) -> Tensor:
+        rows = workspace.get("hash_rows", (min(step, num - start), width), wide, device)
         rows.copy_(words[start : start + step]).add_(2**15)  # [0, 2^16)
-        target = hashes[start : start + step]
+        target = torch.zeros((rows.shape[0], 3), dtype=wide, device=device)
         for first in range(0, width, _HASH_MAX_TERMS):
             stop = first + _HASH_MAX_TERMS
             target.addmm_(rows[:, first:stop], coefficients[first:stop]).remainder_(_HASH_PRIME)
-    keys = hashes.to(torch.int64)
-    return (keys[:, 0] * _HASH_PRIME + keys[:, 1]) * _HASH_PRIME + keys[:, 2]
+        keys = target.to(torch.int64)
+        return (keys[:, 0] * _HASH_PRIME + keys[:, 1]) * _HASH_PRIME + keys[:, 2]
+
+    return torch.cat(list(blocks.map(hash_block, range(0, num, step))))
 
 
 ROUNDING_TOLERANCE = 2.0**-12
@@ -241,7 +312,10 @@ only when each projection of the two is within a cell width."""
 
 
 def rounding_pairs(
-    embeddings: Tensor, classes: Tensor, block_bytes: int = _COMPARE_BYTES
+    embeddings: Tensor,
+    classes: Tensor,
+    block_bytes: int = _COMPARE_BYTES,
+    blocks: Blocks | None = None,
 ) -> Tensor:
     """int64 ``[P, 2]``: the pairs ``(a, b)``, ``a != b``, of bitwise classes whose
     embeddings are equal up to float rounding (:data:`ROUNDING_TOLERANCE`), both
@@ -262,26 +336,42 @@ def rounding_pairs(
     The parts: :func:`rounding_grid` (the projections and the cell width),
     :func:`project` (each class's first row), :func:`rounding_candidates` (the pairs
     of neighbouring cells), :func:`_within` (the check) and :func:`both_orientations`;
-    rows are projected and checked ``block_bytes`` at a time.
+    rows are projected and checked ``block_bytes`` at a time (``blocks``: on which
+    threads; together within ``block_bytes``).
     """
     device = embeddings.device
     num, width = embeddings.shape
     if num < 2:
         return both_orientations([], 0, device)
+    blocks = _serial(blocks, device)
+    block_bytes = max(1, block_bytes // blocks.count)  # each thread's share
     count = int(classes.max()) + 1
     first = torch.full((count,), num, dtype=torch.int64, device=device)
     first.scatter_reduce_(0, classes, torch.arange(num, device=device), reduce="amin")
     grid = rounding_grid(width, device)
-    projected = torch.empty((count, _FILTERS), dtype=torch.float64, device=device)
     # Each row's copy, its float64 copy and its finite flags.
     step = project_step(width, block_bytes, 9 + embeddings.element_size())
-    for start in range(0, count, step):
-        projected[start : start + step] = project(grid, embeddings[first[start : start + step]])
-    found = []
+    step = blocks.step(count, step)
+
+    def project_block(start: int, workspace: Workspace) -> Tensor:
+        return project(grid, embeddings[first[start : start + step]])
+
+    projected = torch.cat(list(blocks.map(project_block, range(0, count, step))))
+    cells = _cells(grid, projected)
+    if cells is None:
+        return both_orientations([], count, device)
     chunk = max(64, min(ROUNDING_CHUNK, block_bytes // 256))  # ~200 bytes a candidate
-    for a, b in rounding_candidates(grid, projected, chunk):
-        within = _within(embeddings, first[a], first[b], block_bytes)
-        found.append(torch.stack([a[within], b[within]], dim=1))
+    rows = cells.members.shape[0]
+    row_step = blocks.step(rows, _row_step(chunk))
+
+    def check(start: int, workspace: Workspace) -> list[Tensor]:
+        found = []
+        for a, b in _neighbours(cells, start, min(rows, start + row_step), chunk):
+            within = _within(embeddings, first[a], first[b], block_bytes)
+            found.append(torch.stack([a[within], b[within]], dim=1))
+        return found
+
+    found = [pairs for part in blocks.map(check, range(0, rows, row_step)) for pairs in part]
     return both_orientations(found, count, device)
 
 
@@ -334,11 +424,33 @@ def rounding_candidates(
     projection lies within a cell width. Deterministic (the same chunks wherever
     ``projected`` is the same): processes that hold the same projections check the same
     candidates together."""
+    cells = _cells(grid, projected)
+    if cells is None:
+        return
+    # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
+    # entry per row and cell (14 a row), at most chunk_pairs, never one for every row.
+    rows, row_step = cells.members.shape[0], _row_step(chunk_pairs)
+    for row_start in range(0, rows, row_step):
+        yield from _neighbours(cells, row_start, min(rows, row_start + row_step), chunk_pairs)
+
+
+class _Cells(NamedTuple):
+    """The finite rows of :func:`rounding_candidates` sorted by their cell."""
+
+    key: Tensor  # int64, each sorted row's cell, ascending
+    members: Tensor  # the rows of ``projected``, in that order
+    offsets: list[int]  # the neighbouring cells' key offsets (0 first)
+    projected: Tensor
+    cell: float  # the width compared (4.0 where every row shares its cells)
+
+
+def _cells(grid: RoundingGrid, projected: Tensor) -> _Cells | None:
+    """The rows of ``projected`` that are finite, sorted by cell (None: fewer than 2)."""
     device = projected.device
     cell = grid.cell
     keep = projected.isfinite().all(dim=1).nonzero().view(-1)
     if keep.numel() < 2:
-        return
+        return None
     radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
     if radix**_PROJECTIONS >= 2**62:  # D beyond any embedding: one cell per projection
         radix, cell = 8, 4.0
@@ -347,43 +459,52 @@ def rounding_candidates(
     for k in range(_PROJECTIONS):
         key = key * radix + cells[:, k]
     key, order = torch.sort(key, stable=True)
-    members = keep[order]
     offsets = []
     for shift in _half_space_shifts():
         offset = 0
         for delta in shift:
             offset = offset * radix + delta
         offsets.append(offset)
-    # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
-    # entry per row and cell (14 a row), at most chunk_pairs, never one for every row.
-    row_step = max(1, chunk_pairs // len(offsets))
-    for row_start in range(0, members.shape[0], row_step):
-        position = torch.arange(
-            row_start, min(members.shape[0], row_start + row_step), device=device
-        )
-        own = key[position]
-        starts, counts = [], []
-        for offset in offsets:
-            if offset == 0:  # the row's own cell: the rows after it
-                stop = torch.searchsorted(key, own, right=True)
-                starts.append(position + 1)
-                counts.append(stop - position - 1)
-            else:
-                lo = torch.searchsorted(key, own + offset)
-                starts.append(lo)
-                counts.append(torch.searchsorted(key, own + offset, right=True) - lo)
-        begin = torch.stack(starts, dim=1).view(-1)
-        size = torch.stack(counts, dim=1).view(-1)
-        owner = position.repeat_interleave(len(starts))
-        ends = torch.cumsum(size, dim=0)
-        total = int(ends[-1])
-        for chunk in range(0, total, chunk_pairs):
-            pair = torch.arange(chunk, min(chunk + chunk_pairs, total), device=device)
-            at = torch.searchsorted(ends, pair, right=True)
-            a = members[owner[at]]
-            b = members[begin[at] + pair - (ends[at] - size[at])]
-            close = (projected[a].sub_(projected[b]).abs_() <= cell).all(dim=1)
-            yield a[close], b[close]
+    return _Cells(key, keep[order], offsets, projected, cell)
+
+
+def _row_step(chunk_pairs: int) -> int:
+    """Rows whose neighbouring cells' runs are enumerated together: one entry a row and
+    cell, at most ``chunk_pairs``."""
+    return max(1, chunk_pairs // len(_half_space_shifts()))
+
+
+def _neighbours(
+    cells: _Cells, row_start: int, row_stop: int, chunk_pairs: int
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """:func:`rounding_candidates` of the sorted rows ``row_start:row_stop`` (each
+    with the rows after it in its cell and those of the neighbouring cells), in chunks
+    of at most ``chunk_pairs``."""
+    key, members, projected = cells.key, cells.members, cells.projected
+    position = torch.arange(row_start, row_stop, device=key.device)
+    own = key[position]
+    starts, counts = [], []
+    for offset in cells.offsets:
+        if offset == 0:  # the row's own cell: the rows after it
+            stop = torch.searchsorted(key, own, right=True)
+            starts.append(position + 1)
+            counts.append(stop - position - 1)
+        else:
+            lo = torch.searchsorted(key, own + offset)
+            starts.append(lo)
+            counts.append(torch.searchsorted(key, own + offset, right=True) - lo)
+    begin = torch.stack(starts, dim=1).view(-1)
+    size = torch.stack(counts, dim=1).view(-1)
+    owner = position.repeat_interleave(len(starts))
+    ends = torch.cumsum(size, dim=0)
+    total = int(ends[-1])
+    for chunk in range(0, total, chunk_pairs):
+        pair = torch.arange(chunk, min(chunk + chunk_pairs, total), device=key.device)
+        at = torch.searchsorted(ends, pair, right=True)
+        a = members[owner[at]]
+        b = members[begin[at] + pair - (ends[at] - size[at])]
+        close = (projected[a].sub_(projected[b]).abs_() <= cells.cell).all(dim=1)
+        yield a[close], b[close]
 
 
 def both_orientations(found: Sequence[Tensor], count: int, device: torch.device) -> Tensor:
@@ -491,9 +612,11 @@ def codes(
 ) -> Codes:
     """The composite keys the audit counts with, over every stored item (``hashes``:
     the row hash of :func:`bitwise_classes`, for tests), its rows read ``block_bytes``
-    at a time."""
-    klass = bitwise_classes(embeddings, hashes, block_bytes)
-    return codes_of(klass, rounding_pairs(embeddings, klass, block_bytes), labels, groups)
+    at a time, in blocks on the worker threads (:class:`Blocks`)."""
+    with Blocks(embeddings.device) as blocks:
+        klass = bitwise_classes(embeddings, hashes, block_bytes, blocks)
+        adjacent = rounding_pairs(embeddings, klass, block_bytes, blocks)
+        return codes_of(klass, adjacent, labels, groups)
 
 
 def codes_of(klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor) -> Codes:

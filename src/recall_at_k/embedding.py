@@ -39,6 +39,7 @@ from recall_at_k.ranking import progress as _progress
 from recall_at_k.ranking import rank as _rank
 from recall_at_k.ranking import score as _score
 from recall_at_k.ranking import sharded as _sharded
+from recall_at_k.ranking import workers as _workers
 from recall_at_k.ranking.bands import AUTO_ROUTE, Route
 from recall_at_k.ranking.gallery import Side
 
@@ -396,8 +397,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     # ------------------------------------------------------------------ compute
 
     def _histograms(self) -> list[Histogram]:
+        # On CPU the ranking's heavy parts run on worker threads: the caller on one.
+        threaded = self.device.type == "cpu" and not self.sharded and not callable(self.similarity)
         try:
-            return self._rank_directions()
+            with _workers.caller_on_one_thread(threaded):
+                return self._rank_directions()
         finally:
             self._gathered = None
 

@@ -9,6 +9,9 @@ task's results in the order the tasks were given; what a task returns depends on
 its inputs (copies taken when it was given), so the counts are integer sums over
 independent tiles, exact and the same for any number of threads. Each worker has its
 own scratch :class:`~recall_at_k._kernel.Workspace`; tasks never write shared tensors.
+Meanwhile the caller, which merges, runs torch on one thread too
+(:func:`caller_on_one_thread`): its own torch threads would otherwise wake for its
+larger operations and spin after each, taking the workers' cores.
 
 With one thread (or on a GPU, or for a callable similarity, whose thread safety is
 the user's) the tasks run one after the other in the calling thread, the same code.
@@ -16,6 +19,7 @@ the user's) the tasks run one after the other in the calling thread, the same co
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -34,11 +38,38 @@ WINDOW_PER_WORKER = 2
 busy while the caller merges, few enough that copies of what they read stay current."""
 
 
+_held = threading.local()  # .count: the caller's torch threads while it runs on one
+
+
 def worker_count(device: torch.device) -> int:
-    """How many worker threads rank on ``device``: torch's threads on CPU, else 1."""
+    """How many worker threads rank on ``device``: torch's threads on CPU (the caller's
+    own count under :func:`caller_on_one_thread`), else 1."""
     if device.type != "cpu":
         return 1
-    return max(1, torch.get_num_threads())
+    held: int = getattr(_held, "count", 0)
+    return max(1, held or torch.get_num_threads())
+
+
+@contextlib.contextmanager
+def caller_on_one_thread(hold: bool = True) -> Iterator[None]:
+    """Inside, the calling thread runs torch on one thread while :func:`worker_count`
+    still gives its own count: its larger operations go to worker threads, and its own
+    torch threads (OpenMP) never wake to spin between them, taking the workers' cores
+    (worse where the machine is shared: threads spinning at a barrier wait for others
+    that are not running). Its count is back after; nested, the outer one holds it.
+    Nothing changes with ``hold=False``."""
+    count = torch.get_num_threads()
+    held: int = getattr(_held, "count", 0)
+    if not hold or count == 1 or held:
+        yield
+        return
+    _held.count = count
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(count)
+        _held.count = 0
 
 
 class Workers(Generic[Item, Result]):
@@ -58,16 +89,23 @@ class Workers(Generic[Item, Result]):
         self.workspace = workspace  # the caller's, for one worker
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
+        self.caller: contextlib.AbstractContextManager[None] | None = None
 
     def __enter__(self) -> Workers[Item, Result]:
         if self.count > 1:
             self.pool = _single_threaded_pool(self.count)
+            # The caller merges on one thread while the workers hold the cores.
+            self.caller = caller_on_one_thread()
+            self.caller.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        if self.caller is not None:
+            self.caller.__exit__(None, None, None)
+            self.caller = None
 
     def _run(self, item: Item) -> Result:
         workspace = getattr(self.local, "workspace", None)
