@@ -141,6 +141,8 @@ def rank(
     )
     num_gallery = gallery.embeddings.shape[0]
     share = queries_of(labels, groups, queries, gallery)
+    # The gallery's identities served to find each query's own column: not kept.
+    gallery = gallery._replace(identity_sorted=_NONE, identity_column=_NONE)
     tally = _Tally(embeddings, gallery, options, known, collect, share.rows.shape[0])
     itemsize = gallery.embeddings.element_size()
     route = scratch_route(route, tile_bytes, options.similarity, embeddings.shape[1], itemsize)
@@ -198,6 +200,9 @@ def rank(
             else:
                 tally.add_band(tile, band)
     return tally.result()
+
+
+_NONE = torch.zeros(0, dtype=torch.int64)
 
 
 def scratch_tile_bytes(chunk_bytes: int, device: torch.device) -> int:
