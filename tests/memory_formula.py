@@ -25,12 +25,13 @@ SCRATCH_TILES = 4
 ranking adds: its tiles of scores hold a quarter of ``chunk_bytes``
 (``recall_at_k.ranking.rank.SCRATCH_SHARE``) with their queries' copies, the panels,
 their stack and the symmetric blocks are sized from them, the canonical re-scoring's
-buffers from ``chunk_bytes / 8``; the audit, the ordered copy and ``"cosine"``'s
-normalisation work on blocks of ``chunk_bytes / 4``. Measured, what that scratch and the
-bookkeeping add is below 1x ``chunk_bytes`` in one process for leave-one-out with
-1,600 x 2,048 items and a 512 KiB chunk, and up to 4.7x ``chunk_bytes`` for
-query/gallery with 24,000 x 256 items and a 4 MiB chunk (many tiles: their small
-buffers stay in the C heap)."""
+buffers from ``chunk_bytes / 16``; the audit, the ordered copy and ``"cosine"``'s
+normalisation work on blocks of ``chunk_bytes / 4``. Measured in one process, what that
+scratch and the bookkeeping add is 0.9-2.0 MiB (1.8-3.9x ``chunk_bytes``) for
+1,600 x 2,048 items and a 512 KiB chunk, and 4.8-7.4 MiB (1.2x ``chunk_bytes`` for
+query/gallery, 1.9x for leave-one-out) with 24,000 x 256 items and a 4 MiB chunk:
+per-item bookkeeping, the audit's codes, the symmetric route's pending pairs and small
+buffers that stay in the C heap."""
 
 BYTES_PER_ITEM = 256
 """Bookkeeping per item: metadata, orders, sides, bands."""

@@ -9,9 +9,9 @@ the resident-set high-water mark over the resident set before ``compute()``, fre
 buffers returned at once). Before the ranking wrote its one ordered copy, ``compute()``
 added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one process and
 8x the gathered bytes per process under DDP; the formula allows about 1.5x here. With
-the scratch sized from ``chunk_bytes`` (tiles, panels, audit blocks) it measured 1.09x
-(leave-one-out cosine) to 1.29x (leave-one-out euclidean); the issue's target,
-1x + ``chunk_bytes`` (1.04x here), is not met yet (see ``memory_formula``).
+the scratch sized from ``chunk_bytes`` (tiles, panels of at most 512 columns, audit
+blocks) it measures 1.07x (query/gallery dot) to 1.16x (bidirectional euclidean); the
+issue's target, 1x + ``chunk_bytes`` (1.04x here), is not met yet (see ``memory_formula``).
 """
 
 from __future__ import annotations

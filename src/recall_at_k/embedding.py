@@ -424,7 +424,10 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             source, meta[:, _items.LABEL], self._directions(meta), None, block
         )
         embeddings, directions = ordered.embeddings, ordered.directions
-        meta = meta.index_select(0, ordered.order)
+        # Of the metadata only the labels and groups, in the ranking's order, live on
+        # through the ranking (not the ids, flags and widths, nor the order itself).
+        meta = meta[:, : _items.GROUP + 1].index_select(0, ordered.order)
+        del ordered
         audits = self._audits((embeddings, meta), directions)
         _ordered.normalise(embeddings, self.similarity, block)
         check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)

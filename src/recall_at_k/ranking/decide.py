@@ -14,6 +14,10 @@ from recall_at_k.ranking.bands import NEAR_COUNTS, Band, Pairs, RankOptions
 from recall_at_k.ranking.gallery import Gallery, Queries
 from recall_at_k.ranking.score import CANONICAL_BATCH_BYTES, canonical_scores
 
+CANONICAL_SHARE = 16
+"""The canonical re-scoring's batches take ``chunk_bytes / CANONICAL_SHARE`` (at most
+``CANONICAL_BATCH_BYTES``): their buffers, 2.5 batches, stay in the workspace."""
+
 
 class Decided(NamedTuple):
     """The counts of decided tiles: ``g_>``, ``g_> + e``, ``p`` per query, the pairs
@@ -83,7 +87,7 @@ def decide(
             gallery.rows[columns_all],
             options.similarity,
             workspace,
-            min(CANONICAL_BATCH_BYTES, options.chunk_bytes // 8),  # 2.5 batches of buffers
+            min(CANONICAL_BATCH_BYTES, options.chunk_bytes // CANONICAL_SHARE),
         )
     scores = scores_all[:num_band]
     num_rows = tile.rows.shape[0]

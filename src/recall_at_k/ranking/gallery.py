@@ -107,7 +107,17 @@ def gallery_of(
     """The gallery of ``side``; its norms (and centre) computed ``chunk_bytes`` of rows
     at a time (a centred copy of them for ``"euclidean"``)."""
     labels_sorted, label_order = torch.sort(labels[side.rows], stable=True)
-    rows = side.rows[label_order]
+    run = _run_of(side.rows)
+    if run is not None and torch.equal(labels_sorted, labels[run]):
+        # Stored in the ranking's order (:mod:`recall_at_k.ranking.ordered`): the
+        # gallery's rows, labels and groups are views, no copies of every item's.
+        rows, labels_sorted, gallery_groups = side.rows, labels[run], groups[run]
+        identity = side.identity
+    else:
+        rows = side.rows[label_order]
+        gallery_groups = groups[rows]
+        identity = side.identity[label_order]
+    del label_order
     gallery_embeddings = _rows_of(embeddings, rows)
     num, width = gallery_embeddings.shape
     step = max(1, chunk_bytes // max(1, width * gallery_embeddings.element_size()))
@@ -142,7 +152,7 @@ def gallery_of(
     absolute = bound_absolute(similarity, dim, dtype)
     block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
     block_starts = torch.cumsum(block_counts, dim=0) - block_counts
-    identity_sorted, identity_column = torch.sort(side.identity[label_order])
+    identity_sorted, identity_column = torch.sort(identity)
     return Gallery(
         rows,
         gallery_embeddings,
@@ -152,7 +162,7 @@ def gallery_of(
         absolute,
         max_norm,
         labels_sorted,
-        groups[rows],
+        gallery_groups,
         block_labels,
         block_starts,
         block_counts,
@@ -162,16 +172,24 @@ def gallery_of(
     )
 
 
+def _run_of(rows: Tensor) -> slice | None:
+    """The slice ``rows`` are, where they are one ascending run of rows, else None."""
+    if rows.numel() == 0:
+        return None
+    first = int(rows[0])
+    if int(rows[-1]) != first + rows.shape[0] - 1:
+        return None
+    run = torch.arange(first, first + rows.shape[0], device=rows.device)
+    return slice(first, first + rows.shape[0]) if torch.equal(rows, run) else None
+
+
 def _rows_of(embeddings: Tensor, rows: Tensor) -> Tensor:
     """``embeddings[rows]``: a view where ``rows`` are one ascending run (the items
     are stored in the ranking's order, :mod:`recall_at_k.ranking.ordered`), else a copy."""
     if rows.numel() == 0:
         return embeddings[:0]
-    first = int(rows[0])
-    run = torch.arange(first, first + rows.shape[0], device=rows.device)
-    if torch.equal(rows, run):
-        return embeddings[first : first + rows.shape[0]]
-    return embeddings[rows]
+    run = _run_of(rows)
+    return embeddings[rows] if run is None else embeddings[run]
 
 
 def centred_rows(gallery: Gallery, first: int, stop: int) -> Tensor:

@@ -141,6 +141,8 @@ def rank(
     )
     num_gallery = gallery.embeddings.shape[0]
     share = queries_of(labels, groups, queries, gallery)
+    # The gallery's identities served to find each query's own column: not kept.
+    gallery = gallery._replace(identity_sorted=_NONE, identity_column=_NONE)
     tally = _Tally(embeddings, gallery, options, known, collect, share.rows.shape[0])
     itemsize = gallery.embeddings.element_size()
     route = scratch_route(route, tile_bytes, options.similarity, embeddings.shape[1], itemsize)
@@ -150,6 +152,8 @@ def rank(
     panels_possible = (
         device.type == "cpu" and not callable(options.similarity) and not options.check_nan
     )
+    if panels_possible and _all_panels(route, share, num_gallery):
+        rows_per_tile, route = panel_tiles(route, tile_bytes, embeddings.shape[1], itemsize)
     near = options.near_duplicate is not None
     done = 0
     if panels_possible and symmetric_possible(share, gallery, route):
@@ -198,6 +202,9 @@ def rank(
     return tally.result()
 
 
+_NONE = torch.zeros(0, dtype=torch.int64)
+
+
 def scratch_tile_bytes(chunk_bytes: int, device: torch.device) -> int:
     """The bytes of one tile for a ``chunk_bytes`` (:data:`SCRATCH_SHARE`; on CPU at
     most :data:`CPU_TILE_BYTES`)."""
@@ -221,6 +228,35 @@ def scratch_route(
         panel_bytes=max(1, min(route.panel_bytes, tile_bytes // 2)),
         block_bytes=block,
     )
+
+
+PANEL_COLUMNS = 512
+"""On CPU a panel of the panel route is at most this many gallery columns wide: the
+BLAS packs a panel's columns into a buffer it keeps (about 768 bytes a column at the
+widths measured; 3 MiB for the 6,241 columns of a 21-row tile's 512 KiB panel), so
+the panel route's tiles take more rows instead of wider panels."""
+
+
+def _all_panels(route: Route, share: Queries, num_gallery: int) -> bool:
+    """Whether every tile of ``share`` takes the panel route (:func:`tile_mode`; the
+    caller checked that panels are possible)."""
+    if route.mode == "panels":
+        return True
+    if route.mode not in ("auto", "symmetric") or share.block_count.numel() == 0:
+        return False
+    widest = int(share.block_count.max())
+    return tile_mode(route, widest, num_gallery, True) == "panels"
+
+
+def panel_tiles(route: Route, tile_bytes: int, width: int, itemsize: int) -> tuple[int, Route]:
+    """Rows per tile and the route for tiles that all take the panel route: a tile
+    never holds a row of scores, only its queries' copies, panels of at most
+    :data:`PANEL_COLUMNS` columns and the panels' stack and marks (as large as a
+    panel each), so a tile holds ``tile_bytes`` of those."""
+    columns = max(1, min(PANEL_COLUMNS, route.panel_bytes // itemsize))
+    rows = max(1, tile_bytes // ((width + 3 * columns) * itemsize))
+    rows = min(rows, max(1, route.panel_bytes // (columns * itemsize)))
+    return rows, route._replace(panel_bytes=rows * columns * itemsize)
 
 
 class _Tally:
