@@ -153,11 +153,7 @@ class LocalBlocks:
         if len(self.blocks) == 1:
             return self.blocks[0].index_select(0, index).to(self.dtype)
         out = torch.empty((index.shape[0], self.shape[1]), dtype=self.dtype, device=self.device)
-        which = torch.searchsorted(self._ends, index, right=True)
-        for block in torch.unique(which).tolist():
-            chosen = (which == block).nonzero().view(-1)
-            rows = index.index_select(0, chosen) - self.starts[block]
-            out[chosen] = self.blocks[block].index_select(0, rows).to(self.dtype)
+        self.take_into(index, out)
         return out
 
     def span_into(self, first: int, stop: int, out: Tensor) -> None:
