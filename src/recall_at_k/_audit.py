@@ -56,16 +56,23 @@ Result = TypeVar("Result")
 
 
 class Codes(NamedTuple):
-    """Per item, int64 codes in ``[0, N)``: equal codes = equal keys."""
+    """Per item, codes in ``[0, N)`` (:func:`code_dtype`): equal codes = equal keys. The
+    composite keys (class and label, ...) are made when a count needs them
+    (:func:`composite`), one at a time, never kept."""
 
     klass: Tensor  # the class of bitwise-equal embeddings
     label: Tensor
     group: Tensor
-    label_group: Tensor
-    class_label: Tensor
-    class_group: Tensor
-    class_label_group: Tensor
-    adjacent: Tensor  # [P, 2] class pairs equal up to rounding (rounding_pairs)
+    adjacent: Tensor  # int64 [P, 2] class pairs equal up to rounding (rounding_pairs)
+
+
+CODE32_LIMIT = 2**31 - 1
+"""Codes of up to this many items are int32 (4 bytes an item), int64 beyond."""
+
+
+def code_dtype(num: int) -> torch.dtype:
+    """The dtype of the codes of ``num`` items: int32 where they fit."""
+    return torch.int32 if num <= CODE32_LIMIT else torch.int64
 
 
 class DirectionAudit(NamedTuple):
@@ -161,7 +168,8 @@ def bitwise_classes(
     block_bytes: int = _COMPARE_BYTES,
     blocks: Blocks | None = None,
 ) -> Tensor:
-    """int64 ``[N]``: rows with the same bit pattern share a class (``0..C-1``).
+    """``[N]`` codes (:func:`code_dtype`): rows with the same bit pattern share a class
+    (``0..C-1``).
 
     Bitwise equality is stricter than ``==``: ``-0.0`` and ``0.0`` differ, and so do
     NaN payloads (embeddings are finite when ``validate_args=True``).
@@ -177,7 +185,7 @@ def bitwise_classes(
     """
     num, width = embeddings.shape
     if num == 0 or width == 0:
-        return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
+        return torch.zeros(num, dtype=code_dtype(num), device=embeddings.device)
     blocks = _serial(blocks, embeddings.device)
     sorted_keys, order = torch.sort(hash_rows(embeddings, hashes, block_bytes, blocks))
     same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
@@ -192,10 +200,18 @@ def bitwise_classes(
         return bool(torch.equal(_words(first), _words(second)))
 
     if not all(blocks.map(equal, range(0, same.shape[0], step))):  # a collision: exact, slower
+        del sorted_keys, order
         words = _words(embeddings)
-        return cast(Tensor, torch.unique(words, dim=0, return_inverse=True)[1])
-    classes = torch.empty_like(order)
-    classes[order] = torch.unique_consecutive(sorted_keys, return_inverse=True)[1]
+        return _code_rows(words)
+    # Each hash's run in sorted order (a cumulative sum of the run starts), in place.
+    dtype = code_dtype(num)
+    starts = torch.ones(num, dtype=torch.bool, device=embeddings.device)
+    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
+    del sorted_keys
+    run = torch.cumsum(starts, dim=0, dtype=dtype).sub_(1)
+    del starts
+    classes = torch.empty(num, dtype=dtype, device=embeddings.device)
+    classes[order] = run
     return classes
 
 
@@ -212,16 +228,17 @@ def hash_rows(
 ) -> Tensor:
     """int64 ``[m]``: each row's hash (:func:`_row_hashes` of its bits, or ``hashes``),
     a block of rows at a time (their float64 words within ``block_bytes``: four times
-    their bytes). A row's hash depends on its bits alone."""
+    their bytes), written into one array. A row's hash depends on its bits alone."""
     if rows.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
     if hashes is None:  # one call: its coefficients made once, its buffers reused
         return _row_hashes(_words(rows), block_bytes, blocks)
     hash_of = hashes
     step = compare_step(rows, block_bytes // 4)
-    return torch.cat(
-        [hash_of(_words(rows[start : start + step])) for start in range(0, rows.shape[0], step)]
-    )
+    out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+    for start in range(0, rows.shape[0], step):
+        out[start : start + step] = hash_of(_words(rows[start : start + step]))
+    return out
 
 
 def same_bits(first: Tensor, second: Tensor) -> Tensor:
@@ -262,7 +279,9 @@ def _row_hashes(
     step = max(1, min(num, block_bytes // (8 * width * blocks.count)))
     step = blocks.step(num, step)
 
-    def hash_block(start: int, workspace: Workspace) -> Tensor:
+    out = torch.empty(num, dtype=torch.int64, device=device)
+
+    def hash_block(start: int, workspace: Workspace) -> None:
         rows = workspace.get("hash_rows", (min(step, num - start), width), wide, device)
         rows.copy_(words[start : start + step]).add_(2**15)  # [0, 2^16)
         target = torch.zeros((rows.shape[0], 3), dtype=wide, device=device)
@@ -270,9 +289,13 @@ def _row_hashes(
             stop = first + _HASH_MAX_TERMS
             target.addmm_(rows[:, first:stop], coefficients[first:stop]).remainder_(_HASH_PRIME)
         keys = target.to(torch.int64)
-        return (keys[:, 0] * _HASH_PRIME + keys[:, 1]) * _HASH_PRIME + keys[:, 2]
+        # (k0 p + k1) p + k2, into the block's part of the output.
+        part = torch.mul(keys[:, 0], _HASH_PRIME, out=out[start : start + rows.shape[0]])
+        part.add_(keys[:, 1]).mul_(_HASH_PRIME).add_(keys[:, 2])
 
-    return torch.cat(list(blocks.map(hash_block, range(0, num, step))))
+    for _ in blocks.map(hash_block, range(0, num, step)):
+        pass
+    return out
 
 
 ROUNDING_TOLERANCE = 2.0**-12
@@ -346,18 +369,22 @@ def rounding_pairs(
     blocks = _serial(blocks, device)
     block_bytes = max(1, block_bytes // blocks.count)  # each thread's share
     count = int(classes.max()) + 1
-    first = torch.full((count,), num, dtype=torch.int64, device=device)
-    first.scatter_reduce_(0, classes, torch.arange(num, device=device), reduce="amin")
+    first = first_items(classes, count, block_bytes)
     grid = rounding_grid(width, device)
     # Each row's copy, its float64 copy and its finite flags.
     step = project_step(width, block_bytes, 9 + embeddings.element_size())
     step = blocks.step(count, step)
+    places = GridPlaces.empty(count, device)
 
-    def project_block(start: int, workspace: Workspace) -> Tensor:
-        return project(grid, embeddings[first[start : start + step]])
+    def project_block(start: int, workspace: Workspace, into: GridPlaces = places) -> None:
+        rows = embeddings.index_select(0, first[start : start + step])
+        into.place(grid, project(grid, rows), start)
 
-    projected = torch.cat(list(blocks.map(project_block, range(0, count, step))))
-    cells = _cells(grid, projected)
+    for _ in blocks.map(project_block, range(0, count, step)):
+        pass
+    del project_block
+    cells = _cells(grid, places)  # sorts the keys: its own copy, the places' freed here
+    del places
     if cells is None:
         return both_orientations([], count, device)
     chunk = max(64, min(ROUNDING_CHUNK, block_bytes // 256))  # ~200 bytes a candidate
@@ -373,6 +400,19 @@ def rounding_pairs(
 
     found = [pairs for part in blocks.map(check, range(0, rows, row_step)) for pairs in part]
     return both_orientations(found, count, device)
+
+
+def first_items(classes: Tensor, count: int, block_bytes: int = _COMPARE_BYTES) -> Tensor:
+    """``[C]`` (the codes' dtype): each class's first item, ``block_bytes`` of items at a
+    time (no whole-set index array)."""
+    num = classes.shape[0]
+    first = torch.full((count,), num, dtype=classes.dtype, device=classes.device)
+    step = max(1024, block_bytes // 16)
+    for start in range(0, num, step):
+        stop = min(num, start + step)
+        where = torch.arange(start, stop, dtype=classes.dtype, device=classes.device)
+        first.scatter_reduce_(0, classes[start:stop].long(), where, reduce="amin")
+    return first
 
 
 class RoundingGrid(NamedTuple):
@@ -416,15 +456,15 @@ def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
 
 
 def rounding_candidates(
-    grid: RoundingGrid, projected: Tensor, chunk_pairs: int = ROUNDING_CHUNK
+    grid: RoundingGrid, places: GridPlaces, chunk_pairs: int = ROUNDING_CHUNK
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """The candidate pairs ``(a, b)`` of classes (rows of ``projected``, each class's
-    :func:`project`), each unordered pair once, in chunks of at most ``chunk_pairs``
-    (:data:`ROUNDING_CHUNK`): the rows in the same or neighbouring cells whose every
-    projection lies within a cell width. Deterministic (the same chunks wherever
-    ``projected`` is the same): processes that hold the same projections check the same
-    candidates together."""
-    cells = _cells(grid, projected)
+    """The candidate pairs ``(a, b)`` of classes (rows of ``places``, each class's
+    :func:`project` placed in the grid), each unordered pair once, in chunks of at most
+    ``chunk_pairs`` (:data:`ROUNDING_CHUNK`): the rows in the same or neighbouring cells
+    whose every other projection lies in the same or a neighbouring cell. Deterministic
+    (the same chunks wherever ``places`` is the same): processes that hold the same
+    places check the same candidates together."""
+    cells = _cells(grid, places)
     if cells is None:
         return
     # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
@@ -434,38 +474,82 @@ def rounding_candidates(
         yield from _neighbours(cells, row_start, min(rows, row_start + row_step), chunk_pairs)
 
 
+_NOT_FINITE = 2**63 - 1
+"""The cell key of a row that is not finite (it has no copies): above every other."""
+
+
+class GridPlaces(NamedTuple):
+    """Each row's place in the grid of :func:`rounding_pairs`, 18 bytes a row instead
+    of its eight float64 projections: the cell of its first :data:`_PROJECTIONS`
+    projections as one int64 key (:data:`_NOT_FINITE` for a row that is not finite),
+    and the cell index of each other projection as int16 (clamped: two rows within a
+    cell width of each other keep indices at most 1 apart)."""
+
+    key: Tensor  # int64 [C]
+    others: Tensor  # int16 [C, _FILTERS - _PROJECTIONS]
+
+    @staticmethod
+    def empty(count: int, device: torch.device) -> GridPlaces:
+        key = torch.empty(count, dtype=torch.int64, device=device)
+        others = torch.empty((count, _FILTERS - _PROJECTIONS), dtype=torch.int16, device=device)
+        return GridPlaces(key, others)
+
+    def place(self, grid: RoundingGrid, projected: Tensor, start: int) -> None:
+        """Write the places of :func:`project`'s rows ``projected`` as rows
+        ``start...`` (a block's: the cell indices of its float64 projections)."""
+        radix, cell = _radix(grid)
+        stop = start + projected.shape[0]
+        finite = projected.isfinite().all(dim=1)
+        index = projected.div_(cell).floor_().masked_fill_(~finite.unsqueeze(1), 0.0)
+        key = self.key[start:stop].zero_()
+        for k in range(_PROJECTIONS):
+            key.mul_(radix).add_(index[:, k].to(torch.int64) + radix // 2)
+        key.masked_fill_(~finite, _NOT_FINITE)
+        lowest, highest = torch.iinfo(torch.int16).min, torch.iinfo(torch.int16).max
+        others = index[:, _PROJECTIONS:].clamp_(lowest, highest)
+        self.others[start:stop] = others.to(torch.int16)
+
+    def fail(self) -> None:
+        """Every row not finite (a process whose projection failed: nobody's
+        candidates)."""
+        self.key.fill_(_NOT_FINITE)
+
+
+def _radix(grid: RoundingGrid) -> tuple[int, float]:
+    """The grid's radix of the cell key and the cell width compared."""
+    cell = grid.cell
+    if not cell > 0:  # no coordinates: every projection 0
+        return 8, 4.0
+    radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
+    if radix**_PROJECTIONS >= 2**62:  # D beyond any embedding: one cell per projection
+        radix, cell = 8, 4.0
+    return radix, cell
+
+
 class _Cells(NamedTuple):
     """The finite rows of :func:`rounding_candidates` sorted by their cell."""
 
     key: Tensor  # int64, each sorted row's cell, ascending
-    members: Tensor  # the rows of ``projected``, in that order
+    members: Tensor  # int64, the rows of ``places``, in that order
     offsets: list[int]  # the neighbouring cells' key offsets (0 first)
-    projected: Tensor
-    cell: float  # the width compared (4.0 where every row shares its cells)
+    others: Tensor  # int16 [C, F]: each row's (not each sorted row's) other cells
 
 
-def _cells(grid: RoundingGrid, projected: Tensor) -> _Cells | None:
-    """The rows of ``projected`` that are finite, sorted by cell (None: fewer than 2)."""
-    device = projected.device
-    cell = grid.cell
-    keep = projected.isfinite().all(dim=1).nonzero().view(-1)
-    if keep.numel() < 2:
+def _cells(grid: RoundingGrid, places: GridPlaces) -> _Cells | None:
+    """The rows of ``places`` that are finite, sorted by cell (None: fewer than 2)."""
+    radix, _ = _radix(grid)
+    key, order = torch.sort(places.key, stable=True)
+    finite = int(torch.searchsorted(key, torch.tensor(_NOT_FINITE, device=key.device)))
+    if finite < 2:
         return None
-    radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
-    if radix**_PROJECTIONS >= 2**62:  # D beyond any embedding: one cell per projection
-        radix, cell = 8, 4.0
-    cells = torch.floor(projected[keep, :_PROJECTIONS] / cell).to(torch.int64) + radix // 2
-    key = torch.zeros(keep.shape[0], dtype=torch.int64, device=device)
-    for k in range(_PROJECTIONS):
-        key = key * radix + cells[:, k]
-    key, order = torch.sort(key, stable=True)
+    key, order = key[:finite], order[:finite]
     offsets = []
     for shift in _half_space_shifts():
         offset = 0
         for delta in shift:
             offset = offset * radix + delta
         offsets.append(offset)
-    return _Cells(key, keep[order], offsets, projected, cell)
+    return _Cells(key, order, offsets, places.others)
 
 
 def _row_step(chunk_pairs: int) -> int:
@@ -480,7 +564,7 @@ def _neighbours(
     """:func:`rounding_candidates` of the sorted rows ``row_start:row_stop`` (each
     with the rows after it in its cell and those of the neighbouring cells), in chunks
     of at most ``chunk_pairs``."""
-    key, members, projected = cells.key, cells.members, cells.projected
+    key, members, others = cells.key, cells.members, cells.others
     position = torch.arange(row_start, row_stop, device=key.device)
     own = key[position]
     starts, counts = [], []
@@ -503,7 +587,8 @@ def _neighbours(
         at = torch.searchsorted(ends, pair, right=True)
         a = members[owner[at]]
         b = members[begin[at] + pair - (ends[at] - size[at])]
-        close = (projected[a].sub_(projected[b]).abs_() <= cells.cell).all(dim=1)
+        apart = others[a].to(torch.int32).sub_(others[b].to(torch.int32)).abs_()
+        close = (apart <= 1).all(dim=1)
         yield a[close], b[close]
 
 
@@ -593,14 +678,32 @@ def _gamma64(terms: int) -> float:
 
 
 def _code(values: Tensor) -> Tensor:
-    return cast(Tensor, torch.unique(values, return_inverse=True)[1])
+    """The codes ``0..K-1`` of ``values`` (:func:`code_dtype`): equal values, equal code."""
+    inverse: Tensor = torch.unique(values, return_inverse=True)[1]
+    return inverse.to(code_dtype(values.shape[0]))
+
+
+def _code_rows(rows: Tensor) -> Tensor:
+    """The codes of the rows of ``rows`` (exact, by an exact sort of a whole copy)."""
+    inverse: Tensor = torch.unique(rows, dim=0, return_inverse=True)[1]
+    return inverse.to(code_dtype(rows.shape[0]))
 
 
 def _pair(a: Tensor, b: Tensor) -> Tensor:
     """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2)."""
     if a.numel() == 0:
         return a.clone()
-    return _code(a * (int(b.max()) + 1) + b)
+    key = a.to(torch.int64) * (int(b.max()) + 1)
+    return _code(key.add_(b))
+
+
+def composite(*parts: Tensor) -> Tensor:
+    """The code of the tuple of codes ``parts`` (each ``[N]`` in ``[0, N)``), made
+    pair by pair (each step coded back into ``[0, N)``): a transient array."""
+    code = parts[0]
+    for part in parts[1:]:
+        code = _pair(code, part)
+    return code
 
 
 def codes(
@@ -609,30 +712,24 @@ def codes(
     groups: Tensor,
     hashes: Callable[[Tensor], Tensor] | None = None,
     block_bytes: int = _COMPARE_BYTES,
+    with_groups: bool = True,
 ) -> Codes:
-    """The composite keys the audit counts with, over every stored item (``hashes``:
-    the row hash of :func:`bitwise_classes`, for tests), its rows read ``block_bytes``
-    at a time, in blocks on the worker threads (:class:`Blocks`)."""
+    """The keys the audit counts with, over every stored item (``hashes``: the row hash
+    of :func:`bitwise_classes`, for tests), its rows read ``block_bytes`` at a time, in
+    blocks on the worker threads (:class:`Blocks`). ``with_groups``: whether to code
+    the groups (``exclude`` other than ``"none"``; else ``group`` is empty)."""
     with Blocks(embeddings.device) as blocks:
         klass = bitwise_classes(embeddings, hashes, block_bytes, blocks)
         adjacent = rounding_pairs(embeddings, klass, block_bytes, blocks)
-        return codes_of(klass, adjacent, labels, groups)
+        return codes_of(klass, adjacent, labels, groups if with_groups else None)
 
 
-def codes_of(klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor) -> Codes:
-    """:class:`Codes` from the bitwise classes, their rounding pairs and the metadata."""
-    label, group = _code(labels), _code(groups)
-    class_label = _pair(klass, label)
-    return Codes(
-        klass,
-        label,
-        group,
-        _pair(label, group),
-        class_label,
-        _pair(klass, group),
-        _pair(class_label, group),
-        adjacent,
-    )
+def codes_of(klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor | None) -> Codes:
+    """:class:`Codes` from the bitwise classes, their rounding pairs and the metadata
+    (``groups`` None: an empty group code)."""
+    dtype = code_dtype(klass.shape[0])
+    group = _code(groups) if groups is not None else torch.zeros(0, dtype=dtype)
+    return Codes(klass.to(dtype), _code(labels), group.to(klass.device), adjacent)
 
 
 def audit_direction(
@@ -674,38 +771,58 @@ def audit_direction(
         self_row = g_rows[order[position]]
     same_class = has_self & (keys.klass[self_row] == keys.klass[q_rows])
     same_label = keys.label[self_row] == keys.label[q_rows]
-    same_group = keys.group[self_row] == keys.group[q_rows]
     grouped = exclude != "none"  # both rules ignore same-group items of the same label
-    # Valid positives (which queries compute() counts), then the identical ones.
+    group_rule = exclude == "same_group"
+    same_group = torch.zeros_like(same_label)
+    label_group = class_label_group = None
+    if grouped:  # the composite keys with the group, each made once
+        if keys.group.shape[0] != num:
+            raise ValueError(f"exclude={exclude!r} needs the codes made with_groups")
+        same_group = keys.group[self_row] == keys.group[q_rows]
+        label_group = composite(keys.label, keys.group)
+    # Valid positives (which queries compute() counts), then the identical ones; each
+    # count turned into flags before the next (one key a time besides the codes).
     self_positive = has_self & same_label & ~(same_group & grouped)
     positives = in_gallery(keys.label) - self_positive.long()
-    identical_pos = in_gallery(keys.class_label) - (self_positive & same_class).long()
-    if grouped:
-        positives -= in_gallery(keys.label_group)
-        identical_pos -= in_gallery(keys.class_label_group)
-    # Identical negatives: another label; only "same_group" ignores negatives.
-    group_rule = exclude == "same_group"
-    self_negative = same_class & ~same_label & ~(same_group & group_rule)
-    identical_neg = in_gallery(keys.klass) - in_gallery(keys.class_label)
-    identical_neg -= self_negative.long()
-    if group_rule:
-        identical_neg -= in_gallery(keys.class_group) - in_gallery(keys.class_label_group)
+    if label_group is not None:
+        positives -= in_gallery(label_group)
     if empty_target_action in ("skip", "error"):
         counted = positives > 0
     else:
         counted = torch.ones_like(positives, dtype=torch.bool)
+    del positives
+    class_label = composite(keys.klass, keys.label)
+    identical_pos = in_gallery(class_label) - (self_positive & same_class).long()
+    if label_group is not None:
+        class_label_group = composite(class_label, keys.group)
+        identical_pos -= in_gallery(class_label_group)
+    identical_positive = counted & (identical_pos > 0)
+    del identical_pos
+    # Identical negatives: another label; only "same_group" ignores negatives.
+    self_negative = same_class & ~same_label & ~(same_group & group_rule)
+    identical_neg = in_gallery(keys.klass).sub_(in_gallery(class_label))
+    del class_label
+    identical_neg -= self_negative.long()
+    if group_rule and class_label_group is not None:
+        identical_neg += in_gallery(class_label_group)
+        identical_neg -= in_gallery(composite(keys.klass, keys.group))
+    identical_negative = counted & (identical_neg > 0)
+    del identical_neg, class_label_group
     gallery_classes = torch.bincount(keys.klass[g_rows], minlength=num)
     duplicates = int(g_rows.shape[0]) - int((gallery_classes > 0).sum())
+    del gallery_classes
     rounding_pos, rounding_neg = torch.zeros_like(counted), torch.zeros_like(counted)
     rounding_duplicates = 0
     if keys.adjacent.numel():
         selves = (has_self, self_row)
-        rounding_pos, rounding_neg = _rounding_flags(keys, q_rows, g_rows, selves, exclude)
+        rounding_pos, rounding_neg = _rounding_flags(
+            keys, q_rows, g_rows, selves, exclude, label_group
+        )
         rounding_duplicates = _rounding_duplicates(keys, g_rows)
     return DirectionAudit(
         counted,
-        counted & (identical_pos > 0),
-        counted & (identical_neg > 0),
+        identical_positive,
+        identical_negative,
         duplicates,
         counted & rounding_pos,
         counted & rounding_neg,
@@ -714,7 +831,12 @@ def audit_direction(
 
 
 def _rounding_flags(
-    keys: Codes, q_rows: Tensor, g_rows: Tensor, selves: tuple[Tensor, Tensor], exclude: str
+    keys: Codes,
+    q_rows: Tensor,
+    g_rows: Tensor,
+    selves: tuple[Tensor, Tensor],
+    exclude: str,
+    label_group: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item, another
     sample, of a class equal to the query's up to rounding (not its own class), of the
@@ -739,7 +861,7 @@ def _rounding_flags(
         return positive, negative
 
     def table(*codes: Tensor) -> Tensor:
-        key = codes[0][g_rows]
+        key = codes[0][g_rows].to(torch.int64)
         for code in codes[1:]:
             key = key * num + code[g_rows]
         return torch.sort(key)[0]
@@ -749,28 +871,34 @@ def _rounding_flags(
         return right - torch.searchsorted(sorted_keys, key)
 
     by_class, by_label = table(keys.klass), table(keys.klass, keys.label)
-    by_label_group = table(keys.klass, keys.label_group)
-    by_group = table(keys.klass, keys.group)
     grouped, group_rule = exclude != "none", exclude == "same_group"
+    if grouped:
+        assert label_group is not None
+        by_label_group = table(keys.klass, label_group)
+    if group_rule:
+        by_group = table(keys.klass, keys.group)
     has_self, self_row = selves
     for start in range(0, total, ROUNDING_CHUNK):
         pair = torch.arange(start, min(start + ROUNDING_CHUNK, total), device=device)
         query = torch.searchsorted(ends, pair, right=True)
         other = adjacent[begin[query] + pair - (ends[query] - degree[query]), 1]
         row = q_rows[query]
-        label, label_group = keys.label[row], keys.label_group[row]
+        label = keys.label[row]
         same = count(by_label, other * num + label)
         pos = same.clone()
         neg = count(by_class, other) - same
+        own = self_row[query]
+        same_group = torch.zeros_like(own, dtype=torch.bool)
         if grouped:
-            pos -= count(by_label_group, other * num + label_group)
+            assert label_group is not None
+            pair_code = other * num + label_group[row]
+            pos -= count(by_label_group, pair_code)
+            same_group = keys.group[own] == keys.group[row]
         if group_rule:
             neg -= count(by_group, other * num + keys.group[row])
-            neg += count(by_label_group, other * num + label_group)
-        own = self_row[query]
+            neg += count(by_label_group, pair_code)
         mine = has_self[query] & (keys.klass[own] == other)
         same_label = keys.label[own] == label
-        same_group = keys.group[own] == keys.group[row]
         pos -= (mine & same_label & ~(same_group & grouped)).long()
         neg -= (mine & ~same_label & ~(same_group & group_rule)).long()
         positive[query[pos > 0]] = True
@@ -784,7 +912,7 @@ def _rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
     num, size = keys.klass.shape[0], g_rows.shape[0]
     first = torch.full((num,), size, dtype=torch.int64, device=g_rows.device)
     positions = torch.arange(size, device=g_rows.device)
-    first.scatter_reduce_(0, keys.klass[g_rows], positions, reduce="amin")
+    first.scatter_reduce_(0, keys.klass[g_rows].long(), positions, reduce="amin")
     a, b = keys.adjacent[:, 0], keys.adjacent[:, 1]
     later = (first[a] < first[b]) & (first[b] < size)
     flagged = torch.zeros(num, dtype=torch.bool, device=g_rows.device)
@@ -803,6 +931,7 @@ class AuditOptions(NamedTuple):
     near_duplicate: float | None  # the threshold; None: no near-duplicate counts
     names: tuple[str, ...] = ("",)  # the direction names ("" for one direction)
     block_bytes: int = _COMPARE_BYTES  # rows are read this many bytes at a time
+    share: int = _COMPARE_BYTES  # but never more than this (chunk_bytes / AUDIT_SHARE)
 
 
 def options_of(metric: Any) -> AuditOptions:
@@ -812,6 +941,7 @@ def options_of(metric: Any) -> AuditOptions:
         metric.empty_target_action,
         metric.near_duplicate,
         tuple(metric.directions) if metric.bidirectional else ("",),
+        max(1, metric.chunk_bytes // AUDIT_SHARE),
         max(1, metric.chunk_bytes // AUDIT_SHARE),
     )
 
@@ -841,7 +971,10 @@ def audit_directions(
         keys = stored()
     else:
         embeddings, meta = stored
-        keys = codes(embeddings, meta[:, 0], meta[:, 1], block_bytes=options.block_bytes)
+        block = min(options.block_bytes, options.share)  # whatever the rows' width
+        keys = codes(
+            embeddings, meta[:, 0], meta[:, 1], None, block, with_groups=options.exclude != "none"
+        )
     audits: list[DirectionAudit | None] = []
     previous: Sides | None = None
     for sides in directions:

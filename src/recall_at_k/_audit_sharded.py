@@ -90,7 +90,7 @@ def sharded_codes(
         return _audit.codes(local, labels, groups, hashes)
     shard = _Shard(local, counts, group)
     if shard.num == 0 or shard.width == 0:
-        klass = torch.zeros(shard.num, dtype=torch.int64, device=shard.device)
+        klass = torch.zeros(shard.num, dtype=_audit.code_dtype(shard.num), device=shard.device)
         none = _audit.both_orientations([], 0, shard.device)
         return _audit.codes_of(klass, none, labels, groups)
     klass, first = shard.classes(hashes)
@@ -288,7 +288,7 @@ class _Shard:
         first, by_first = torch.sort(first)
         renumber = torch.empty_like(by_first)
         renumber[by_first] = torch.arange(by_first.shape[0], device=device)
-        return renumber[run], first
+        return renumber[run].to(_audit.code_dtype(num)), first
 
     def rounding_pairs(self, first: Tensor) -> Tensor:
         """``rounding_pairs`` of the classes whose first items are ``first`` (ascending)."""
@@ -300,22 +300,22 @@ class _Shard:
         bounds = torch.searchsorted(first, starts).tolist()
         own = first[bounds[self.me] : bounds[self.me + 1]]
         step = max(1, _audit.project_step(self.width) // PROJECT_SHARE)
-        local = torch.empty(
-            (own.shape[0], grid.weights.shape[1]), dtype=torch.float64, device=device
-        )
+        local = _audit.GridPlaces.empty(own.shape[0], device)
 
-        def project_into(out: Tensor) -> bool:
+        def project_into(out: _audit.GridPlaces) -> bool:
             for s in range(0, own.shape[0], step):
-                out[s : s + step] = _audit.project(grid, self.mine(own[s : s + step]))
+                out.place(grid, _audit.project(grid, self.mine(own[s : s + step])), s)
             return True
 
         if not self.guarded(False, project_into, local):
-            local.fill_(torch.nan)  # a failed process's classes: nobody's candidates
+            local.fail()  # a failed process's classes: nobody's candidates
         sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-        projected = self.spread(local, sizes)
+        # The int16 indices travel as bytes (gloo has no int16).
+        others = self.spread(local.others.view(torch.int8), sizes).view(torch.int16)
+        places = _audit.GridPlaces(self.spread(local.key, sizes), others)
         del local
         found = []
-        for a, b in _audit.rounding_candidates(grid, projected, CANDIDATE_PAIRS):
+        for a, b in _audit.rounding_candidates(grid, places, CANDIDATE_PAIRS):
             if a.numel():
                 within = self.check(first[a], first[b], _audit.within)
                 found.append(torch.stack([a[within], b[within]], dim=1))
