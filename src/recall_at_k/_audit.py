@@ -187,32 +187,101 @@ def bitwise_classes(
     if num == 0 or width == 0:
         return torch.zeros(num, dtype=code_dtype(num), device=embeddings.device)
     blocks = _serial(blocks, embeddings.device)
-    sorted_keys, order = torch.sort(hash_rows(embeddings, hashes, block_bytes, blocks))
-    same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
+    keys = hash_rows(embeddings, hashes, block_bytes, blocks)
     # Two copies a block: the pairs' rows.
     step = compare_step(embeddings, block_bytes // (2 * blocks.count))
-    step = blocks.step(same.shape[0], step)
 
-    def equal(start: int, workspace: Workspace) -> bool:
-        pairs = same[start : start + step]
-        first = embeddings.index_select(0, order[pairs])
-        second = embeddings.index_select(0, order[pairs + 1])
+    def equal(pairs: Tensor, workspace: Workspace) -> bool:
+        first = embeddings.index_select(0, pairs[0])
+        second = embeddings.index_select(0, pairs[1])
         return bool(torch.equal(_words(first), _words(second)))
 
-    if not all(blocks.map(equal, range(0, same.shape[0], step))):  # a collision: exact, slower
-        del sorted_keys, order
-        words = _words(embeddings)
-        return _code_rows(words)
-    # Each hash's run in sorted order (a cumulative sum of the run starts), in place.
-    dtype = code_dtype(num)
-    starts = torch.ones(num, dtype=torch.bool, device=embeddings.device)
-    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
-    del sorted_keys
-    run = torch.cumsum(starts, dim=0, dtype=dtype).sub_(1)
-    del starts
-    classes = torch.empty(num, dtype=dtype, device=embeddings.device)
-    classes[order] = run
+    def neighbours(order: Tensor, values: Tensor) -> Iterator[Tensor]:
+        same = (values[1:] == values[:-1]).nonzero().view(-1)
+        part_step = blocks.step(same.shape[0], step)
+        for start in range(0, same.shape[0], part_step):
+            pairs = same[start : start + part_step]
+            yield torch.stack([order[pairs], order[pairs + 1]])
+
+    classes = torch.empty(num, dtype=code_dtype(num), device=embeddings.device)
+    offset = 0
+    for order, values in sorted_parts(keys, block_bytes):
+        if not all(blocks.map(equal, neighbours(order, values))):  # a collision: exact, slower
+            del keys, order, values, classes
+            return _code_rows(_words(embeddings))
+        offset = _number_runs(order, values, classes, offset)
     return classes
+
+
+SORT_BYTES = 40
+"""A sort of int64 keys takes about this many bytes an item: their sorted copy, the
+order and torch's scratch."""
+
+SORT_MAX_PASSES = 1024
+""":func:`sorted_parts` makes at most this many passes over the keys."""
+
+SORT_MIN_ITEMS = 1024
+""":func:`sorted_parts` sorts at least this many items at a time."""
+
+
+def sorted_parts(
+    keys: Tensor, block_bytes: int = _COMPARE_BYTES
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The stable ascending sort of int64 ``keys`` ``[N]``, in consecutive parts
+    ``(order, values)`` (int64 item indices, their keys): each part sorts the items of
+    one range of keys, so that equal keys never straddle two parts, about ``block_bytes
+    / SORT_BYTES`` items at a time (not the whole set) where the keys allow.
+
+    The ranges come from a regular sample of the keys: a key that fills a range alone
+    gets a part of its own (no sort); between two such keys, the keys strictly between.
+    Each part costs a pass over the keys (a comparison of each, one byte an item)."""
+    num = keys.shape[0]
+    most = max(SORT_MIN_ITEMS, block_bytes // SORT_BYTES)
+    if num <= most:
+        values, order = torch.sort(keys, stable=True)
+        yield order, values
+        return
+    passes = min(SORT_MAX_PASSES, -(-num // most))
+    stride = max(1, num // (64 * passes))  # about 64 samples a pass
+    sample = torch.sort(keys[::stride])[0]
+    at = torch.arange(1, passes, device=keys.device) * sample.shape[0] // passes
+    splitters = torch.unique_consecutive(sample[at]).tolist()
+    lowest: int | None = None
+    for splitter in [*splitters, None]:
+        # The keys strictly between the previous splitter and this one.
+        mask = torch.ones(num, dtype=torch.bool, device=keys.device)
+        if lowest is not None:
+            torch.gt(keys, lowest, out=mask)
+        if splitter is not None:
+            mask &= keys < splitter
+        index = mask.nonzero().view(-1)
+        if index.numel():
+            values, order = torch.sort(keys[index], stable=True)
+            yield index[order], values
+            del values, order
+        del index
+        if splitter is not None:  # the keys equal to the splitter: in item order
+            torch.eq(keys, splitter, out=mask)
+            index = mask.nonzero().view(-1)
+            del mask
+            if index.numel():
+                yield index, torch.full_like(index, splitter)
+            del index
+            lowest = splitter
+
+
+def _number_runs(order: Tensor, values: Tensor, codes: Tensor, offset: int) -> int:
+    """Write ``offset + r`` at ``codes[order]`` for the run ``r`` (0, 1, ...) of each
+    of the ascending ``values``; the next offset."""
+    if values.numel() == 0:
+        return offset
+    starts = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
+    torch.ne(values[1:], values[:-1], out=starts[1:])
+    run = torch.cumsum(starts, dim=0, dtype=codes.dtype)
+    del starts
+    run += offset - 1
+    codes[order] = run
+    return int(run[-1]) + 1
 
 
 def compare_step(rows: Tensor, block_bytes: int = _COMPARE_BYTES) -> int:
@@ -251,6 +320,10 @@ def _words(rows: Tensor) -> Tensor:
     return rows.contiguous().view(torch.int16)
 
 
+_ROWS_SLOT = "audit_rows"
+"""The workspace slot of a block's float64 rows: the hash's, then the projections'
+(one buffer, not one each)."""
+
 _HASH_PRIME = 2**21 - 9
 _HASH_ROW_BYTES = 2**20
 """Rows are hashed this many bytes of float64 words at a time."""
@@ -282,7 +355,7 @@ def _row_hashes(
     out = torch.empty(num, dtype=torch.int64, device=device)
 
     def hash_block(start: int, workspace: Workspace) -> None:
-        rows = workspace.get("hash_rows", (min(step, num - start), width), wide, device)
+        rows = workspace.get(_ROWS_SLOT, (min(step, num - start), width), wide, device)
         rows.copy_(words[start : start + step]).add_(2**15)  # [0, 2^16)
         target = torch.zeros((rows.shape[0], 3), dtype=wide, device=device)
         for first in range(0, width, _HASH_MAX_TERMS):
@@ -378,12 +451,13 @@ def rounding_pairs(
 
     def project_block(start: int, workspace: Workspace, into: GridPlaces = places) -> None:
         rows = embeddings.index_select(0, first[start : start + step])
-        into.place(grid, project(grid, rows), start)
+        wide = workspace.get(_ROWS_SLOT, tuple(rows.shape), torch.float64, device)
+        into.place(grid, project(grid, rows, wide), start)
 
     for _ in blocks.map(project_block, range(0, count, step)):
         pass
     del project_block
-    cells = _cells(grid, places)  # sorts the keys: its own copy, the places' freed here
+    cells = _cells(grid, places, block_bytes)  # its own sorted keys: the places' freed here
     del places
     if cells is None:
         return both_orientations([], count, device)
@@ -443,11 +517,11 @@ def project_step(width: int, block_bytes: int = _HASH_ROW_BYTES, per_value: int 
     return max(1, block_bytes // (per_value * max(1, width)))
 
 
-def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
+def project(grid: RoundingGrid, rows: Tensor, scratch: Tensor | None = None) -> Tensor:
     """float64 ``[m, _FILTERS]``: the projections of the normalised ``rows`` (NaN for a
-    row that is not finite: it has no copies). One float64 copy of ``rows``, scaled and
-    normalised in place."""
-    rows = rows.to(torch.float64, copy=True)
+    row that is not finite: it has no copies). One float64 copy of ``rows`` (into
+    ``scratch``, float64 ``[m, D]``, where given), scaled and normalised in place."""
+    rows = rows.to(torch.float64, copy=True) if scratch is None else scratch.copy_(rows)
     finite = rows.isfinite().all(dim=1, keepdim=True)
     _scale_in_place(rows)
     norms = rows.norm(dim=1, keepdim=True)
@@ -456,15 +530,19 @@ def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
 
 
 def rounding_candidates(
-    grid: RoundingGrid, places: GridPlaces, chunk_pairs: int = ROUNDING_CHUNK
+    grid: RoundingGrid,
+    places: GridPlaces,
+    chunk_pairs: int = ROUNDING_CHUNK,
+    block_bytes: int = _COMPARE_BYTES,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """The candidate pairs ``(a, b)`` of classes (rows of ``places``, each class's
     :func:`project` placed in the grid), each unordered pair once, in chunks of at most
     ``chunk_pairs`` (:data:`ROUNDING_CHUNK`): the rows in the same or neighbouring cells
-    whose every other projection lies in the same or a neighbouring cell. Deterministic
+    whose every other projection lies in the same or a neighbouring cell (the keys
+    sorted ``block_bytes`` at a time, :func:`sorted_parts`). Deterministic
     (the same chunks wherever ``places`` is the same): processes that hold the same
     places check the same candidates together."""
-    cells = _cells(grid, places)
+    cells = _cells(grid, places, block_bytes)
     if cells is None:
         return
     # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
@@ -530,19 +608,29 @@ class _Cells(NamedTuple):
     """The finite rows of :func:`rounding_candidates` sorted by their cell."""
 
     key: Tensor  # int64, each sorted row's cell, ascending
-    members: Tensor  # int64, the rows of ``places``, in that order
+    members: Tensor  # the rows of ``places`` (code_dtype), in that order
     offsets: list[int]  # the neighbouring cells' key offsets (0 first)
     others: Tensor  # int16 [C, F]: each row's (not each sorted row's) other cells
 
 
-def _cells(grid: RoundingGrid, places: GridPlaces) -> _Cells | None:
-    """The rows of ``places`` that are finite, sorted by cell (None: fewer than 2)."""
+def _cells(
+    grid: RoundingGrid, places: GridPlaces, block_bytes: int = _COMPARE_BYTES
+) -> _Cells | None:
+    """The rows of ``places`` that are finite, sorted by cell (None: fewer than 2),
+    sorted in parts (:func:`sorted_parts`)."""
     radix, _ = _radix(grid)
-    key, order = torch.sort(places.key, stable=True)
+    count = places.key.shape[0]
+    key = torch.empty_like(places.key)
+    members = torch.empty(count, dtype=code_dtype(count), device=key.device)
+    at = 0
+    for order, values in sorted_parts(places.key, block_bytes):
+        key[at : at + order.shape[0]] = values
+        members[at : at + order.shape[0]] = order
+        at += order.shape[0]
     finite = int(torch.searchsorted(key, torch.tensor(_NOT_FINITE, device=key.device)))
     if finite < 2:
         return None
-    key, order = key[:finite], order[:finite]
+    key, order = key[:finite], members[:finite]
     offsets = []
     for shift in _half_space_shifts():
         offset = 0
@@ -585,8 +673,8 @@ def _neighbours(
     for chunk in range(0, total, chunk_pairs):
         pair = torch.arange(chunk, min(chunk + chunk_pairs, total), device=key.device)
         at = torch.searchsorted(ends, pair, right=True)
-        a = members[owner[at]]
-        b = members[begin[at] + pair - (ends[at] - size[at])]
+        a = members[owner[at]].long()
+        b = members[begin[at] + pair - (ends[at] - size[at])].long()
         apart = others[a].to(torch.int32).sub_(others[b].to(torch.int32)).abs_()
         close = (apart <= 1).all(dim=1)
         yield a[close], b[close]
@@ -677,10 +765,14 @@ def _gamma64(terms: int) -> float:
     return terms * unit / (1 - terms * unit)
 
 
-def _code(values: Tensor) -> Tensor:
-    """The codes ``0..K-1`` of ``values`` (:func:`code_dtype`): equal values, equal code."""
-    inverse: Tensor = torch.unique(values, return_inverse=True)[1]
-    return inverse.to(code_dtype(values.shape[0]))
+def _code(values: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
+    """The codes ``0..K-1`` of integer ``values`` (:func:`code_dtype`), in the order of
+    the values (those of ``torch.unique``), sorted in parts (:func:`sorted_parts`)."""
+    codes = torch.empty(values.shape[0], dtype=code_dtype(values.shape[0]), device=values.device)
+    offset = 0
+    for order, ascending in sorted_parts(values.to(torch.int64), block_bytes):
+        offset = _number_runs(order, ascending, codes, offset)
+    return codes
 
 
 def _code_rows(rows: Tensor) -> Tensor:
@@ -689,20 +781,20 @@ def _code_rows(rows: Tensor) -> Tensor:
     return inverse.to(code_dtype(rows.shape[0]))
 
 
-def _pair(a: Tensor, b: Tensor) -> Tensor:
+def _pair(a: Tensor, b: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
     """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2)."""
     if a.numel() == 0:
         return a.clone()
     key = a.to(torch.int64) * (int(b.max()) + 1)
-    return _code(key.add_(b))
+    return _code(key.add_(b), block_bytes)
 
 
-def composite(*parts: Tensor) -> Tensor:
+def composite(*parts: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
     """The code of the tuple of codes ``parts`` (each ``[N]`` in ``[0, N)``), made
     pair by pair (each step coded back into ``[0, N)``): a transient array."""
     code = parts[0]
     for part in parts[1:]:
-        code = _pair(code, part)
+        code = _pair(code, part, block_bytes)
     return code
 
 
@@ -721,15 +813,21 @@ def codes(
     with Blocks(embeddings.device) as blocks:
         klass = bitwise_classes(embeddings, hashes, block_bytes, blocks)
         adjacent = rounding_pairs(embeddings, klass, block_bytes, blocks)
-        return codes_of(klass, adjacent, labels, groups if with_groups else None)
+        return codes_of(klass, adjacent, labels, groups if with_groups else None, block_bytes)
 
 
-def codes_of(klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor | None) -> Codes:
+def codes_of(
+    klass: Tensor,
+    adjacent: Tensor,
+    labels: Tensor,
+    groups: Tensor | None,
+    block_bytes: int = _COMPARE_BYTES,
+) -> Codes:
     """:class:`Codes` from the bitwise classes, their rounding pairs and the metadata
-    (``groups`` None: an empty group code)."""
+    (``groups`` None: an empty group code; sorted ``block_bytes`` at a time)."""
     dtype = code_dtype(klass.shape[0])
-    group = _code(groups) if groups is not None else torch.zeros(0, dtype=dtype)
-    return Codes(klass.to(dtype), _code(labels), group.to(klass.device), adjacent)
+    group = _code(groups, block_bytes) if groups is not None else torch.zeros(0, dtype=dtype)
+    return Codes(klass.to(dtype), _code(labels, block_bytes), group.to(klass.device), adjacent)
 
 
 def audit_direction(
@@ -738,6 +836,7 @@ def audit_direction(
     gallery: tuple[Tensor, Tensor],
     exclude: str,
     empty_target_action: str,
+    block_bytes: int = _COMPARE_BYTES,
 ) -> DirectionAudit:
     """Identical positives / negatives of each query and the gallery's duplicates.
 
@@ -751,6 +850,7 @@ def audit_direction(
         gallery: ``(rows, identity)`` of the gallery, each sample once.
         exclude: ``"none"``, ``"same_group"`` or ``"same_label_and_group"``.
         empty_target_action: which queries ``compute()`` counts.
+        block_bytes: the keys are sorted this many bytes at a time (:func:`sorted_parts`).
     """
     q_rows, q_identity = queries
     g_rows, g_identity = gallery
@@ -764,11 +864,20 @@ def audit_direction(
     has_self = torch.zeros_like(q_rows, dtype=torch.bool)
     self_row = q_rows
     if g_identity.numel():
-        ident_sorted, order = torch.sort(g_identity)
-        position = torch.searchsorted(ident_sorted, q_identity)
-        position = position.clamp(max=ident_sorted.shape[0] - 1)
+        size = g_identity.shape[0]
+        ident_sorted = torch.empty_like(g_identity)
+        order = torch.empty(size, dtype=code_dtype(size), device=g_identity.device)
+        at = 0
+        for part, values in sorted_parts(g_identity, block_bytes):
+            ident_sorted[at : at + part.shape[0]] = values
+            order[at : at + part.shape[0]] = part
+            at += part.shape[0]
+        position = torch.searchsorted(ident_sorted, q_identity, out_int32=size <= CODE32_LIMIT)
+        position.clamp_(max=size - 1)
         has_self = ident_sorted[position] == q_identity
-        self_row = g_rows[order[position]]
+        del ident_sorted
+        self_row = g_rows[order[position].long()]
+        del order, position
     same_class = has_self & (keys.klass[self_row] == keys.klass[q_rows])
     same_label = keys.label[self_row] == keys.label[q_rows]
     grouped = exclude != "none"  # both rules ignore same-group items of the same label
@@ -779,7 +888,7 @@ def audit_direction(
         if keys.group.shape[0] != num:
             raise ValueError(f"exclude={exclude!r} needs the codes made with_groups")
         same_group = keys.group[self_row] == keys.group[q_rows]
-        label_group = composite(keys.label, keys.group)
+        label_group = composite(keys.label, keys.group, block_bytes=block_bytes)
     # Valid positives (which queries compute() counts), then the identical ones; each
     # count turned into flags before the next (one key a time besides the codes).
     self_positive = has_self & same_label & ~(same_group & grouped)
@@ -791,10 +900,10 @@ def audit_direction(
     else:
         counted = torch.ones_like(positives, dtype=torch.bool)
     del positives
-    class_label = composite(keys.klass, keys.label)
+    class_label = composite(keys.klass, keys.label, block_bytes=block_bytes)
     identical_pos = in_gallery(class_label) - (self_positive & same_class).long()
     if label_group is not None:
-        class_label_group = composite(class_label, keys.group)
+        class_label_group = composite(class_label, keys.group, block_bytes=block_bytes)
         identical_pos -= in_gallery(class_label_group)
     identical_positive = counted & (identical_pos > 0)
     del identical_pos
@@ -805,7 +914,7 @@ def audit_direction(
     identical_neg -= self_negative.long()
     if group_rule and class_label_group is not None:
         identical_neg += in_gallery(class_label_group)
-        identical_neg -= in_gallery(composite(keys.klass, keys.group))
+        identical_neg -= in_gallery(composite(keys.klass, keys.group, block_bytes=block_bytes))
     identical_negative = counted & (identical_neg > 0)
     del identical_neg, class_label_group
     gallery_classes = torch.bincount(keys.klass[g_rows], minlength=num)
@@ -967,11 +1076,11 @@ def audit_directions(
     """
     if all(sides is None for sides in directions):
         return [None for _ in directions]
+    block = min(options.block_bytes, options.share)  # whatever the rows' width
     if callable(stored):
         keys = stored()
     else:
         embeddings, meta = stored
-        block = min(options.block_bytes, options.share)  # whatever the rows' width
         keys = codes(
             embeddings, meta[:, 0], meta[:, 1], None, block, with_groups=options.exclude != "none"
         )
@@ -988,7 +1097,9 @@ def audit_directions(
             continue
         previous = sides
         audits.append(
-            audit_direction(keys, sides[0], sides[1], options.exclude, options.empty_target_action)
+            audit_direction(
+                keys, sides[0], sides[1], options.exclude, options.empty_target_action, block
+            )
         )
     return audits
 
