@@ -856,9 +856,11 @@ def audit_direction(
     g_rows, g_identity = gallery
     num = keys.klass.shape[0]
 
+    counts = code_dtype(g_rows.shape[0])  # a count of gallery items fits
+
     def in_gallery(code: Tensor) -> Tensor:
         """Per query: the gallery items that share the query's ``code``."""
-        return torch.bincount(code[g_rows], minlength=num)[code[q_rows]]
+        return torch.bincount(code[g_rows], minlength=num).to(counts)[code[q_rows]]
 
     # The query's own sample in the gallery (the ranking ignores it), where it is there.
     has_self = torch.zeros_like(q_rows, dtype=torch.bool)
@@ -876,7 +878,7 @@ def audit_direction(
         position.clamp_(max=size - 1)
         has_self = ident_sorted[position] == q_identity
         del ident_sorted
-        self_row = g_rows[order[position].long()]
+        self_row = g_rows[order[position].long()].to(code_dtype(num))
         del order, position
     same_class = has_self & (keys.klass[self_row] == keys.klass[q_rows])
     same_label = keys.label[self_row] == keys.label[q_rows]
@@ -892,7 +894,7 @@ def audit_direction(
     # Valid positives (which queries compute() counts), then the identical ones; each
     # count turned into flags before the next (one key a time besides the codes).
     self_positive = has_self & same_label & ~(same_group & grouped)
-    positives = in_gallery(keys.label) - self_positive.long()
+    positives = in_gallery(keys.label).sub_(self_positive.to(counts))
     if label_group is not None:
         positives -= in_gallery(label_group)
     if empty_target_action in ("skip", "error"):
@@ -901,7 +903,7 @@ def audit_direction(
         counted = torch.ones_like(positives, dtype=torch.bool)
     del positives
     class_label = composite(keys.klass, keys.label, block_bytes=block_bytes)
-    identical_pos = in_gallery(class_label) - (self_positive & same_class).long()
+    identical_pos = in_gallery(class_label).sub_((self_positive & same_class).to(counts))
     if label_group is not None:
         class_label_group = composite(class_label, keys.group, block_bytes=block_bytes)
         identical_pos -= in_gallery(class_label_group)
@@ -911,7 +913,7 @@ def audit_direction(
     self_negative = same_class & ~same_label & ~(same_group & group_rule)
     identical_neg = in_gallery(keys.klass).sub_(in_gallery(class_label))
     del class_label
-    identical_neg -= self_negative.long()
+    identical_neg -= self_negative.to(counts)
     if group_rule and class_label_group is not None:
         identical_neg += in_gallery(class_label_group)
         identical_neg -= in_gallery(composite(keys.klass, keys.group, block_bytes=block_bytes))
