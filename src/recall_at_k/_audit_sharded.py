@@ -24,7 +24,7 @@ rows and, of the others', one broadcast batch of at most ``_COMPARE_BYTES`` at a
   every rounding of the projections, so the pairs are those of ``rounding_pairs``.
 
 Memory per item: the int64 hashes and their sort (in parts, ``_audit.sorted_parts``),
-then int32 runs and classes; 18 bytes per class (its place in the grid,
+then int32 runs and classes; 10 bytes per class (its place in the grid,
 ``_audit.GridPlaces``) and its first item; no process holds more than one batch of
 other processes' rows. Collective: every process of the group calls
 :func:`sharded_codes` together.
@@ -317,8 +317,9 @@ class _Shard:
         if not self.guarded(False, project_into, local):
             local.fail()  # a failed process's classes: nobody's candidates
         sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-        # The int16 indices travel as bytes (gloo has no int16).
-        others = self.spread(local.others.view(torch.int8), sizes).view(torch.int16)
+        # The int16 cells travel as pairs of bytes (gloo has no int16).
+        pairs = self.spread(local.others.view(torch.int8).view(-1, 2), sizes)
+        others = pairs.view(torch.int16).view(-1)
         places = _audit.GridPlaces(self.spread(local.key, sizes), others)
         del local
         found = []
