@@ -33,6 +33,16 @@ projections, a sort, and O(candidates x D) for the checks.
 :func:`recall_at_k._audit_sharded.sharded_codes` computes the same codes from the same
 parts over rows sharded across processes, no process holding them all.
 
+Memory: the audit keeps per item only its codes (:func:`code_dtype`: int32 up to
+:data:`CODE32_LIMIT` items) -- the class, the label and, where ``exclude`` needs it,
+the group (8-12 bytes an item) -- besides, while they are made, the 62-bit hashes
+(8 bytes), each class's place in the grid and first item (14 bytes a class) and the
+sorted cells (12 bytes a class); composite keys (class and label, ...) are made one at
+a time when counted. Every sort runs in parts of about ``block_bytes / SORT_BYTES``
+items (:func:`sorted_parts`) and every float64 copy of rows (the hash's words, the
+projections, the rounding check) a block of ``block_bytes`` at a time, at most
+``chunk_bytes / AUDIT_SHARE`` (:class:`AuditOptions`) whatever the dimension.
+
 The near counts need a score per (query, gallery item): the ranking counts them in its
 own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
 same canonical scores as the ranking, with the identical items found here passed in as
