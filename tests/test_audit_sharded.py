@@ -228,7 +228,7 @@ def assert_same_codes(got: Codes, want: Codes, where: object) -> None:
     items (both orientations, sorted)."""
     for name in Codes._fields[:-1]:
         g, w = getattr(got, name), getattr(want, name)
-        assert g.dtype == torch.int64 and g.shape == w.shape, (where, name)
+        assert g.dtype == w.dtype == torch.int32 and g.shape == w.shape, (where, name)
         assert _same_partition(g, w), (where, name)
         assert sorted(set(g.tolist())) == list(range(len(set(g.tolist())))), (where, name)
     count = len(set(got.klass.tolist()))

@@ -1107,3 +1107,49 @@ def test_one_id_with_different_embeddings_in_its_two_roles() -> None:
             g2q = report["g2q"]  # gallery items 8, 13 (bitwise) and 9 (rounding) find it
             assert g2q["identical_positive"] == 1 and g2q["identical_negative"] == 1
             assert g2q["rounding_positive"] == 0 and g2q["rounding_negative"] == 1
+
+
+# ------------------------------------------------------------------ the audit's own memory
+
+
+def test_sorted_parts_equal_one_stable_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`_audit.sorted_parts` in many passes (keys that fill a range alone, runs
+    of equal keys, negative and extreme keys) gives the stable sort of the whole, each
+    key in one part only."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randint(-50, 50, (3000,), generator=gen)
+    keys[::3] = 7  # a key that fills ranges alone
+    keys[5] = -(2**63)
+    keys[6] = 2**63 - 1
+    keys[100:400] = torch.randint(-(2**62), 2**62, (300,), generator=gen)
+    monkeypatch.setattr(_audit, "SORT_MIN_ITEMS", 16)
+    parts = list(_audit.sorted_parts(keys, block_bytes=_audit.SORT_BYTES * 100))
+    assert len(parts) > 10
+    values, order = torch.sort(keys, stable=True)
+    assert torch.equal(torch.cat([o for o, _ in parts]), order)
+    assert torch.equal(torch.cat([v for _, v in parts]), values)
+    last = [int(v[-1]) for _, v in parts]
+    assert all(int(v[0]) > before for (_, v), before in zip(parts[1:], last, strict=False))
+    assert len(list(_audit.sorted_parts(keys))) == 1  # 3,000 items: one sort
+
+
+@pytest.mark.parametrize("limit", ["int32", "int64"])
+def test_report_whatever_the_code_type_and_sort_passes(
+    limit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The codes are int32 up to ``CODE32_LIMIT`` items, int64 beyond (forced here: a
+    limit of 10), and their sorts run in many passes (forced: 16 items a sort): every
+    report equals the brute force."""
+    monkeypatch.setattr(_audit, "SORT_MIN_ITEMS", 16)
+    monkeypatch.setattr(_audit, "SORT_BYTES", 2**20)
+    if limit == "int64":
+        monkeypatch.setattr(_audit, "CODE32_LIMIT", 10)
+    rows = _tricky_rows()
+    keys = _audit.codes(rows, torch.arange(rows.shape[0]) % 5, torch.arange(rows.shape[0]) % 3)
+    assert all(getattr(keys, name).dtype == getattr(torch, limit) for name in ("klass", "label"))
+    pairs = {(int(a), int(b)) for a, b in keys.adjacent.tolist()}
+    assert pairs == _pairs_brute_force(rows)
+    for case in CASES:
+        metric = metric_of(case)
+        feed(metric, case.batches)
+        assert metric.protocol_report() == brute_force(case), case.name

@@ -33,6 +33,16 @@ projections, a sort, and O(candidates x D) for the checks.
 :func:`recall_at_k._audit_sharded.sharded_codes` computes the same codes from the same
 parts over rows sharded across processes, no process holding them all.
 
+Memory: the audit keeps per item only its codes (:func:`code_dtype`: int32 up to
+:data:`CODE32_LIMIT` items) -- the class, the label and, where ``exclude`` needs it,
+the group (8-12 bytes an item) -- besides, while they are made, the 62-bit hashes
+(8 bytes), each class's place in the grid and first item (14 bytes a class) and the
+sorted cells (12 bytes a class); composite keys (class and label, ...) are made one at
+a time when counted. Every sort runs in parts of about ``block_bytes / SORT_BYTES``
+items (:func:`sorted_parts`) and every float64 copy of rows (the hash's words, the
+projections, the rounding check) a block of ``block_bytes`` at a time, at most
+``chunk_bytes / AUDIT_SHARE`` (:class:`AuditOptions`) whatever the dimension.
+
 The near counts need a score per (query, gallery item): the ranking counts them in its
 own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
 same canonical scores as the ranking, with the identical items found here passed in as
@@ -56,16 +66,23 @@ Result = TypeVar("Result")
 
 
 class Codes(NamedTuple):
-    """Per item, int64 codes in ``[0, N)``: equal codes = equal keys."""
+    """Per item, codes in ``[0, N)`` (:func:`code_dtype`): equal codes = equal keys. The
+    composite keys (class and label, ...) are made when a count needs them
+    (:func:`composite`), one at a time, never kept."""
 
     klass: Tensor  # the class of bitwise-equal embeddings
     label: Tensor
     group: Tensor
-    label_group: Tensor
-    class_label: Tensor
-    class_group: Tensor
-    class_label_group: Tensor
-    adjacent: Tensor  # [P, 2] class pairs equal up to rounding (rounding_pairs)
+    adjacent: Tensor  # int64 [P, 2] class pairs equal up to rounding (rounding_pairs)
+
+
+CODE32_LIMIT = 2**31 - 1
+"""Codes of up to this many items are int32 (4 bytes an item), int64 beyond."""
+
+
+def code_dtype(num: int) -> torch.dtype:
+    """The dtype of the codes of ``num`` items: int32 where they fit."""
+    return torch.int32 if num <= CODE32_LIMIT else torch.int64
 
 
 class DirectionAudit(NamedTuple):
@@ -161,7 +178,8 @@ def bitwise_classes(
     block_bytes: int = _COMPARE_BYTES,
     blocks: Blocks | None = None,
 ) -> Tensor:
-    """int64 ``[N]``: rows with the same bit pattern share a class (``0..C-1``).
+    """``[N]`` codes (:func:`code_dtype`): rows with the same bit pattern share a class
+    (``0..C-1``).
 
     Bitwise equality is stricter than ``==``: ``-0.0`` and ``0.0`` differ, and so do
     NaN payloads (embeddings are finite when ``validate_args=True``).
@@ -177,26 +195,103 @@ def bitwise_classes(
     """
     num, width = embeddings.shape
     if num == 0 or width == 0:
-        return torch.zeros(num, dtype=torch.int64, device=embeddings.device)
+        return torch.zeros(num, dtype=code_dtype(num), device=embeddings.device)
     blocks = _serial(blocks, embeddings.device)
-    sorted_keys, order = torch.sort(hash_rows(embeddings, hashes, block_bytes, blocks))
-    same = (sorted_keys[1:] == sorted_keys[:-1]).nonzero().view(-1)
+    keys = hash_rows(embeddings, hashes, block_bytes, blocks)
     # Two copies a block: the pairs' rows.
     step = compare_step(embeddings, block_bytes // (2 * blocks.count))
-    step = blocks.step(same.shape[0], step)
 
-    def equal(start: int, workspace: Workspace) -> bool:
-        pairs = same[start : start + step]
-        first = embeddings.index_select(0, order[pairs])
-        second = embeddings.index_select(0, order[pairs + 1])
+    def equal(pairs: Tensor, workspace: Workspace) -> bool:
+        first = embeddings.index_select(0, pairs[0])
+        second = embeddings.index_select(0, pairs[1])
         return bool(torch.equal(_words(first), _words(second)))
 
-    if not all(blocks.map(equal, range(0, same.shape[0], step))):  # a collision: exact, slower
-        words = _words(embeddings)
-        return cast(Tensor, torch.unique(words, dim=0, return_inverse=True)[1])
-    classes = torch.empty_like(order)
-    classes[order] = torch.unique_consecutive(sorted_keys, return_inverse=True)[1]
+    def neighbours(order: Tensor, values: Tensor) -> Iterator[Tensor]:
+        same = (values[1:] == values[:-1]).nonzero().view(-1)
+        part_step = blocks.step(same.shape[0], step)
+        for start in range(0, same.shape[0], part_step):
+            pairs = same[start : start + part_step]
+            yield torch.stack([order[pairs], order[pairs + 1]])
+
+    classes = torch.empty(num, dtype=code_dtype(num), device=embeddings.device)
+    offset = 0
+    for order, values in sorted_parts(keys, block_bytes):
+        if not all(blocks.map(equal, neighbours(order, values))):  # a collision: exact, slower
+            del keys, order, values, classes
+            return _code_rows(_words(embeddings))
+        offset = _number_runs(order, values, classes, offset)
     return classes
+
+
+SORT_BYTES = 40
+"""A sort of int64 keys takes about this many bytes an item: their sorted copy, the
+order and torch's scratch."""
+
+SORT_MAX_PASSES = 1024
+""":func:`sorted_parts` makes at most this many passes over the keys."""
+
+SORT_MIN_ITEMS = 1024
+""":func:`sorted_parts` sorts at least this many items at a time."""
+
+
+def sorted_parts(
+    keys: Tensor, block_bytes: int = _COMPARE_BYTES
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The stable ascending sort of int64 ``keys`` ``[N]``, in consecutive parts
+    ``(order, values)`` (int64 item indices, their keys): each part sorts the items of
+    one range of keys, so that equal keys never straddle two parts, about ``block_bytes
+    / SORT_BYTES`` items at a time (not the whole set) where the keys allow.
+
+    The ranges come from a regular sample of the keys: a key that fills a range alone
+    gets a part of its own (no sort); between two such keys, the keys strictly between.
+    Each part costs a pass over the keys (a comparison of each, one byte an item)."""
+    num = keys.shape[0]
+    most = max(SORT_MIN_ITEMS, block_bytes // SORT_BYTES)
+    if num <= most:
+        values, order = torch.sort(keys, stable=True)
+        yield order, values
+        return
+    passes = min(SORT_MAX_PASSES, -(-num // most))
+    stride = max(1, num // (64 * passes))  # about 64 samples a pass
+    sample = torch.sort(keys[::stride])[0]
+    at = torch.arange(1, passes, device=keys.device) * sample.shape[0] // passes
+    splitters = torch.unique_consecutive(sample[at]).tolist()
+    lowest: int | None = None
+    for splitter in [*splitters, None]:
+        # The keys strictly between the previous splitter and this one.
+        mask = torch.ones(num, dtype=torch.bool, device=keys.device)
+        if lowest is not None:
+            torch.gt(keys, lowest, out=mask)
+        if splitter is not None:
+            mask &= keys < splitter
+        index = mask.nonzero().view(-1)
+        if index.numel():
+            values, order = torch.sort(keys[index], stable=True)
+            yield index[order], values
+            del values, order
+        del index
+        if splitter is not None:  # the keys equal to the splitter: in item order
+            torch.eq(keys, splitter, out=mask)
+            index = mask.nonzero().view(-1)
+            del mask
+            if index.numel():
+                yield index, torch.full_like(index, splitter)
+            del index
+            lowest = splitter
+
+
+def _number_runs(order: Tensor, values: Tensor, codes: Tensor, offset: int) -> int:
+    """Write ``offset + r`` at ``codes[order]`` for the run ``r`` (0, 1, ...) of each
+    of the ascending ``values``; the next offset."""
+    if values.numel() == 0:
+        return offset
+    starts = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
+    torch.ne(values[1:], values[:-1], out=starts[1:])
+    run = torch.cumsum(starts, dim=0, dtype=codes.dtype)
+    del starts
+    run += offset - 1
+    codes[order] = run
+    return int(run[-1]) + 1
 
 
 def compare_step(rows: Tensor, block_bytes: int = _COMPARE_BYTES) -> int:
@@ -212,16 +307,17 @@ def hash_rows(
 ) -> Tensor:
     """int64 ``[m]``: each row's hash (:func:`_row_hashes` of its bits, or ``hashes``),
     a block of rows at a time (their float64 words within ``block_bytes``: four times
-    their bytes). A row's hash depends on its bits alone."""
+    their bytes), written into one array. A row's hash depends on its bits alone."""
     if rows.shape[0] == 0:
         return torch.zeros(0, dtype=torch.int64, device=rows.device)
     if hashes is None:  # one call: its coefficients made once, its buffers reused
         return _row_hashes(_words(rows), block_bytes, blocks)
     hash_of = hashes
     step = compare_step(rows, block_bytes // 4)
-    return torch.cat(
-        [hash_of(_words(rows[start : start + step])) for start in range(0, rows.shape[0], step)]
-    )
+    out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+    for start in range(0, rows.shape[0], step):
+        out[start : start + step] = hash_of(_words(rows[start : start + step]))
+    return out
 
 
 def same_bits(first: Tensor, second: Tensor) -> Tensor:
@@ -233,6 +329,10 @@ def _words(rows: Tensor) -> Tensor:
     """The rows' bits as int16 words ``[m, W]`` (every float dtype)."""
     return rows.contiguous().view(torch.int16)
 
+
+_ROWS_SLOT = "audit_rows"
+"""The workspace slot of a block's float64 rows: the hash's, then the projections'
+(one buffer, not one each)."""
 
 _HASH_PRIME = 2**21 - 9
 _HASH_ROW_BYTES = 2**20
@@ -262,17 +362,23 @@ def _row_hashes(
     step = max(1, min(num, block_bytes // (8 * width * blocks.count)))
     step = blocks.step(num, step)
 
-    def hash_block(start: int, workspace: Workspace) -> Tensor:
-        rows = workspace.get("hash_rows", (min(step, num - start), width), wide, device)
+    out = torch.empty(num, dtype=torch.int64, device=device)
+
+    def hash_block(start: int, workspace: Workspace) -> None:
+        rows = workspace.get(_ROWS_SLOT, (min(step, num - start), width), wide, device)
         rows.copy_(words[start : start + step]).add_(2**15)  # [0, 2^16)
         target = torch.zeros((rows.shape[0], 3), dtype=wide, device=device)
         for first in range(0, width, _HASH_MAX_TERMS):
             stop = first + _HASH_MAX_TERMS
             target.addmm_(rows[:, first:stop], coefficients[first:stop]).remainder_(_HASH_PRIME)
         keys = target.to(torch.int64)
-        return (keys[:, 0] * _HASH_PRIME + keys[:, 1]) * _HASH_PRIME + keys[:, 2]
+        # (k0 p + k1) p + k2, into the block's part of the output.
+        part = torch.mul(keys[:, 0], _HASH_PRIME, out=out[start : start + rows.shape[0]])
+        part.add_(keys[:, 1]).mul_(_HASH_PRIME).add_(keys[:, 2])
 
-    return torch.cat(list(blocks.map(hash_block, range(0, num, step))))
+    for _ in blocks.map(hash_block, range(0, num, step)):
+        pass
+    return out
 
 
 ROUNDING_TOLERANCE = 2.0**-12
@@ -346,18 +452,23 @@ def rounding_pairs(
     blocks = _serial(blocks, device)
     block_bytes = max(1, block_bytes // blocks.count)  # each thread's share
     count = int(classes.max()) + 1
-    first = torch.full((count,), num, dtype=torch.int64, device=device)
-    first.scatter_reduce_(0, classes, torch.arange(num, device=device), reduce="amin")
+    first = first_items(classes, count, block_bytes)
     grid = rounding_grid(width, device)
     # Each row's copy, its float64 copy and its finite flags.
     step = project_step(width, block_bytes, 9 + embeddings.element_size())
     step = blocks.step(count, step)
+    places = GridPlaces.empty(count, device)
 
-    def project_block(start: int, workspace: Workspace) -> Tensor:
-        return project(grid, embeddings[first[start : start + step]])
+    def project_block(start: int, workspace: Workspace, into: GridPlaces = places) -> None:
+        rows = embeddings.index_select(0, first[start : start + step])
+        wide = workspace.get(_ROWS_SLOT, tuple(rows.shape), torch.float64, device)
+        into.place(grid, project(grid, rows, wide), start)
 
-    projected = torch.cat(list(blocks.map(project_block, range(0, count, step))))
-    cells = _cells(grid, projected)
+    for _ in blocks.map(project_block, range(0, count, step)):
+        pass
+    del project_block
+    cells = _cells(grid, places, block_bytes)  # its own sorted keys: the places' freed here
+    del places
     if cells is None:
         return both_orientations([], count, device)
     chunk = max(64, min(ROUNDING_CHUNK, block_bytes // 256))  # ~200 bytes a candidate
@@ -373,6 +484,19 @@ def rounding_pairs(
 
     found = [pairs for part in blocks.map(check, range(0, rows, row_step)) for pairs in part]
     return both_orientations(found, count, device)
+
+
+def first_items(classes: Tensor, count: int, block_bytes: int = _COMPARE_BYTES) -> Tensor:
+    """``[C]`` (the codes' dtype): each class's first item, ``block_bytes`` of items at a
+    time (no whole-set index array)."""
+    num = classes.shape[0]
+    first = torch.full((count,), num, dtype=classes.dtype, device=classes.device)
+    step = max(1024, block_bytes // 16)
+    for start in range(0, num, step):
+        stop = min(num, start + step)
+        where = torch.arange(start, stop, dtype=classes.dtype, device=classes.device)
+        first.scatter_reduce_(0, classes[start:stop].long(), where, reduce="amin")
+    return first
 
 
 class RoundingGrid(NamedTuple):
@@ -403,11 +527,11 @@ def project_step(width: int, block_bytes: int = _HASH_ROW_BYTES, per_value: int 
     return max(1, block_bytes // (per_value * max(1, width)))
 
 
-def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
+def project(grid: RoundingGrid, rows: Tensor, scratch: Tensor | None = None) -> Tensor:
     """float64 ``[m, _FILTERS]``: the projections of the normalised ``rows`` (NaN for a
-    row that is not finite: it has no copies). One float64 copy of ``rows``, scaled and
-    normalised in place."""
-    rows = rows.to(torch.float64, copy=True)
+    row that is not finite: it has no copies). One float64 copy of ``rows`` (into
+    ``scratch``, float64 ``[m, D]``, where given), scaled and normalised in place."""
+    rows = rows.to(torch.float64, copy=True) if scratch is None else scratch.copy_(rows)
     finite = rows.isfinite().all(dim=1, keepdim=True)
     _scale_in_place(rows)
     norms = rows.norm(dim=1, keepdim=True)
@@ -416,15 +540,19 @@ def project(grid: RoundingGrid, rows: Tensor) -> Tensor:
 
 
 def rounding_candidates(
-    grid: RoundingGrid, projected: Tensor, chunk_pairs: int = ROUNDING_CHUNK
+    grid: RoundingGrid,
+    places: GridPlaces,
+    chunk_pairs: int = ROUNDING_CHUNK,
+    block_bytes: int = _COMPARE_BYTES,
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """The candidate pairs ``(a, b)`` of classes (rows of ``projected``, each class's
-    :func:`project`), each unordered pair once, in chunks of at most ``chunk_pairs``
-    (:data:`ROUNDING_CHUNK`): the rows in the same or neighbouring cells whose every
-    projection lies within a cell width. Deterministic (the same chunks wherever
-    ``projected`` is the same): processes that hold the same projections check the same
-    candidates together."""
-    cells = _cells(grid, projected)
+    """The candidate pairs ``(a, b)`` of classes (rows of ``places``, each class's
+    :func:`project` placed in the grid), each unordered pair once, in chunks of at most
+    ``chunk_pairs`` (:data:`ROUNDING_CHUNK`): the rows in the same or neighbouring cells
+    whose every other projection lies in the same or a neighbouring cell (the keys
+    sorted ``block_bytes`` at a time, :func:`sorted_parts`). Deterministic
+    (the same chunks wherever ``places`` is the same): processes that hold the same
+    places check the same candidates together."""
+    cells = _cells(grid, places, block_bytes)
     if cells is None:
         return
     # The neighbouring cells' runs, of a few rows at a time: their index arrays hold one
@@ -434,38 +562,107 @@ def rounding_candidates(
         yield from _neighbours(cells, row_start, min(rows, row_start + row_step), chunk_pairs)
 
 
+_NOT_FINITE = 2**63 - 1
+"""The cell key of a row that is not finite (it has no copies): above every other."""
+
+
+class GridPlaces(NamedTuple):
+    """Each row's place in the grid of :func:`rounding_pairs`, 10 bytes a row instead
+    of its eight float64 projections: the cell of its first :data:`_PROJECTIONS`
+    projections as one int64 key (:data:`_NOT_FINITE` for a row that is not finite),
+    and the cell index of each other projection modulo 8, three bits each, in one int16.
+    Two rows within a cell width of each other have indices at most 1 apart, so
+    differences modulo 8 in ``{7, 0, 1}``: a weaker filter than the projections
+    themselves (about 3/8 of unrelated rows pass each), as sound."""
+
+    key: Tensor  # int64 [C]
+    others: Tensor  # int16 [C]: (index_j mod 8) << 3 j, j < _FILTERS - _PROJECTIONS
+
+    @staticmethod
+    def empty(count: int, device: torch.device) -> GridPlaces:
+        key = torch.empty(count, dtype=torch.int64, device=device)
+        others = torch.empty(count, dtype=torch.int16, device=device)
+        return GridPlaces(key, others)
+
+    def place(self, grid: RoundingGrid, projected: Tensor, start: int) -> None:
+        """Write the places of :func:`project`'s rows ``projected`` as rows
+        ``start...`` (a block's: the cell indices of its float64 projections)."""
+        radix, cell = _radix(grid)
+        stop = start + projected.shape[0]
+        finite = projected.isfinite().all(dim=1)
+        index = projected.div_(cell).floor_().masked_fill_(~finite.unsqueeze(1), 0.0)
+        key = self.key[start:stop].zero_()
+        for k in range(_PROJECTIONS):
+            key.mul_(radix).add_(index[:, k].to(torch.int64) + radix // 2)
+        key.masked_fill_(~finite, _NOT_FINITE)
+        low = index[:, _PROJECTIONS:].remainder_(8)  # integers: exact
+        self.others[start:stop] = (low @ _other_weights(low)).to(torch.int16)
+
+    def fail(self) -> None:
+        """Every row not finite (a process whose projection failed: nobody's
+        candidates)."""
+        self.key.fill_(_NOT_FINITE)
+
+
+def _other_weights(like: Tensor) -> Tensor:
+    """``8^j`` per other projection ``j`` (the packing of :class:`GridPlaces`)."""
+    count = _FILTERS - _PROJECTIONS
+    return torch.tensor([8.0**j for j in range(count)], dtype=like.dtype, device=like.device)
+
+
+def _close_others(a: Tensor, b: Tensor) -> Tensor:
+    """bool per pair of packed ``others`` (int16): every index modulo 8 within 1."""
+    shifts = 3 * torch.arange(_FILTERS - _PROJECTIONS, dtype=torch.int32, device=a.device)
+    low_a = (a.to(torch.int32).unsqueeze(1) >> shifts) & 7
+    low_b = (b.to(torch.int32).unsqueeze(1) >> shifts) & 7
+    return (((low_a - low_b + 1) & 7) <= 2).all(dim=1)
+
+
+def _radix(grid: RoundingGrid) -> tuple[int, float]:
+    """The grid's radix of the cell key and the cell width compared."""
+    cell = grid.cell
+    if not cell > 0:  # no coordinates: every projection 0
+        return 8, 4.0
+    radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
+    if radix**_PROJECTIONS >= 2**62:  # D beyond any embedding: one cell per projection
+        radix, cell = 8, 4.0
+    return radix, cell
+
+
 class _Cells(NamedTuple):
     """The finite rows of :func:`rounding_candidates` sorted by their cell."""
 
     key: Tensor  # int64, each sorted row's cell, ascending
-    members: Tensor  # the rows of ``projected``, in that order
+    members: Tensor  # the rows of ``places`` (code_dtype), in that order
     offsets: list[int]  # the neighbouring cells' key offsets (0 first)
-    projected: Tensor
-    cell: float  # the width compared (4.0 where every row shares its cells)
+    others: Tensor  # int16 [C]: each row's (not each sorted row's) other cells, packed
 
 
-def _cells(grid: RoundingGrid, projected: Tensor) -> _Cells | None:
-    """The rows of ``projected`` that are finite, sorted by cell (None: fewer than 2)."""
-    device = projected.device
-    cell = grid.cell
-    keep = projected.isfinite().all(dim=1).nonzero().view(-1)
-    if keep.numel() < 2:
+def _cells(
+    grid: RoundingGrid, places: GridPlaces, block_bytes: int = _COMPARE_BYTES
+) -> _Cells | None:
+    """The rows of ``places`` that are finite, sorted by cell (None: fewer than 2),
+    sorted in parts (:func:`sorted_parts`)."""
+    radix, _ = _radix(grid)
+    count = places.key.shape[0]
+    key = torch.empty_like(places.key)
+    members = torch.empty(count, dtype=code_dtype(count), device=key.device)
+    at = 0
+    for order, values in sorted_parts(places.key, block_bytes):
+        key[at : at + order.shape[0]] = values
+        members[at : at + order.shape[0]] = order
+        at += order.shape[0]
+    finite = int(torch.searchsorted(key, torch.tensor(_NOT_FINITE, device=key.device)))
+    if finite < 2:
         return None
-    radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
-    if radix**_PROJECTIONS >= 2**62:  # D beyond any embedding: one cell per projection
-        radix, cell = 8, 4.0
-    cells = torch.floor(projected[keep, :_PROJECTIONS] / cell).to(torch.int64) + radix // 2
-    key = torch.zeros(keep.shape[0], dtype=torch.int64, device=device)
-    for k in range(_PROJECTIONS):
-        key = key * radix + cells[:, k]
-    key, order = torch.sort(key, stable=True)
+    key, order = key[:finite], members[:finite]
     offsets = []
     for shift in _half_space_shifts():
         offset = 0
         for delta in shift:
             offset = offset * radix + delta
         offsets.append(offset)
-    return _Cells(key, keep[order], offsets, projected, cell)
+    return _Cells(key, order, offsets, places.others)
 
 
 def _row_step(chunk_pairs: int) -> int:
@@ -480,7 +677,7 @@ def _neighbours(
     """:func:`rounding_candidates` of the sorted rows ``row_start:row_stop`` (each
     with the rows after it in its cell and those of the neighbouring cells), in chunks
     of at most ``chunk_pairs``."""
-    key, members, projected = cells.key, cells.members, cells.projected
+    key, members, others = cells.key, cells.members, cells.others
     position = torch.arange(row_start, row_stop, device=key.device)
     own = key[position]
     starts, counts = [], []
@@ -501,9 +698,9 @@ def _neighbours(
     for chunk in range(0, total, chunk_pairs):
         pair = torch.arange(chunk, min(chunk + chunk_pairs, total), device=key.device)
         at = torch.searchsorted(ends, pair, right=True)
-        a = members[owner[at]]
-        b = members[begin[at] + pair - (ends[at] - size[at])]
-        close = (projected[a].sub_(projected[b]).abs_() <= cells.cell).all(dim=1)
+        a = members[owner[at]].long()
+        b = members[begin[at] + pair - (ends[at] - size[at])].long()
+        close = _close_others(others[a], others[b])
         yield a[close], b[close]
 
 
@@ -592,15 +789,37 @@ def _gamma64(terms: int) -> float:
     return terms * unit / (1 - terms * unit)
 
 
-def _code(values: Tensor) -> Tensor:
-    return cast(Tensor, torch.unique(values, return_inverse=True)[1])
+def _code(values: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
+    """The codes ``0..K-1`` of integer ``values`` (:func:`code_dtype`), in the order of
+    the values (those of ``torch.unique``), sorted in parts (:func:`sorted_parts`)."""
+    codes = torch.empty(values.shape[0], dtype=code_dtype(values.shape[0]), device=values.device)
+    offset = 0
+    for order, ascending in sorted_parts(values.to(torch.int64), block_bytes):
+        offset = _number_runs(order, ascending, codes, offset)
+    return codes
 
 
-def _pair(a: Tensor, b: Tensor) -> Tensor:
+def _code_rows(rows: Tensor) -> Tensor:
+    """The codes of the rows of ``rows`` (exact, by an exact sort of a whole copy)."""
+    inverse: Tensor = torch.unique(rows, dim=0, return_inverse=True)[1]
+    return inverse.to(code_dtype(rows.shape[0]))
+
+
+def _pair(a: Tensor, b: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
     """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2)."""
     if a.numel() == 0:
         return a.clone()
-    return _code(a * (int(b.max()) + 1) + b)
+    key = a.to(torch.int64) * (int(b.max()) + 1)
+    return _code(key.add_(b), block_bytes)
+
+
+def composite(*parts: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
+    """The code of the tuple of codes ``parts`` (each ``[N]`` in ``[0, N)``), made
+    pair by pair (each step coded back into ``[0, N)``): a transient array."""
+    code = parts[0]
+    for part in parts[1:]:
+        code = _pair(code, part, block_bytes)
+    return code
 
 
 def codes(
@@ -609,30 +828,30 @@ def codes(
     groups: Tensor,
     hashes: Callable[[Tensor], Tensor] | None = None,
     block_bytes: int = _COMPARE_BYTES,
+    with_groups: bool = True,
 ) -> Codes:
-    """The composite keys the audit counts with, over every stored item (``hashes``:
-    the row hash of :func:`bitwise_classes`, for tests), its rows read ``block_bytes``
-    at a time, in blocks on the worker threads (:class:`Blocks`)."""
+    """The keys the audit counts with, over every stored item (``hashes``: the row hash
+    of :func:`bitwise_classes`, for tests), its rows read ``block_bytes`` at a time, in
+    blocks on the worker threads (:class:`Blocks`). ``with_groups``: whether to code
+    the groups (``exclude`` other than ``"none"``; else ``group`` is empty)."""
     with Blocks(embeddings.device) as blocks:
         klass = bitwise_classes(embeddings, hashes, block_bytes, blocks)
         adjacent = rounding_pairs(embeddings, klass, block_bytes, blocks)
-        return codes_of(klass, adjacent, labels, groups)
+        return codes_of(klass, adjacent, labels, groups if with_groups else None, block_bytes)
 
 
-def codes_of(klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor) -> Codes:
-    """:class:`Codes` from the bitwise classes, their rounding pairs and the metadata."""
-    label, group = _code(labels), _code(groups)
-    class_label = _pair(klass, label)
-    return Codes(
-        klass,
-        label,
-        group,
-        _pair(label, group),
-        class_label,
-        _pair(klass, group),
-        _pair(class_label, group),
-        adjacent,
-    )
+def codes_of(
+    klass: Tensor,
+    adjacent: Tensor,
+    labels: Tensor,
+    groups: Tensor | None,
+    block_bytes: int = _COMPARE_BYTES,
+) -> Codes:
+    """:class:`Codes` from the bitwise classes, their rounding pairs and the metadata
+    (``groups`` None: an empty group code; sorted ``block_bytes`` at a time)."""
+    dtype = code_dtype(klass.shape[0])
+    group = _code(groups, block_bytes) if groups is not None else torch.zeros(0, dtype=dtype)
+    return Codes(klass.to(dtype), _code(labels, block_bytes), group.to(klass.device), adjacent)
 
 
 def audit_direction(
@@ -641,6 +860,7 @@ def audit_direction(
     gallery: tuple[Tensor, Tensor],
     exclude: str,
     empty_target_action: str,
+    block_bytes: int = _COMPARE_BYTES,
 ) -> DirectionAudit:
     """Identical positives / negatives of each query and the gallery's duplicates.
 
@@ -654,58 +874,90 @@ def audit_direction(
         gallery: ``(rows, identity)`` of the gallery, each sample once.
         exclude: ``"none"``, ``"same_group"`` or ``"same_label_and_group"``.
         empty_target_action: which queries ``compute()`` counts.
+        block_bytes: the keys are sorted this many bytes at a time (:func:`sorted_parts`).
     """
     q_rows, q_identity = queries
     g_rows, g_identity = gallery
     num = keys.klass.shape[0]
 
+    counts = code_dtype(g_rows.shape[0])  # a count of gallery items fits
+
     def in_gallery(code: Tensor) -> Tensor:
         """Per query: the gallery items that share the query's ``code``."""
-        return torch.bincount(code[g_rows], minlength=num)[code[q_rows]]
+        return torch.bincount(code[g_rows], minlength=num).to(counts)[code[q_rows]]
 
     # The query's own sample in the gallery (the ranking ignores it), where it is there.
     has_self = torch.zeros_like(q_rows, dtype=torch.bool)
     self_row = q_rows
     if g_identity.numel():
-        ident_sorted, order = torch.sort(g_identity)
-        position = torch.searchsorted(ident_sorted, q_identity)
-        position = position.clamp(max=ident_sorted.shape[0] - 1)
+        size = g_identity.shape[0]
+        ident_sorted = torch.empty_like(g_identity)
+        order = torch.empty(size, dtype=code_dtype(size), device=g_identity.device)
+        at = 0
+        for part, values in sorted_parts(g_identity, block_bytes):
+            ident_sorted[at : at + part.shape[0]] = values
+            order[at : at + part.shape[0]] = part
+            at += part.shape[0]
+        position = torch.searchsorted(ident_sorted, q_identity, out_int32=size <= CODE32_LIMIT)
+        position.clamp_(max=size - 1)
         has_self = ident_sorted[position] == q_identity
-        self_row = g_rows[order[position]]
+        del ident_sorted
+        self_row = g_rows[order[position].long()].to(code_dtype(num))
+        del order, position
     same_class = has_self & (keys.klass[self_row] == keys.klass[q_rows])
     same_label = keys.label[self_row] == keys.label[q_rows]
-    same_group = keys.group[self_row] == keys.group[q_rows]
     grouped = exclude != "none"  # both rules ignore same-group items of the same label
-    # Valid positives (which queries compute() counts), then the identical ones.
-    self_positive = has_self & same_label & ~(same_group & grouped)
-    positives = in_gallery(keys.label) - self_positive.long()
-    identical_pos = in_gallery(keys.class_label) - (self_positive & same_class).long()
-    if grouped:
-        positives -= in_gallery(keys.label_group)
-        identical_pos -= in_gallery(keys.class_label_group)
-    # Identical negatives: another label; only "same_group" ignores negatives.
     group_rule = exclude == "same_group"
-    self_negative = same_class & ~same_label & ~(same_group & group_rule)
-    identical_neg = in_gallery(keys.klass) - in_gallery(keys.class_label)
-    identical_neg -= self_negative.long()
-    if group_rule:
-        identical_neg -= in_gallery(keys.class_group) - in_gallery(keys.class_label_group)
+    same_group = torch.zeros_like(same_label)
+    label_group = class_label_group = None
+    if grouped:  # the composite keys with the group, each made once
+        if keys.group.shape[0] != num:
+            raise ValueError(f"exclude={exclude!r} needs the codes made with_groups")
+        same_group = keys.group[self_row] == keys.group[q_rows]
+        label_group = composite(keys.label, keys.group, block_bytes=block_bytes)
+    # Valid positives (which queries compute() counts), then the identical ones; each
+    # count turned into flags before the next (one key a time besides the codes).
+    self_positive = has_self & same_label & ~(same_group & grouped)
+    positives = in_gallery(keys.label).sub_(self_positive.to(counts))
+    if label_group is not None:
+        positives -= in_gallery(label_group)
     if empty_target_action in ("skip", "error"):
         counted = positives > 0
     else:
         counted = torch.ones_like(positives, dtype=torch.bool)
+    del positives
+    class_label = composite(keys.klass, keys.label, block_bytes=block_bytes)
+    identical_pos = in_gallery(class_label).sub_((self_positive & same_class).to(counts))
+    if label_group is not None:
+        class_label_group = composite(class_label, keys.group, block_bytes=block_bytes)
+        identical_pos -= in_gallery(class_label_group)
+    identical_positive = counted & (identical_pos > 0)
+    del identical_pos
+    # Identical negatives: another label; only "same_group" ignores negatives.
+    self_negative = same_class & ~same_label & ~(same_group & group_rule)
+    identical_neg = in_gallery(keys.klass).sub_(in_gallery(class_label))
+    del class_label
+    identical_neg -= self_negative.to(counts)
+    if group_rule and class_label_group is not None:
+        identical_neg += in_gallery(class_label_group)
+        identical_neg -= in_gallery(composite(keys.klass, keys.group, block_bytes=block_bytes))
+    identical_negative = counted & (identical_neg > 0)
+    del identical_neg, class_label_group
     gallery_classes = torch.bincount(keys.klass[g_rows], minlength=num)
     duplicates = int(g_rows.shape[0]) - int((gallery_classes > 0).sum())
+    del gallery_classes
     rounding_pos, rounding_neg = torch.zeros_like(counted), torch.zeros_like(counted)
     rounding_duplicates = 0
     if keys.adjacent.numel():
         selves = (has_self, self_row)
-        rounding_pos, rounding_neg = _rounding_flags(keys, q_rows, g_rows, selves, exclude)
+        rounding_pos, rounding_neg = _rounding_flags(
+            keys, q_rows, g_rows, selves, exclude, label_group
+        )
         rounding_duplicates = _rounding_duplicates(keys, g_rows)
     return DirectionAudit(
         counted,
-        counted & (identical_pos > 0),
-        counted & (identical_neg > 0),
+        identical_positive,
+        identical_negative,
         duplicates,
         counted & rounding_pos,
         counted & rounding_neg,
@@ -714,7 +966,12 @@ def audit_direction(
 
 
 def _rounding_flags(
-    keys: Codes, q_rows: Tensor, g_rows: Tensor, selves: tuple[Tensor, Tensor], exclude: str
+    keys: Codes,
+    q_rows: Tensor,
+    g_rows: Tensor,
+    selves: tuple[Tensor, Tensor],
+    exclude: str,
+    label_group: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item, another
     sample, of a class equal to the query's up to rounding (not its own class), of the
@@ -739,7 +996,7 @@ def _rounding_flags(
         return positive, negative
 
     def table(*codes: Tensor) -> Tensor:
-        key = codes[0][g_rows]
+        key = codes[0][g_rows].to(torch.int64)
         for code in codes[1:]:
             key = key * num + code[g_rows]
         return torch.sort(key)[0]
@@ -749,28 +1006,34 @@ def _rounding_flags(
         return right - torch.searchsorted(sorted_keys, key)
 
     by_class, by_label = table(keys.klass), table(keys.klass, keys.label)
-    by_label_group = table(keys.klass, keys.label_group)
-    by_group = table(keys.klass, keys.group)
     grouped, group_rule = exclude != "none", exclude == "same_group"
+    if grouped:
+        assert label_group is not None
+        by_label_group = table(keys.klass, label_group)
+    if group_rule:
+        by_group = table(keys.klass, keys.group)
     has_self, self_row = selves
     for start in range(0, total, ROUNDING_CHUNK):
         pair = torch.arange(start, min(start + ROUNDING_CHUNK, total), device=device)
         query = torch.searchsorted(ends, pair, right=True)
         other = adjacent[begin[query] + pair - (ends[query] - degree[query]), 1]
         row = q_rows[query]
-        label, label_group = keys.label[row], keys.label_group[row]
+        label = keys.label[row]
         same = count(by_label, other * num + label)
         pos = same.clone()
         neg = count(by_class, other) - same
+        own = self_row[query]
+        same_group = torch.zeros_like(own, dtype=torch.bool)
         if grouped:
-            pos -= count(by_label_group, other * num + label_group)
+            assert label_group is not None
+            pair_code = other * num + label_group[row]
+            pos -= count(by_label_group, pair_code)
+            same_group = keys.group[own] == keys.group[row]
         if group_rule:
             neg -= count(by_group, other * num + keys.group[row])
-            neg += count(by_label_group, other * num + label_group)
-        own = self_row[query]
+            neg += count(by_label_group, pair_code)
         mine = has_self[query] & (keys.klass[own] == other)
         same_label = keys.label[own] == label
-        same_group = keys.group[own] == keys.group[row]
         pos -= (mine & same_label & ~(same_group & grouped)).long()
         neg -= (mine & ~same_label & ~(same_group & group_rule)).long()
         positive[query[pos > 0]] = True
@@ -784,7 +1047,7 @@ def _rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
     num, size = keys.klass.shape[0], g_rows.shape[0]
     first = torch.full((num,), size, dtype=torch.int64, device=g_rows.device)
     positions = torch.arange(size, device=g_rows.device)
-    first.scatter_reduce_(0, keys.klass[g_rows], positions, reduce="amin")
+    first.scatter_reduce_(0, keys.klass[g_rows].long(), positions, reduce="amin")
     a, b = keys.adjacent[:, 0], keys.adjacent[:, 1]
     later = (first[a] < first[b]) & (first[b] < size)
     flagged = torch.zeros(num, dtype=torch.bool, device=g_rows.device)
@@ -803,6 +1066,7 @@ class AuditOptions(NamedTuple):
     near_duplicate: float | None  # the threshold; None: no near-duplicate counts
     names: tuple[str, ...] = ("",)  # the direction names ("" for one direction)
     block_bytes: int = _COMPARE_BYTES  # rows are read this many bytes at a time
+    share: int = _COMPARE_BYTES  # but never more than this (chunk_bytes / AUDIT_SHARE)
 
 
 def options_of(metric: Any) -> AuditOptions:
@@ -812,6 +1076,7 @@ def options_of(metric: Any) -> AuditOptions:
         metric.empty_target_action,
         metric.near_duplicate,
         tuple(metric.directions) if metric.bidirectional else ("",),
+        max(1, metric.chunk_bytes // AUDIT_SHARE),
         max(1, metric.chunk_bytes // AUDIT_SHARE),
     )
 
@@ -837,11 +1102,14 @@ def audit_directions(
     """
     if all(sides is None for sides in directions):
         return [None for _ in directions]
+    block = min(options.block_bytes, options.share)  # whatever the rows' width
     if callable(stored):
         keys = stored()
     else:
         embeddings, meta = stored
-        keys = codes(embeddings, meta[:, 0], meta[:, 1], block_bytes=options.block_bytes)
+        keys = codes(
+            embeddings, meta[:, 0], meta[:, 1], None, block, with_groups=options.exclude != "none"
+        )
     audits: list[DirectionAudit | None] = []
     previous: Sides | None = None
     for sides in directions:
@@ -855,7 +1123,9 @@ def audit_directions(
             continue
         previous = sides
         audits.append(
-            audit_direction(keys, sides[0], sides[1], options.exclude, options.empty_target_action)
+            audit_direction(
+                keys, sides[0], sides[1], options.exclude, options.empty_target_action, block
+            )
         )
     return audits
 

@@ -23,9 +23,11 @@ rows and, of the others', one broadcast batch of at most ``_COMPARE_BYTES`` at a
   the boundary are taken in one fixed order), and the cell width of the grid covers
   every rounding of the projections, so the pairs are those of ``rounding_pairs``.
 
-Memory per item: a few int64 (the hashes, their sort, the runs and classes), 8 float64
-per class (the projections); no process holds more than one batch of other processes'
-rows. Collective: every process of the group calls :func:`sharded_codes` together.
+Memory per item: the int64 hashes and their sort (in parts, ``_audit.sorted_parts``),
+then int32 runs and classes; 10 bytes per class (its place in the grid,
+``_audit.GridPlaces``) and its first item; no process holds more than one batch of
+other processes' rows. Collective: every process of the group calls
+:func:`sharded_codes` together.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def sharded_codes(
         return _audit.codes(local, labels, groups, hashes)
     shard = _Shard(local, counts, group)
     if shard.num == 0 or shard.width == 0:
-        klass = torch.zeros(shard.num, dtype=torch.int64, device=shard.device)
+        klass = torch.zeros(shard.num, dtype=_audit.code_dtype(shard.num), device=shard.device)
         none = _audit.both_orientations([], 0, shard.device)
         return _audit.codes_of(klass, none, labels, groups)
     klass, first = shard.classes(hashes)
@@ -249,8 +251,9 @@ class _Shard:
     # ------------------------------------------------------------ the codes
 
     def classes(self, hashes: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor]:
-        """int64 ``[N]``: the class of each item's bit pattern, numbered in the order of
-        the classes' first items; and int64 ``[C]``: each class's first item."""
+        """``[N]`` codes (``_audit.code_dtype``): the class of each item's bit pattern,
+        numbered in the order of the classes' first items; and int64 ``[C]``: each
+        class's first item."""
         device, num = self.device, self.num
 
         def hashed() -> Tensor:
@@ -264,31 +267,35 @@ class _Shard:
         local = self.guarded(placeholder, hashed)
         del placeholder
         sizes = [end - start for start, end in itertools.pairwise(self.starts)]
-        sorted_keys, order = torch.sort(self.spread(local, sizes), stable=True)
-        run = torch.empty_like(order)
-        run[order] = torch.unique_consecutive(sorted_keys, return_inverse=True)[1]
-        del sorted_keys, order
-        index = torch.arange(num, device=device)
+        spread = self.spread(local, sizes)
+        del local
+        run = _audit._code(spread)  # int32 runs of equal hashes, in hash order, sorted in parts
+        del spread
         settled = torch.zeros(num, dtype=torch.bool, device=device)
         while True:
-            earliest = _first_items(run, index)[run]
+            earliest = _audit.first_items(run, int(run.max()) + 1)[run]
+            index = torch.arange(num, dtype=earliest.dtype, device=device)
             todo = (~settled & (earliest != index)).nonzero().view(-1)
+            del index
             if todo.numel() == 0:
                 break
-            equal = self.check(todo, earliest[todo], _audit.same_bits)
+            earlier = earliest[todo].long()
+            del earliest
+            equal = self.check(todo, earlier, _audit.same_bits)
             settled[todo[equal]] = True
-            settled[earliest[todo]] = True
+            settled[earlier] = True
             if bool(equal.all()):
                 break
             # A hash collision: the items unequal to their run's earliest leave the run.
             moved = torch.zeros(num, dtype=torch.int64, device=device)
             moved[todo[~equal]] = 1
-            run = torch.unique(run * 2 + moved, return_inverse=True)[1]
-        first = _first_items(run, index)
+            run = _audit._code(run.long() * 2 + moved)
+        del settled
+        first = _audit.first_items(run, int(run.max()) + 1).long()
         first, by_first = torch.sort(first)
         renumber = torch.empty_like(by_first)
         renumber[by_first] = torch.arange(by_first.shape[0], device=device)
-        return renumber[run], first
+        return renumber.to(run.dtype)[run], first
 
     def rounding_pairs(self, first: Tensor) -> Tensor:
         """``rounding_pairs`` of the classes whose first items are ``first`` (ascending)."""
@@ -300,30 +307,24 @@ class _Shard:
         bounds = torch.searchsorted(first, starts).tolist()
         own = first[bounds[self.me] : bounds[self.me + 1]]
         step = max(1, _audit.project_step(self.width) // PROJECT_SHARE)
-        local = torch.empty(
-            (own.shape[0], grid.weights.shape[1]), dtype=torch.float64, device=device
-        )
+        local = _audit.GridPlaces.empty(own.shape[0], device)
 
-        def project_into(out: Tensor) -> bool:
+        def project_into(out: _audit.GridPlaces) -> bool:
             for s in range(0, own.shape[0], step):
-                out[s : s + step] = _audit.project(grid, self.mine(own[s : s + step]))
+                out.place(grid, _audit.project(grid, self.mine(own[s : s + step])), s)
             return True
 
         if not self.guarded(False, project_into, local):
-            local.fill_(torch.nan)  # a failed process's classes: nobody's candidates
+            local.fail()  # a failed process's classes: nobody's candidates
         sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-        projected = self.spread(local, sizes)
+        # The int16 cells travel as pairs of bytes (gloo has no int16).
+        pairs = self.spread(local.others.view(torch.int8).view(-1, 2), sizes)
+        others = pairs.view(torch.int16).view(-1)
+        places = _audit.GridPlaces(self.spread(local.key, sizes), others)
         del local
         found = []
-        for a, b in _audit.rounding_candidates(grid, projected, CANDIDATE_PAIRS):
+        for a, b in _audit.rounding_candidates(grid, places, CANDIDATE_PAIRS):
             if a.numel():
                 within = self.check(first[a], first[b], _audit.within)
                 found.append(torch.stack([a[within], b[within]], dim=1))
         return _audit.both_orientations(found, count, device)
-
-
-def _first_items(run: Tensor, index: Tensor) -> Tensor:
-    """int64 per run (codes ``0..R-1``): its earliest item."""
-    count = int(run.max()) + 1
-    first = torch.full((count,), run.shape[0], dtype=torch.int64, device=run.device)
-    return first.scatter_reduce_(0, run, index, reduce="amin")
