@@ -177,7 +177,8 @@ def rank_symmetric(
         for index, rows in enumerate(spans):
             for later in range(index + int(aligned), len(spans)):
                 columns = spans[later]
-                edges = lo[rows].clone(), hi[rows].clone(), lo[columns].clone(), hi[columns].clone()
+                # hi is final after the label blocks: only lo changes (saturate).
+                edges = lo[rows].clone(), hi[rows], lo[columns].clone(), hi[columns]
                 rectangle = None
                 if junk is not None:
                     run_start, run_stop = junk[index]
@@ -237,6 +238,10 @@ def rank_symmetric(
     return num
 
 
+OWN_LABEL_SQUARES = 32
+"""A diagonal block hides its queries' own labels as one square of -inf a label when
+it holds at most this many labels (a slice each), else by one scatter."""
+
 SCAN_SHARE = 8
 """A block's scan copies the rows (or columns) that reach their band at most
 ``1 / SCAN_SHARE`` of the block at a time: its scratch stays small beside the block."""
@@ -280,6 +285,13 @@ def _ignore_own_labels(scores: Tensor, share: Queries, rows: slice, workspace: W
     count = share.block_count[rows]
     widest = int(count.max()) if count.numel() else 0
     if widest == 0:
+        return
+    # The span's labels are runs of its rows (its own items in label order): a square
+    # of -inf for each, when they are few.
+    runs, lengths = torch.unique_consecutive(share.block_start[rows], return_counts=True)
+    if runs.numel() <= OWN_LABEL_SQUARES:
+        for first, length in zip((runs - rows.start).tolist(), lengths.tolist(), strict=True):
+            scores[first : first + length, first : first + length] = -math.inf
         return
     device = scores.device
     start = (share.block_start[rows] - rows.start).unsqueeze(1)
@@ -445,7 +457,8 @@ def _scan_rows(
         row_lo, row_hi = lo.index_select(0, rows), hi.index_select(0, rows)
         above = torch.gt(candidates, row_hi)
         greater.index_add_(0, rows, above.sum(dim=1, dtype=counts))
-        inside = torch.ge(candidates, row_lo).logical_and_(above.logical_not_())
+        # hi >= lo for a row that reaches lo: what is above hi is at or above lo.
+        inside = torch.ge(candidates, row_lo).logical_xor_(above)
         row, column = inside.nonzero(as_tuple=True)
         if row.numel():
             found.append((rows[row], column + first, None))
@@ -534,7 +547,7 @@ def scan_down(
         column_hi = hi.index_select(0, columns).view(1, -1)
         above = torch.gt(candidates, column_hi)
         greater.index_add_(0, columns, above.sum(dim=0, dtype=counts))
-        inside = torch.ge(candidates, column_lo).logical_and_(above.logical_not_())
+        inside = torch.ge(candidates, column_lo).logical_xor_(above)
         row, column = inside.nonzero(as_tuple=True)
         if row.numel():
             found.append((columns[column], row + first, None))
