@@ -94,6 +94,11 @@ def rank_symmetric(
         return 0
     size = max(1, size)
     device, dtype = embeddings.device, embeddings.dtype
+    # The pairs that wait (each 2 int64 indices) stay within a share of chunk_bytes,
+    # or two a query (the label blocks keep at least each query's best positive).
+    budget = max(2 * num, options.chunk_bytes // (PENDING_SHARE * PAIR_BYTES))
+    pending_limit = min(route.pending_pairs, budget)
+    positive_limit = min(route.positive_pairs, budget)
     bound = gallery_bounds(gallery, options.similarity)
     greater = torch.zeros(num, dtype=count_dtype(num), device=device)
     has_positive = torch.zeros(num, dtype=torch.bool, device=device)
@@ -146,7 +151,7 @@ def rank_symmetric(
             kept[index] += labelled.size
             waiting += labelled.size
             positive_count += labelled.size
-            if positive_count > route.positive_pairs:  # many tied positives: the tiles
+            if positive_count > positive_limit:  # many tied positives: the tiles
                 return 0  # are better (they decide each tile's pairs as they go)
             if result.diagonal is not None:
                 side, pairs, near_part = result.diagonal
@@ -172,7 +177,8 @@ def rank_symmetric(
         for index, rows in enumerate(spans):
             for later in range(index + int(aligned), len(spans)):
                 columns = spans[later]
-                edges = lo[rows].clone(), hi[rows].clone(), lo[columns].clone(), hi[columns].clone()
+                # hi is final after the label blocks: only lo changes (saturate).
+                edges = lo[rows].clone(), hi[rows], lo[columns].clone(), hi[columns]
                 rectangle = None
                 if junk is not None:
                     run_start, run_stop = junk[index]
@@ -202,7 +208,7 @@ def rank_symmetric(
         found[index], near_found[index], positives[index] = [], [], []
         add_band(tile, band)
         waiting -= kept[index]
-        return waiting <= route.pending_pairs
+        return waiting <= pending_limit
 
     total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
     with Workers(block_task, max(1, min(workers, total)), workspace) as block_pool:
@@ -219,15 +225,34 @@ def rank_symmetric(
                 target = later if part else index
                 found[target] += pairs
                 near_found[target] += near_part
-                if part:
-                    added = _size(pairs) + _size(near_part)
-                    kept[later] += added
-                    waiting += added
-            if later == len(spans) - 1 and not complete(index):
-                return int(rows.stop)
+                added = _size(pairs) + _size(near_part)
+                kept[target] += added
+                waiting += added
+            if later == len(spans) - 1:
+                if not complete(index):
+                    return int(rows.stop)
+            elif waiting > pending_limit and index > 0:
+                return int(rows.start)  # the queries of the spans before are ranked
     if aligned:
         complete(len(spans) - 1)  # the last span has no block off the diagonal as rows
     return num
+
+
+OWN_LABEL_SQUARES = 32
+"""A diagonal block hides its queries' own labels as one square of -inf a label when
+it holds at most this many labels (a slice each), else by one scatter."""
+
+SCAN_SHARE = 8
+"""A block's scan copies the rows (or columns) that reach their band at most
+``1 / SCAN_SHARE`` of the block at a time: its scratch stays small beside the block."""
+
+PENDING_SHARE = 8
+"""The in-band pairs that wait for later blocks take at most ``chunk_bytes /
+PENDING_SHARE`` (as many as ``route.pending_pairs``): beyond, the remaining queries are
+ranked by the tiles, which decide their pairs as they go."""
+
+PAIR_BYTES = 16
+"""The bytes of a waiting pair: its query's row and its item's column, int64."""
 
 
 def _label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
@@ -260,6 +285,13 @@ def _ignore_own_labels(scores: Tensor, share: Queries, rows: slice, workspace: W
     count = share.block_count[rows]
     widest = int(count.max()) if count.numel() else 0
     if widest == 0:
+        return
+    # The span's labels are runs of its rows (its own items in label order): a square
+    # of -inf for each, when they are few.
+    runs, lengths = torch.unique_consecutive(share.block_start[rows], return_counts=True)
+    if runs.numel() <= OWN_LABEL_SQUARES:
+        for first, length in zip((runs - rows.start).tolist(), lengths.tolist(), strict=True):
+            scores[first : first + length, first : first + length] = -math.inf
         return
     device = scores.device
     start = (share.block_start[rows] - rows.start).unsqueeze(1)
@@ -415,18 +447,21 @@ def _scan_rows(
     row the count (``counts`` dtype) of scores above ``hi`` (None when no row reaches
     ``lo``), and into ``found`` the pairs within ``[lo, hi]``. Only the rows reaching
     ``lo`` are copied and compared."""
-    rows = torch.ge(peak, lo).view(-1).nonzero().view(-1)
-    if rows.numel() == 0:
+    reaching = torch.ge(peak, lo).view(-1).nonzero().view(-1)
+    if reaching.numel() == 0:
         return None
-    candidates = scores.index_select(0, rows)
-    row_lo, row_hi = lo.index_select(0, rows), hi.index_select(0, rows)
-    above = torch.gt(candidates, row_hi)
     greater = torch.zeros(scores.shape[0], dtype=counts, device=scores.device)
-    greater.index_add_(0, rows, above.sum(dim=1, dtype=counts))
-    inside = torch.ge(candidates, row_lo).logical_and_(above.logical_not_())
-    row, column = inside.nonzero(as_tuple=True)
-    if row.numel():
-        found.append((rows[row], column + first, None))
+    # At most 1 / SCAN_SHARE of the block copied at a time (all rows may reach lo).
+    for rows in torch.split(reaching, max(1, scores.shape[0] // SCAN_SHARE)):
+        candidates = scores.index_select(0, rows)
+        row_lo, row_hi = lo.index_select(0, rows), hi.index_select(0, rows)
+        above = torch.gt(candidates, row_hi)
+        greater.index_add_(0, rows, above.sum(dim=1, dtype=counts))
+        # hi >= lo for a row that reaches lo: what is above hi is at or above lo.
+        inside = torch.ge(candidates, row_lo).logical_xor_(above)
+        row, column = inside.nonzero(as_tuple=True)
+        if row.numel():
+            found.append((rows[row], column + first, None))
     return greater
 
 
@@ -501,19 +536,21 @@ def scan_down(
     (``counts`` dtype) of scores above ``hi`` (None when no column reaches ``lo``), and
     into ``found`` the pairs within ``[lo, hi]``. ``scores`` is kept. Only the columns
     that reach ``lo`` are gathered, in the scores' memory order."""
-    columns = torch.ge(peak, lo).view(-1).nonzero().view(-1)
-    if columns.numel() == 0:
+    reaching = torch.ge(peak, lo).view(-1).nonzero().view(-1)
+    if reaching.numel() == 0:
         return None
-    candidates = torch.index_select(scores, 1, columns)
-    column_lo = lo.index_select(0, columns).view(1, -1)
-    column_hi = hi.index_select(0, columns).view(1, -1)
-    above = torch.gt(candidates, column_hi)
     greater = torch.zeros(scores.shape[1], dtype=counts, device=scores.device)
-    greater.index_add_(0, columns, above.sum(dim=0, dtype=counts))
-    inside = torch.ge(candidates, column_lo).logical_and_(above.logical_not_())
-    row, column = inside.nonzero(as_tuple=True)
-    if row.numel():
-        found.append((columns[column], row + first, None))
+    # At most 1 / SCAN_SHARE of the block copied at a time (all columns may reach lo).
+    for columns in torch.split(reaching, max(1, scores.shape[1] // SCAN_SHARE)):
+        candidates = torch.index_select(scores, 1, columns)
+        column_lo = lo.index_select(0, columns).view(1, -1)
+        column_hi = hi.index_select(0, columns).view(1, -1)
+        above = torch.gt(candidates, column_hi)
+        greater.index_add_(0, columns, above.sum(dim=0, dtype=counts))
+        inside = torch.ge(candidates, column_lo).logical_xor_(above)
+        row, column = inside.nonzero(as_tuple=True)
+        if row.numel():
+            found.append((columns[column], row + first, None))
     return greater
 
 
