@@ -206,6 +206,9 @@ def test_positives_per_row_counts_every_layout_exactly(monkeypatch: pytest.Monke
     assert _dense._positives_per_row(mask[:, 1 : 1001 - 8]) is None  # offset of one byte
     assert _dense._positives_per_row(mask[:, :996]) is None  # not whole words
     assert _dense._positives_per_row(torch.ones(2, 131 * 8, dtype=torch.bool)) is None  # no divisor
+    wide = torch.rand(2, 1001, generator=gen) < 0.5
+    assert _dense._positives_per_row(wide[:1, :1000]) is None  # one row, a row stride of 1001
+
     scores, mask = _several_row_blocks_case()
     need = _kernel.needed_counts("expected")
     words = _dense.dense_tie_counts(scores, mask, None, need, small_batch=0)
@@ -213,6 +216,20 @@ def test_positives_per_row_counts_every_layout_exactly(monkeypatch: pytest.Monke
     signs = _dense.dense_tie_counts(scores, mask, None, need, small_batch=0)
     for a, b in zip(words, signs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_one_row_mask_slice_with_an_odd_row_stride_is_counted() -> None:
+    """A one-row mask cut from a wider one (row stride not a multiple of 8) on the block
+    path: counted as its copy is (torch's int64 view checks the row stride even for one
+    row; this raised a RuntimeError before)."""
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.rand(2, 40001, generator=gen) < 0.01
+    scores = torch.randn(1, 40000, generator=gen)
+    need = _kernel.needed_counts("expected")
+    got = _dense.dense_tie_counts(scores, wide[:1, :40000], None, need, small_batch=0)
+    want = _dense.dense_tie_counts(scores, wide[:1, :40000].clone(), None, need, small_batch=0)
+    for a, b in zip(got, want, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])

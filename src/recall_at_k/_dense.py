@@ -388,7 +388,7 @@ def _positives_per_row(mask: Tensor) -> Tensor | None:
         gallery % 8
         or mask.stride(-1) != 1
         or mask.storage_offset() % 8
-        or (num_queries > 1 and mask.stride(0) % 8)
+        or mask.stride(0) % 8  # checked by the int64 view even for one row
     ):
         return None
     # The largest number of words a lane sum takes that divides a row's words; a row of
