@@ -55,6 +55,22 @@ query's best positive score, then the negatives above it): each pass computes th
 queries with every gallery block and moves every block once."""
 
 
+ALLOWANCE_BYTES = 2**20
+"""The issue's bound -- stored (or gathered) bytes + ``chunk_bytes`` -- is given this on
+top for the interpreter and the C allocator, whatever the sizes: Python objects made
+during ``compute()`` (frames, named tuples of small tensors, the workers' queues) and
+temporaries below the C library's mmap threshold (128 KiB when measured), which stay
+resident while a later allocation lies above them (the heap grows in steps of 128 KiB,
+glibc's ``M_TOP_PAD``). ``tests/test_memory.py`` checks :func:`chunk_bound` where it
+holds (``WITHIN_CHUNK``)."""
+
+
+def chunk_bound(embedding_bytes: int, chunk_bytes: int) -> int:
+    """The issue's bound on what ``compute()`` adds: one copy of the embeddings, plus
+    ``chunk_bytes``, plus :data:`ALLOWANCE_BYTES`."""
+    return embedding_bytes + chunk_bytes + ALLOWANCE_BYTES
+
+
 def tile_bytes(chunk_bytes: int, device: str) -> int:
     """The tile of a ranking on ``device`` for a ``chunk_bytes``."""
     return chunk_bytes if device == "cuda" else min(chunk_bytes, CPU_TILE_BYTES)

@@ -7,12 +7,22 @@ resident set at once. A first ``compute()`` of a small metric of the same option
 before, so that code pages touched for the first time are not counted. On CUDA:
 ``torch.cuda.max_memory_allocated()`` minus the memory allocated before.
 
+On CPU the protocol audit's window is measured apart as well: ``"audit_peak"`` is the
+peak over the same baseline while the metric audits its items (``_audits``), and
+``"ranking_peak"`` the peak of the rest of ``compute()`` and ``protocol_report()`` (the
+high-water mark reset as the audit ends); ``"peak"`` is the larger of the two.
+
+A case may set ``"exclude"`` (``"same_group"`` or ``"same_label_and_group"``: items get
+groups, :func:`groups_of`) and ``"near_duplicate"``; items always have ids.
+
 ``python tests/memory_probe.py '<json list of cases>'`` prints one JSON line per case:
-``{"case": ..., "peak": bytes, "stored": bytes, "tile": bytes, "items": N}``.
+``{"case": ..., "peak": bytes, "audit_peak": bytes, "ranking_peak": bytes,
+"stored": bytes, "tile": bytes, "items": N}``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -32,7 +42,16 @@ ENV = {"MALLOC_MMAP_THRESHOLD_": str(LIVE_MEMORY_MMAP_THRESHOLD), "OMP_NUM_THREA
 start = start_peak
 """Start a window; the baseline in bytes (then :func:`peak_since`)."""
 
-__all__ = ["CPU_TILE_BYTES", "ENV", "fill", "items", "measure", "peak_since", "start"]
+__all__ = [
+    "CPU_TILE_BYTES",
+    "ENV",
+    "fill",
+    "groups_of",
+    "items",
+    "measure",
+    "peak_since",
+    "start",
+]
 
 
 def items(num: int, dim: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,9 +62,21 @@ def items(num: int, dim: int, seed: int, device: str) -> tuple[torch.Tensor, tor
     return embeddings, labels
 
 
-def fill(metric: Any, protocol: str, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
+def groups_of(labels: torch.Tensor) -> torch.Tensor:
+    """Groups for ``exclude``: seven groups (cameras), spread over every label."""
+    return torch.arange(labels.shape[0], device=labels.device) % 7
+
+
+def fill(
+    metric: Any,
+    protocol: str,
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
+    groups: torch.Tensor | None = None,
+) -> None:
     """Add the items in batches of 1,000: leave-one-out (``"loo"``), or half queries
-    and half gallery (``"qg"``, also for ``"bidirectional"``), with ids."""
+    and half gallery (``"qg"``, also for ``"bidirectional"``), with ids (and
+    ``groups``, if given)."""
     num = embeddings.shape[0]
     ids = torch.arange(num, device=embeddings.device)
     half = num // 2
@@ -53,7 +84,30 @@ def fill(metric: Any, protocol: str, embeddings: torch.Tensor, labels: torch.Ten
         role = "both" if protocol == "loo" else ("query" if first == 0 else "gallery")
         for start_row in range(first, stop, 1000):
             rows = slice(start_row, min(stop, start_row + 1000))
-            metric.update(embeddings[rows], labels[rows], role=role, ids=ids[rows])
+            batch_groups = None if groups is None else groups[rows]
+            metric.update(
+                embeddings[rows], labels[rows], role=role, ids=ids[rows], groups=batch_groups
+            )
+
+
+def _reset_peak() -> None:
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _audit_window(metric: Any, device: str, baseline: int, peaks: dict[str, int]) -> None:
+    """Measure the metric's audit (``_audits``) apart: its peak into ``peaks["audit"]``,
+    the peak before it into ``peaks["ranking"]``, the high-water mark reset after it."""
+    audits = metric._audits
+
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        peaks["ranking"] = max(peaks["ranking"], peak_since(device, baseline))
+        result = audits(*args, **kwargs)
+        peaks["audit"] = max(peaks["audit"], peak_since(device, baseline))
+        _reset_peak()
+        return result
+
+    metric._audits = measured
 
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
@@ -61,26 +115,43 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     from recall_at_k import EmbeddingRecallAtK
 
     device = case.get("device", "cpu")
+    exclude = case.get("exclude", "none")
     options = {
         "similarity": case["similarity"],
         "chunk_bytes": case["chunk_bytes"],
         "bidirectional": case["protocol"] == "bidirectional",
         "near_duplicate": case.get("near_duplicate"),
+        "exclude": exclude,
     }
     warm = EmbeddingRecallAtK((1, 5, 10), **options)
-    fill(warm, case["protocol"], *items(600, case["dim"], 1, device))
+    warm_embeddings, warm_labels = items(600, case["dim"], 1, device)
+    warm_groups = None if exclude == "none" else groups_of(warm_labels)
+    fill(warm, case["protocol"], warm_embeddings, warm_labels, warm_groups)
     warm.compute()
     metric = EmbeddingRecallAtK((1, 5, 10), **options)
     embeddings, labels = items(case["num"], case["dim"], 0, device)
-    fill(metric, case["protocol"], embeddings, labels)
+    groups = None if exclude == "none" else groups_of(labels)
+    fill(metric, case["protocol"], embeddings, labels, groups)
     stored = embeddings.numel() * embeddings.element_size()
-    del embeddings, labels, warm
+    del embeddings, labels, groups, warm, warm_embeddings, warm_labels, warm_groups
     baseline = start(device)
+    peaks = {"audit": 0, "ranking": 0}
+    if device != "cuda":
+        _audit_window(metric, device, baseline, peaks)
     metric.compute()
     metric.protocol_report()
-    peak = peak_since(device, baseline)
+    peaks["ranking"] = max(peaks["ranking"], peak_since(device, baseline))
+    peak = max(peaks.values())
     tile = case["chunk_bytes"] if device == "cuda" else min(case["chunk_bytes"], CPU_TILE_BYTES)
-    return {"case": case, "peak": peak, "stored": stored, "tile": tile, "items": case["num"]}
+    return {
+        "case": case,
+        "peak": peak,
+        "audit_peak": peaks["audit"],
+        "ranking_peak": peaks["ranking"],
+        "stored": stored,
+        "tile": tile,
+        "items": case["num"],
+    }
 
 
 def main() -> None:

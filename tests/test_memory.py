@@ -12,6 +12,14 @@ added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one proce
 the scratch sized from ``chunk_bytes`` (tiles, panels of at most 512 columns, audit
 blocks) it measures 1.07x (query/gallery dot) to 1.16x (bidirectional euclidean); the
 issue's target, 1x + ``chunk_bytes`` (1.04x here), is not met yet (see ``memory_formula``).
+
+The issue's bound is checked apart where it holds: the peak of ``compute()`` and
+``protocol_report()`` outside the protocol audit's window (``ranking_peak`` of the
+probe: the ordered copy, the ranking and its bookkeeping) is at most the stored bytes
+plus ``chunk_bytes`` plus 1 MiB (``memory_formula.chunk_bound``), for the cases of
+:data:`WITHIN_CHUNK`. The audit's own window still exceeds it (by up to 0.46 MiB
+here; by 1.2-3.1 MiB at 24,000 x 256 items and a 4 MiB chunk, where the leave-one-out
+and bidirectional rankings exceed it too).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import run_distributed
-from memory_formula import compute_bound
+from memory_formula import chunk_bound, compute_bound
 from memory_probe import ENV, measure
 
 CHUNK = 2**19
@@ -59,6 +67,43 @@ CASES = [
 ]
 CASES[0] = {**CASES[0], "near_duplicate": 0.5}  # the near-duplicate counts too
 CASES[4] = {**CASES[4], "near_duplicate": 0.5}
+# groups with either exclusion rule (every case has ids)
+CASES.append({**CASES[0], "exclude": "same_group"})
+CASES.append({**CASES[4], "exclude": "same_label_and_group"})
+
+WITHIN_CHUNK = {
+    "loo-cosine",
+    "loo-euclidean",
+    "qg-euclidean",
+    "qg-dot-same_label_and_group",
+    "bidirectional-dot",
+    "bidirectional-euclidean",
+}
+"""The cases (by test id) whose ``compute()`` outside the audit's window is within the
+issue's bound: stored bytes + ``chunk_bytes`` + 1 MiB (``memory_formula.chunk_bound``).
+Measured with a near-duplicate threshold on every case (load 8), their ranking stays
+0.32-0.59 MiB below the bound; a case closer than 0.3 MiB is left out
+(:data:`OVER_CHUNK`): the same case measures up to 0.15x apart from run to run at
+24,000 x 256 items and a 4 MiB chunk."""
+
+OVER_CHUNK = {
+    "loo-dot": "ranking 1.102x, 0.22 MiB below the bound: too close to assert",
+    "qg-cosine": "ranking 1.104x, 0.20 MiB below the bound: too close to assert",
+    "qg-dot": "ranking 1.106x, 0.18 MiB below the bound: too close to assert",
+    "bidirectional-cosine": "ranking 1.111x, 0.11 MiB below the bound: too close to assert",
+    "loo-cosine-same_group": "ranking 1.097x, 0.29 MiB below the bound: too close to assert",
+}
+"""Cases left out of :data:`WITHIN_CHUNK`, with what was measured outside the audit's
+window (the bound: 1.04x + 1 MiB = 1.12x of the stored bytes). Every case's audit
+window but one exceeds the bound, by 0.04-0.46 MiB (the audit's whole-set buffers,
+being reworked); the whole ``compute()`` is within it for none yet."""
+
+
+def case_id(case: dict[str, Any]) -> str:
+    return "-".join(
+        [str(case[key]) for key in ("protocol", "similarity")]
+        + [str(case[key]) for key in ("exclude",) if key in case]
+    )
 
 
 def _needs_proc() -> None:
@@ -69,7 +114,7 @@ def _needs_proc() -> None:
 @pytest.mark.parametrize(
     "case",
     CASES,
-    ids=["-".join(str(case[key]) for key in ("protocol", "similarity")) for case in CASES],
+    ids=[case_id(case) for case in CASES],
 )
 def test_compute_adds_one_copy_of_the_embeddings(case: dict[str, Any]) -> None:
     _needs_proc()
@@ -78,6 +123,11 @@ def test_compute_adds_one_copy_of_the_embeddings(case: dict[str, Any]) -> None:
     # the formula's own terms are what it claims: scratch and bookkeeping are small here
     assert bound(result) - result["stored"] < 0.6 * result["stored"]
     assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
+    assert result["peak"] == max(result["audit_peak"], result["ranking_peak"])
+    if case_id(case) in WITHIN_CHUNK:
+        within = chunk_bound(result["stored"], case["chunk_bytes"])
+        ratio = result["ranking_peak"] / result["stored"]
+        assert result["ranking_peak"] <= within, (ratio, result)
 
 
 def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:

@@ -302,14 +302,16 @@ def near_block(
     scores: Tensor,
     peak: Tensor | None,
     near: Near,
-    labels: tuple[Tensor, Tensor],
+    labels: tuple[Tensor, Tensor] | None,
     first: int,
     keep_values: bool,
 ) -> None:
     """Add a block of scores (columns ``first:``) to a near-duplicate scan: per row, the
     items of another label scored above ``near.hi`` (surely at or above the threshold)
     to ``near.sure``, those within the edges to ``near.found``. ``peak``: each row's
-    largest score (or None); ``labels``: those of the rows and of the columns.
+    largest score (or None); ``labels``: those of the rows and of the columns (None: no
+    column has a row's label, as in the panel route's panels). Besides the rows' copy,
+    two bool masks of them at a time.
 
     Only the rows whose largest score reaches ``near.lo`` are copied (a positive is near
     when s* is; its label's items are set aside here); NaN, an ignored item, is neither.
@@ -323,11 +325,18 @@ def near_block(
         candidates = scores.T.index_select(1, rows).T  # column by column in memory order
     else:
         candidates = scores.index_select(0, rows)
-    same_label = labels[0].index_select(0, rows).unsqueeze(1) == labels[1].unsqueeze(0)
-    candidates.masked_fill_(same_label, math.nan)
+    if labels is not None:
+        same_label = labels[0].index_select(0, rows).unsqueeze(1) == labels[1].unsqueeze(0)
+        candidates.masked_fill_(same_label, math.nan)
+        del same_label
     lo, hi = near.lo.index_select(0, rows), near.hi.index_select(0, rows)
-    near.sure.index_add_(0, rows, (candidates > hi).sum(dim=1, dtype=near.sure.dtype))
-    row, column = ((candidates >= lo) & (candidates <= hi)).nonzero(as_tuple=True)
+    above = candidates > hi
+    near.sure.index_add_(0, rows, above.sum(dim=1, dtype=near.sure.dtype))
+    # Within the edges: at or above lo and not above hi (NaN is neither).
+    inside = torch.ge(candidates, lo).logical_and_(above.logical_not_())
+    del above
+    row, column = inside.nonzero(as_tuple=True)
+    del inside
     if row.numel():
         value = candidates[row, column] if keep_values else None
         near.found.append((rows[row], column + first, value))

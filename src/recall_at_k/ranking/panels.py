@@ -86,8 +86,8 @@ def panel_band(
         # The rows that reach lo (or hold an ignored item): one read of the panel.
         peak = scores.amax(dim=1, keepdim=True)
         if state.near is not None:
-            labels = tile.labels, gallery.labels[first:stop]
-            near_block(scores, peak, state.near, labels, first, False)
+            # A panel lies outside the tile's label blocks: no column has a row's label.
+            near_block(scores, peak, state.near, None, first, False)
         if panel_rows(scores, peak, first, state, stack, workspace):
             saturate(state.lo, state.greater, options.max_k)  # panels hold no positive
     stack.flush()

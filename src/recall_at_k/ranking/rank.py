@@ -78,6 +78,24 @@ small tensors (about 6 KiB of C heap however few its pairs), and deciding them t
 takes memory in proportion to their queries (at 12,000 queries of 21-row tiles, all
 waiting to the end: about 3 MiB kept, then 3.7 MiB more to decide them)."""
 
+PENDING_SHARE = 8
+"""... or once what the waiting tiles keep (estimated: :data:`PENDING_TILE_BYTES` a tile,
+:data:`PENDING_QUERY_BYTES` a query, :data:`PENDING_PAIR_BYTES` a pair) reaches
+``chunk_bytes / PENDING_SHARE``: deciding them takes about as much again, so that the
+waiting tiles and their decision stay within a quarter of ``chunk_bytes`` however few
+queries a tile holds (at 1,600 x 2,048 items and a 512 KiB chunk, all 73 tiles of 11
+queries waited to the end: 0.9 MiB kept, then 0.6 MiB more to decide them)."""
+
+PENDING_TILE_BYTES = 6 * 2**10
+"""The C heap a waiting tile keeps however few its queries and pairs (its dozen small
+tensors)."""
+
+PENDING_QUERY_BYTES = 128
+"""What a waiting tile keeps per query: its fields (int64) and its band's counts."""
+
+PENDING_PAIR_BYTES = 32
+"""What a waiting tile keeps per in-band pair: row, column (int64) and maybe a score."""
+
 
 Collector = Callable[[Tensor, TieCounts], None]
 """``collect(positions, counts)``: per-query tie counts as :func:`rank` decides them."""
@@ -290,6 +308,7 @@ class _Tally:
         self.pending: list[tuple[Queries, Band]] = []
         self.pending_pairs = 0
         self.pending_queries = 0
+        self.pending_budget = max(1, options.chunk_bytes // PENDING_SHARE)
         total = 0 if gallery is None else int(num_queries)
         self.progress = Progress(total, options.progress)
 
@@ -309,7 +328,16 @@ class _Tally:
         self.pending_queries += tile.rows.shape[0]
         if band.near_pairs is not None:
             self.pending_pairs += band.near_pairs.rows.shape[0]
-        if self.pending_pairs >= PENDING_PAIRS or self.pending_queries >= PENDING_QUERIES:
+        kept = (
+            len(self.pending) * PENDING_TILE_BYTES
+            + self.pending_queries * PENDING_QUERY_BYTES
+            + self.pending_pairs * PENDING_PAIR_BYTES
+        )
+        if (
+            self.pending_pairs >= PENDING_PAIRS
+            or self.pending_queries >= PENDING_QUERIES
+            or kept >= self.pending_budget
+        ):
             self.flush()
 
     def flush(self) -> None:
