@@ -10,16 +10,15 @@ buffers returned at once). Before the ranking wrote its one ordered copy, ``comp
 added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one process and
 8x the gathered bytes per process under DDP; the formula allows about 1.5x here. With
 the scratch sized from ``chunk_bytes`` (tiles, panels of at most 512 columns, audit
-blocks) it measures 1.07x (query/gallery dot) to 1.16x (bidirectional euclidean); the
-issue's target, 1x + ``chunk_bytes`` (1.04x here), is not met yet (see ``memory_formula``).
+blocks) it measured 1.07x (query/gallery dot) to 1.16x (bidirectional euclidean).
 
-The issue's bound is checked apart where it holds: the peak of ``compute()`` and
-``protocol_report()`` outside the protocol audit's window (``ranking_peak`` of the
-probe: the ordered copy, the ranking and its bookkeeping) is at most the stored bytes
-plus ``chunk_bytes`` plus 1 MiB (``memory_formula.chunk_bound``), for the cases of
-:data:`WITHIN_CHUNK`. The audit's own window still exceeds it (by up to 0.46 MiB
-here; by 1.2-3.1 MiB at 24,000 x 256 items and a 4 MiB chunk, where the leave-one-out
-and bidirectional rankings exceed it too).
+Now the whole ``compute()`` and ``protocol_report()``, the protocol audit included,
+measures 1.05x-1.12x here: every case within the stored bytes plus ``chunk_bytes`` plus
+1 MiB (``memory_formula.chunk_bound``; 1.12x here), the issue's 1x + ``chunk_bytes``
+(1.04x) plus an allowance for the interpreter and the C heap. The same case moves by up
+to 0.3 MiB from run to run, so the bound is asserted only for the cases of
+:data:`WITHIN_CHUNK`, which stayed 0.47 MiB or more below it in every run; the others
+are listed in :data:`OVER_CHUNK` with what they measured.
 """
 
 from __future__ import annotations
@@ -71,32 +70,25 @@ CASES[4] = {**CASES[4], "near_duplicate": 0.5}
 CASES.append({**CASES[0], "exclude": "same_group"})
 CASES.append({**CASES[4], "exclude": "same_label_and_group"})
 
-WITHIN_CHUNK = {
-    "loo-cosine",
-    "loo-euclidean",
-    "qg-euclidean",
-    "qg-dot-same_label_and_group",
-    "bidirectional-dot",
-    "bidirectional-euclidean",
-}
-"""The cases (by test id) whose ``compute()`` outside the audit's window is within the
-issue's bound: stored bytes + ``chunk_bytes`` + 1 MiB (``memory_formula.chunk_bound``).
-Measured with a near-duplicate threshold on every case (load 8), their ranking stays
-0.32-0.59 MiB below the bound; a case closer than 0.3 MiB is left out
-(:data:`OVER_CHUNK`): the same case measures up to 0.15x apart from run to run at
-24,000 x 256 items and a 4 MiB chunk."""
+WITHIN_CHUNK = {"loo-euclidean", "qg-euclidean", "bidirectional-euclidean"}
+"""The cases (by test id) whose whole ``compute()`` (the audit's window and the rest) is
+asserted within the issue's bound plus the allowance (``memory_formula.chunk_bound``):
+measured 0.47-0.85 MiB below it in three runs (2026-12-05, a near-duplicate threshold on
+every case)."""
 
 OVER_CHUNK = {
-    "loo-dot": "ranking 1.102x, 0.22 MiB below the bound: too close to assert",
-    "qg-cosine": "ranking 1.104x, 0.20 MiB below the bound: too close to assert",
-    "qg-dot": "ranking 1.106x, 0.18 MiB below the bound: too close to assert",
-    "bidirectional-cosine": "ranking 1.111x, 0.11 MiB below the bound: too close to assert",
-    "loo-cosine-same_group": "ranking 1.097x, 0.29 MiB below the bound: too close to assert",
+    "loo-cosine": "whole 1.102-1.104x, 0.20-0.22 MiB below the bound",
+    "loo-dot": "whole 1.095-1.100x, 0.25-0.32 MiB below the bound",
+    "qg-cosine": "whole 1.116-1.118x, 0.03-0.05 MiB below the bound",
+    "qg-dot": "whole 1.077-1.089x, 0.39-0.54 MiB below the bound (0.18 in a third run)",
+    "bidirectional-cosine": "whole 1.100-1.103x, 0.22-0.25 MiB below the bound",
+    "bidirectional-dot": "whole 1.098-1.120x, 0.00-0.28 MiB below the bound",
+    "loo-cosine-same_group": "whole 1.088-1.107x, 0.16-0.39 MiB below the bound",
+    "qg-dot-same_label_and_group": "whole 1.086-1.091x, 0.37-0.43 MiB below the bound",
 }
-"""Cases left out of :data:`WITHIN_CHUNK`, with what was measured outside the audit's
-window (the bound: 1.04x + 1 MiB = 1.12x of the stored bytes). Every case's audit
-window but one exceeds the bound, by 0.04-0.46 MiB (the audit's whole-set buffers,
-being reworked); the whole ``compute()`` is within it for none yet."""
+"""Cases not asserted against the issue's bound, with what they measured (the bound:
+1.04x + 1 MiB = 1.12x of the stored bytes): within it in every run but too close to it
+to assert without a test that fails by chance."""
 
 
 def case_id(case: dict[str, Any]) -> str:
@@ -126,8 +118,7 @@ def test_compute_adds_one_copy_of_the_embeddings(case: dict[str, Any]) -> None:
     assert result["peak"] == max(result["audit_peak"], result["ranking_peak"])
     if case_id(case) in WITHIN_CHUNK:
         within = chunk_bound(result["stored"], case["chunk_bytes"])
-        ratio = result["ranking_peak"] / result["stored"]
-        assert result["ranking_peak"] <= within, (ratio, result)
+        assert result["peak"] <= within, (result["peak"] / result["stored"], result)
 
 
 def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
