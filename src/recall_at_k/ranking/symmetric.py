@@ -447,22 +447,7 @@ def _scan_rows(
     row the count (``counts`` dtype) of scores above ``hi`` (None when no row reaches
     ``lo``), and into ``found`` the pairs within ``[lo, hi]``. Only the rows reaching
     ``lo`` are copied and compared."""
-    reaching = torch.ge(peak, lo).view(-1).nonzero().view(-1)
-    if reaching.numel() == 0:
-        return None
-    greater = torch.zeros(scores.shape[0], dtype=counts, device=scores.device)
-    # At most 1 / SCAN_SHARE of the block copied at a time (all rows may reach lo).
-    for rows in torch.split(reaching, max(1, scores.shape[0] // SCAN_SHARE)):
-        candidates = scores.index_select(0, rows)
-        row_lo, row_hi = lo.index_select(0, rows), hi.index_select(0, rows)
-        above = torch.gt(candidates, row_hi)
-        greater.index_add_(0, rows, above.sum(dim=1, dtype=counts))
-        # hi >= lo for a row that reaches lo: what is above hi is at or above lo.
-        inside = torch.ge(candidates, row_lo).logical_xor_(above)
-        row, column = inside.nonzero(as_tuple=True)
-        if row.numel():
-            found.append((rows[row], column + first, None))
-    return greater
+    return _scan_axis(scores, 0, peak, lo, hi, first, counts, found)
 
 
 def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
@@ -536,21 +521,39 @@ def scan_down(
     (``counts`` dtype) of scores above ``hi`` (None when no column reaches ``lo``), and
     into ``found`` the pairs within ``[lo, hi]``. ``scores`` is kept. Only the columns
     that reach ``lo`` are gathered, in the scores' memory order."""
+    return _scan_axis(scores, 1, peak, lo, hi, first, counts, found)
+
+
+def _scan_axis(
+    scores: Tensor,
+    axis: int,
+    peak: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    first: int,
+    counts: torch.dtype,
+    found: Found,
+) -> Tensor | None:
+    """:func:`_scan_rows` (``axis`` 0: each row a query) and :func:`scan_down` (``axis``
+    1: each column a query): only the queries reaching ``lo`` are gathered, at most
+    ``1 / SCAN_SHARE`` of the block at a time (all of them may reach it), in the
+    scores' memory order."""
     reaching = torch.ge(peak, lo).view(-1).nonzero().view(-1)
     if reaching.numel() == 0:
         return None
-    greater = torch.zeros(scores.shape[1], dtype=counts, device=scores.device)
-    # At most 1 / SCAN_SHARE of the block copied at a time (all columns may reach lo).
-    for columns in torch.split(reaching, max(1, scores.shape[1] // SCAN_SHARE)):
-        candidates = torch.index_select(scores, 1, columns)
-        column_lo = lo.index_select(0, columns).view(1, -1)
-        column_hi = hi.index_select(0, columns).view(1, -1)
-        above = torch.gt(candidates, column_hi)
-        greater.index_add_(0, columns, above.sum(dim=0, dtype=counts))
-        inside = torch.ge(candidates, column_lo).logical_xor_(above)
+    size = scores.shape[axis]
+    shape = (-1, 1) if axis == 0 else (1, -1)
+    greater = torch.zeros(size, dtype=counts, device=scores.device)
+    for picked in torch.split(reaching, max(1, size // SCAN_SHARE)):
+        candidates = torch.index_select(scores, axis, picked)
+        above = torch.gt(candidates, hi.index_select(0, picked).view(shape))
+        greater.index_add_(0, picked, above.sum(dim=1 - axis, dtype=counts))
+        # hi >= lo for a query that reaches lo: what is above hi is at or above lo.
+        inside = torch.ge(candidates, lo.index_select(0, picked).view(shape)).logical_xor_(above)
         row, column = inside.nonzero(as_tuple=True)
         if row.numel():
-            found.append((columns[column], row + first, None))
+            query, item = (row, column) if axis == 0 else (column, row)
+            found.append((picked[query], item + first, None))
     return greater
 
 
