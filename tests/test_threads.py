@@ -80,6 +80,29 @@ def test_bit_identical_for_one_two_and_three_threads(layout: str, ties: str) -> 
 
 
 @pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
+def test_compute_under_inference_mode_on_worker_threads(layout: str) -> None:
+    """``compute()`` inside ``torch.inference_mode()`` with 2 threads (the workers take
+    the caller's inference mode, so the protocol audit's blocks may write into the
+    arrays the caller made there) gives the 1-thread result outside it."""
+    batches = _batches(layout)
+    with _threads(1):
+        want = _run(batches, Route())
+    with _threads(2), torch.inference_mode():
+        got = _run(batches, Route())
+    assert str(got) == str(want)
+
+
+def test_workers_run_tasks_in_the_callers_inference_mode() -> None:
+    with torch.inference_mode():
+        made = torch.zeros(4)
+        with Workers(lambda i, _: made[i : i + 1].add_(1), 2, Workspace()) as workers:
+            list(workers.map(range(4)))
+    assert made.tolist() == [1.0, 1.0, 1.0, 1.0]
+    with Workers(lambda _, __: torch.is_inference_mode_enabled(), 2, Workspace()) as workers:
+        assert list(workers.map(range(3))) == [False, False, False]
+
+
+@pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
 def test_tiles_and_blocks_run_on_worker_threads(
     layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -341,7 +341,7 @@ def _diagonal(
         labels = gallery.labels[rows], gallery.labels[rows]
         part = Near(near.lo[rows], near.hi[rows], near_sure, row_near)
         near_block(scores, peak, part, labels, rows.start, False)
-    greater = _scan_rows(scores, peak, lo, labelled.hi, rows.start, counts, row_found)
+    greater = scan_queries(scores, 0, peak, lo, labelled.hi, rows.start, counts, row_found)
     side = (_Side(greater, near_sure), row_found, row_near)
     return _Labelled(labelled._replace(scores=None), side)
 
@@ -416,8 +416,8 @@ def _scan_block(
             labels = gallery.labels[columns], gallery.labels[rows]
             part = Near(near.lo[columns], near.hi[columns], near_sure, down_near)
             near_block(scores.T, peak, part, labels, rows.start, False)
-        greater = scan_down(
-            scores, peak, block.column_lo, block.column_hi, rows.start, counts, down_found
+        greater = scan_queries(
+            scores, 1, peak, block.column_lo, block.column_hi, rows.start, counts, down_found
         )
         sides.append((_Side(greater, near_sure), down_found, down_near))
     row_found: Found = []
@@ -429,25 +429,11 @@ def _scan_block(
         labels = gallery.labels[rows], gallery.labels[columns]
         part = Near(near.lo[rows], near.hi[rows], near_sure, row_near)
         near_block(scores, peak, part, labels, columns.start, False)
-    greater = _scan_rows(scores, peak, block.row_lo, block.row_hi, columns.start, counts, row_found)
+    greater = scan_queries(
+        scores, 0, peak, block.row_lo, block.row_hi, columns.start, counts, row_found
+    )
     sides.insert(0, (_Side(greater, near_sure), row_found, row_near))
     return _Scanned(block.row_block, block.column_block, sides)
-
-
-def _scan_rows(
-    scores: Tensor,
-    peak: Tensor,
-    lo: Tensor,
-    hi: Tensor,
-    first: int,
-    counts: torch.dtype,
-    found: Found,
-) -> Tensor | None:
-    """:func:`scan` of a block's rows whose largest scores are ``peak`` ``[R, 1]``: per
-    row the count (``counts`` dtype) of scores above ``hi`` (None when no row reaches
-    ``lo``), and into ``found`` the pairs within ``[lo, hi]``. Only the rows reaching
-    ``lo`` are copied and compared."""
-    return _scan_axis(scores, 0, peak, lo, hi, first, counts, found)
 
 
 def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
@@ -507,24 +493,7 @@ def _label_blocks(
     return _LabelBlocks(lo, hi, block.has_positive, positives, int(row.shape[0]), scores)
 
 
-def scan_down(
-    scores: Tensor,
-    peak: Tensor,
-    lo: Tensor,
-    hi: Tensor,
-    first: int,
-    counts: torch.dtype,
-    found: Found,
-) -> Tensor | None:
-    """:func:`scan` of the columns of ``scores`` (each column a query, its rows items
-    ``first:``), whose largest scores are ``peak`` ``[C, 1]``: per column the count
-    (``counts`` dtype) of scores above ``hi`` (None when no column reaches ``lo``), and
-    into ``found`` the pairs within ``[lo, hi]``. ``scores`` is kept. Only the columns
-    that reach ``lo`` are gathered, in the scores' memory order."""
-    return _scan_axis(scores, 1, peak, lo, hi, first, counts, found)
-
-
-def _scan_axis(
+def scan_queries(
     scores: Tensor,
     axis: int,
     peak: Tensor,
@@ -534,9 +503,12 @@ def _scan_axis(
     counts: torch.dtype,
     found: Found,
 ) -> Tensor | None:
-    """:func:`_scan_rows` (``axis`` 0: each row a query) and :func:`scan_down` (``axis``
-    1: each column a query): only the queries reaching ``lo`` are gathered, at most
-    ``1 / SCAN_SHARE`` of the block at a time (all of them may reach it), in the
+    """:func:`scan` of a block's queries along ``axis`` (0: each row a query, its
+    columns items ``first:``; 1: each column a query, its rows items ``first:``), whose
+    largest scores are ``peak``: per query the count (``counts`` dtype) of scores above
+    ``hi`` (None when no query reaches ``lo``), and into ``found`` the pairs within
+    ``[lo, hi]``. ``scores`` is kept. Only the queries reaching ``lo`` are gathered, at
+    most ``1 / SCAN_SHARE`` of the block at a time (all of them may reach it), in the
     scores' memory order."""
     reaching = torch.ge(peak, lo).view(-1).nonzero().view(-1)
     if reaching.numel() == 0:

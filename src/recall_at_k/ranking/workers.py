@@ -90,8 +90,12 @@ class Workers(Generic[Item, Result]):
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
         self.caller: contextlib.AbstractContextManager[None] | None = None
+        self.inference = False
 
     def __enter__(self) -> Workers[Item, Result]:
+        # Inference mode is per thread: the workers take the caller's, so that a task
+        # may write into a tensor the caller made under torch.inference_mode().
+        self.inference = torch.is_inference_mode_enabled()
         if self.count > 1:
             self.pool = _single_threaded_pool(self.count)
             # The caller merges on one thread while the workers hold the cores.
@@ -111,7 +115,8 @@ class Workers(Generic[Item, Result]):
         workspace = getattr(self.local, "workspace", None)
         if workspace is None:
             workspace = self.local.workspace = Workspace()
-        return self.task(item, workspace)
+        with torch.inference_mode(self.inference):
+            return self.task(item, workspace)
 
     def map(self, items: Iterable[Item]) -> Iterator[Result]:
         """The task's result for each item, in order. ``items`` is read lazily: an item
