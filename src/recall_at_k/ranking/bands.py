@@ -101,6 +101,12 @@ def tile_mode(
     return mode
 
 
+PENDING_SHARE = 8
+"""What waits to be decided -- the tiles' waiting bands (``rank``) and the symmetric
+route's waiting in-band pairs -- takes at most ``chunk_bytes / PENDING_SHARE``; deciding
+it takes about as much again."""
+
+
 class RankOptions(NamedTuple):
     """What a ranking needs to know besides the items."""
 

@@ -35,6 +35,7 @@ from recall_at_k._types import Similarity
 from recall_at_k.ranking.bands import (
     AUTO_ROUTE,
     NEAR_COUNTS,
+    PENDING_SHARE,
     Band,
     RankOptions,
     Route,
@@ -78,13 +79,12 @@ small tensors (about 6 KiB of C heap however few its pairs), and deciding them t
 takes memory in proportion to their queries (at 12,000 queries of 21-row tiles, all
 waiting to the end: about 3 MiB kept, then 3.7 MiB more to decide them)."""
 
-PENDING_SHARE = 8
-"""... or once what the waiting tiles keep (estimated: :data:`PENDING_TILE_BYTES` a tile,
-:data:`PENDING_QUERY_BYTES` a query, :data:`PENDING_PAIR_BYTES` a pair) reaches
-``chunk_bytes / PENDING_SHARE``: deciding them takes about as much again, so that the
-waiting tiles and their decision stay within a quarter of ``chunk_bytes`` however few
-queries a tile holds (at 1,600 x 2,048 items and a 512 KiB chunk, all 73 tiles of 11
-queries waited to the end: 0.9 MiB kept, then 0.6 MiB more to decide them)."""
+# ... or once what the waiting tiles keep (estimated: PENDING_TILE_BYTES a tile,
+# PENDING_QUERY_BYTES a query, PENDING_PAIR_BYTES a pair) reaches chunk_bytes /
+# PENDING_SHARE (bands): deciding them takes about as much again, so that the waiting
+# tiles and their decision stay within a quarter of chunk_bytes however few queries a
+# tile holds (at 1,600 x 2,048 items and a 512 KiB chunk, all 73 tiles of 11 queries
+# waited to the end: 0.9 MiB kept, then 0.6 MiB more to decide them).
 
 PENDING_TILE_BYTES = 6 * 2**10
 """The C heap a waiting tile keeps however few its queries and pairs (its dozen small

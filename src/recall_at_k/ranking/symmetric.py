@@ -20,6 +20,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace, count_dtype
 from recall_at_k.ranking.bands import (
+    PENDING_SHARE,
     SPARSE_MAX_BLOCK_FRACTION,
     SYMMETRIC_MIN_ROWS,
     Band,
@@ -245,11 +246,6 @@ it holds at most this many labels (a slice each), else by one scatter."""
 SCAN_SHARE = 8
 """A block's scan copies the rows (or columns) that reach their band at most
 ``1 / SCAN_SHARE`` of the block at a time: its scratch stays small beside the block."""
-
-PENDING_SHARE = 8
-"""The in-band pairs that wait for later blocks take at most ``chunk_bytes /
-PENDING_SHARE`` (as many as ``route.pending_pairs``): beyond, the remaining queries are
-ranked by the tiles, which decide their pairs as they go."""
 
 PAIR_BYTES = 16
 """The bytes of a waiting pair: its query's row and its item's column, int64."""
