@@ -32,6 +32,7 @@ from recall_at_k._types import (
     Ties,
 )
 from recall_at_k.ranking import bands as _bands
+from recall_at_k.ranking import budget as _budget
 from recall_at_k.ranking import gallery as _gallery
 from recall_at_k.ranking import ordered as _ordered
 from recall_at_k.ranking import outcomes as _ranking_outcomes
@@ -419,7 +420,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             return self._rank_sharded(source, meta, computing)
         # The one whole copy: the stored items in the ranking's order, bit for bit
         # (audited so), then prepared in place.
-        block = self._block_bytes(source.shape[1])
+        block = self._block_bytes(source.shape[1], meta.shape[0])
         ordered = _ordered.ordered_items(
             source, meta[:, _items.LABEL], self._directions(meta), None, block
         )
@@ -431,7 +432,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         audits = self._audits((embeddings, meta), directions)
         _ordered.normalise(embeddings, self.similarity, block)
         check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
-        options, known = self._rank_options(audits, check_nan)
+        options, known = self._rank_options(audits, check_nan, meta.shape[0])
         group = self._gathered  # shard across processes only when states are gathered
         shared = _rank.rank_shared(
             embeddings,
@@ -445,12 +446,17 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         )
         return self._ranked(shared, audits, directions, computing, 0)
 
-    def _block_bytes(self, width: int) -> int:
-        """Rows of ``width`` are copied, prepared and audited this many bytes at a time:
-        a share of ``chunk_bytes`` (the ranking's tiles take another), but at least
-        ``BLOCK_MIN_ROWS`` rows (their float64 copies)."""
+    def _scratch_bytes(self, items: int) -> int:
+        """The scratch of a ranking of ``items`` items: what ``chunk_bytes`` leaves
+        beside their bookkeeping (:mod:`recall_at_k.ranking.budget`)."""
+        return _budget.scratch_bytes(self.chunk_bytes, items)
+
+    def _block_bytes(self, width: int, items: int) -> int:
+        """Rows of ``width`` are copied, prepared and audited this many bytes at a time
+        in a ranking of ``items`` items: a share of its scratch (the ranking's tiles take
+        another), but at least ``BLOCK_MIN_ROWS`` rows (their float64 copies)."""
         least = _audit.BLOCK_MIN_ROWS * 16 * width
-        return max(1, self.chunk_bytes // _audit.AUDIT_SHARE, least)
+        return max(1, self._scratch_bytes(items) // _audit.AUDIT_SHARE, least)
 
     def _rank_sharded(
         self, source: _sync.BroadcastRows, meta: Tensor, computing: bool
@@ -461,24 +467,29 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         audit's codes are made without any process holding every row."""
         directions = _items.narrow_sides(self._directions(meta), meta.shape[0])
         audits = self._audits(self._sharded_codes(source, meta), directions)
-        options, known = self._rank_options(audits, self.validate_args)
+        options, known = self._rank_options(audits, self.validate_args, None)
         labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
         shared, _ = _sharded.rank_sharded(source, labels, groups, directions, options, known)
         return self._ranked(shared, audits, directions, computing, 1)
 
     def _rank_options(
-        self, audits: Sequence[_audit.DirectionAudit | None] | None, check_nan: bool
+        self,
+        audits: Sequence[_audit.DirectionAudit | None] | None,
+        check_nan: bool,
+        items: int | None,
     ) -> tuple[_bands.RankOptions, list[Tensor | None] | None]:
         """The ranking's options, and per direction the queries known to have a near
         positive / negative (the audit's copies; only with ``near_duplicate`` and an
-        audit)."""
+        audit). The ranking of ``items`` items in one copy takes the scratch that
+        ``chunk_bytes`` leaves beside their bookkeeping; a sharded one (None) has its
+        own shares of ``chunk_bytes``."""
         near = self.near_duplicate if audits is not None else None
         options = _bands.RankOptions(
             self.similarity,
             self.exclude,
             self.ties,
             self.max_k,
-            self.chunk_bytes,
+            self.chunk_bytes if items is None else self._scratch_bytes(items),
             check_nan,
             near,
             self.progress,
@@ -586,12 +597,17 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 meta[:, _items.LABEL],
                 directions,
                 self.similarity,
-                self._block_bytes(source.shape[1]),
+                self._block_bytes(source.shape[1], meta.shape[0]),
             )
             embeddings, order = ordered.embeddings, ordered.order
             check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
             options = _bands.RankOptions(
-                self.similarity, self.exclude, self.ties, self.max_k, self.chunk_bytes, check_nan
+                self.similarity,
+                self.exclude,
+                self.ties,
+                self.max_k,
+                self._scratch_bytes(meta.shape[0]),
+                check_nan,
             )
             records = _ranking_outcomes.rank_outcomes(
                 embeddings,
@@ -614,7 +630,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ) -> list[Tensor | None]:
         """Every query's outcome record with the gallery sharded (gathered on every
         process)."""
-        options = self._rank_options(None, self.validate_args)[0]._replace(progress=False)
+        options = self._rank_options(None, self.validate_args, None)[0]._replace(progress=False)
         labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
         _, records = _sharded.rank_sharded(
             source, labels, groups, directions, options, outcomes=True
@@ -683,7 +699,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             if meta.shape[0] and self.sharded and isinstance(source, _sync.BroadcastRows):
                 stored = self._sharded_codes(source, meta)  # no whole copy of the rows
             elif meta.shape[0]:
-                labels, block = meta[:, _items.LABEL], self._block_bytes(source.shape[1])
+                labels = meta[:, _items.LABEL]
+                block = self._block_bytes(source.shape[1], meta.shape[0])
                 ordered = _ordered.ordered_items(source, labels, sides, None, block)
                 sides = ordered.directions
                 stored = ordered.embeddings, meta.index_select(0, ordered.order)
@@ -708,7 +725,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             return None
         options = _audit.options_of(self)
         if not callable(stored):
-            options = options._replace(block_bytes=self._block_bytes(stored[0].shape[1]))
+            embeddings, meta = stored
+            # Blocks of a share of the scratch, whatever the rows' width.
+            share = max(1, self._scratch_bytes(meta.shape[0]) // _audit.AUDIT_SHARE)
+            block = self._block_bytes(embeddings.shape[1], meta.shape[0])
+            options = options._replace(block_bytes=block, share=share)
         return _audit.audit_directions(stored, sides[: len(self._prefixes)], options)
 
     def _audit(
