@@ -348,11 +348,14 @@ def project(rows: list[dict[str, Any]], name: str) -> Projection | None:
     """Scale a configuration's measured rows to 10M x 1024-d items on 8 processes.
 
     The added peak, fitted as bytes per item times N, is split into the formula's
-    ``BYTES_PER_ITEM`` of bookkeeping an item (which grows with neither D nor the
-    processes) and the rest, which grows with D; tiles are the formula's at the default
-    ``chunk_bytes`` on a GPU. The gathered copy holds every item whatever the number of
-    processes; the sharded configuration's embedding terms scale with a process's share
-    of the items (N / processes).
+    ``BOOKKEEPING_BYTES_PER_ITEM`` of bookkeeping an item (which grows with neither D nor
+    the processes) and the rest, which grows with D. The gathered ranking's bookkeeping
+    and scratch come out of ``chunk_bytes`` (``formula.chunk_bound``, at the default
+    ``chunk_bytes``); the sharded one keeps its bookkeeping beside
+    ``SHARDED_SCRATCH_TILES`` tiles of the default ``chunk_bytes`` on a GPU. The
+    gathered copy holds every item whatever the number of processes; the sharded
+    configuration's embedding terms scale with a process's share of the items
+    (N / processes).
     Received bytes: the measured floating-point bytes a process receives, per item
     received, scaled to the target's D and to the items it receives there.
     """
@@ -361,14 +364,18 @@ def project(rows: list[dict[str, Any]], name: str) -> Projection | None:
         return None
     world = CONFIGS[name].world
     per_item, _ = fit(mine, "peak")
-    bookkeeping = min(float(formula.BYTES_PER_ITEM), max(per_item, 0.0))  # x N
+    bookkeeping = min(float(formula.BOOKKEEPING_BYTES_PER_ITEM), max(per_item, 0.0))  # x N
     embedding = max(per_item - bookkeeping, 0.0)  # x N, grows with D
     # gathered: a copy of every item; sharded: of a process's share (N / processes)
     share = world / TARGET_WORLD if name == "sharded" else 1.0
     widen = TARGET_DIM / DIM
-    tiles = formula.SCRATCH_TILES * formula.tile_bytes(formula.DEFAULT_CHUNK_BYTES, "cuda")
-    added = (embedding * widen * share + bookkeeping) * TARGET_ITEMS
-    added += tiles + formula.FIXED_BYTES
+    copy = int(embedding * widen * share * TARGET_ITEMS)
+    if name == "sharded":
+        tiles = formula.SHARDED_SCRATCH_TILES * formula.DEFAULT_CHUNK_BYTES
+        added = float(copy + bookkeeping * TARGET_ITEMS + tiles)
+    else:
+        chunk = formula.DEFAULT_CHUNK_BYTES
+        added = float(formula.chunk_bound(copy, chunk, TARGET_ITEMS, TARGET_DIM))
     stored = TARGET_ITEMS // TARGET_WORLD * TARGET_DIM * 4
     per_received, _ = fit(mine, "received")
     if world > 1:
@@ -397,9 +404,11 @@ def projection_text(rows: list[dict[str, Any]]) -> str:
         f" {TARGET_ITEMS // TARGET_WORLD:,} items ({stored / gb:.1f} GB; all of them:"
         f" {stored_all / gb:.1f} GB). The measured peak a process's `compute()` adds is"
         " fitted as bytes per item times N; the formula's"
-        f" {formula.BYTES_PER_ITEM} bytes an item of bookkeeping are kept as they are,"
-        f" the rest grows with D ({TARGET_DIM} / {DIM}), and the tiles are the formula's"
-        f" {formula.SCRATCH_TILES} x the default 256 MiB `chunk_bytes`."
+        f" {formula.BOOKKEEPING_BYTES_PER_ITEM} bytes an item of bookkeeping are kept as"
+        f" they are, the rest grows with D ({TARGET_DIM} / {DIM}); gathered, the"
+        " bookkeeping and scratch come out of the default 256 MiB `chunk_bytes` (or the"
+        " least that holds them); sharded, the scratch is"
+        f" {formula.SHARDED_SCRATCH_TILES} x that `chunk_bytes` beside the bookkeeping."
     )
     for label, found in (("Gathered", gathered), ("Sharded", sharded)):
         if found is None:

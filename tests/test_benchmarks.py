@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 from memory_formula import (
-    BYTES_PER_ITEM,
+    BOOKKEEPING_BYTES_PER_ITEM,
     DEFAULT_CHUNK_BYTES,
-    FIXED_BYTES,
-    SCRATCH_TILES,
+    SHARDED_SCRATCH_TILES,
+    chunk_bound,
     gathered_bytes_received,
     ring_bytes_received,
 )
@@ -287,29 +287,33 @@ def test_scale_runs_every_configuration_with_a_sharded_metric(
 
 
 def test_scale_projection_uses_the_fitted_bytes_per_item() -> None:
-    """The projection from made-up rows: gathered, a copy of every item plus the
-    bookkeeping per item; sharded, a copy of a process's share plus the same bookkeeping."""
+    """The projection from made-up rows: gathered, a copy of every item plus
+    ``chunk_bytes`` (which holds the bookkeeping, or the least that does); sharded, a copy
+    of a process's share plus the bookkeeping per item and its tiles."""
     scale = _scale()
     dim = scale.DIM
+    per_item = BOOKKEEPING_BYTES_PER_ITEM
     rows = []
     for num in (1000, 3000):
         base = {"num": num, "available": True, "received_other": 0}
         others = num - num // 4
         rows.append({**base, "config": "gathered", "world": 4,
-                     "peak": (dim * 4 + BYTES_PER_ITEM) * num + 5_000_000,
+                     "peak": (dim * 4 + per_item) * num + 5_000_000,
                      "received": others * dim * 4})  # fmt: skip
         rows.append({**base, "config": "sharded", "world": 4,
-                     "peak": (dim * 4 // 4 + BYTES_PER_ITEM) * num + 5_000_000,
+                     "peak": (dim * 4 // 4 + per_item) * num + 5_000_000,
                      "received": 2 * others * dim * 4})  # fmt: skip
     gathered = scale.project(rows, "gathered")
     sharded = scale.project(rows, "sharded")
-    assert gathered.bytes_per_item == pytest.approx(dim * 4 + BYTES_PER_ITEM)
+    assert gathered.bytes_per_item == pytest.approx(dim * 4 + per_item)
     assert gathered.copies == pytest.approx(1.0)  # of every item's embeddings
     assert sharded.copies == pytest.approx(1.0)  # of a process's share
     items, width, world = scale.TARGET_ITEMS, scale.TARGET_DIM, scale.TARGET_WORLD
-    fixed = SCRATCH_TILES * DEFAULT_CHUNK_BYTES + FIXED_BYTES
-    assert gathered.added == pytest.approx((width * 4 + BYTES_PER_ITEM) * items + fixed)
-    assert sharded.added == pytest.approx((width * 4 / world + BYTES_PER_ITEM) * items + fixed)
+    copy = items * width * 4
+    want = chunk_bound(copy, DEFAULT_CHUNK_BYTES, items, width)
+    assert gathered.added == pytest.approx(want, rel=1e-6)
+    tiles = SHARDED_SCRATCH_TILES * DEFAULT_CHUNK_BYTES
+    assert sharded.added == pytest.approx(copy / world + per_item * items + tiles, rel=1e-6)
     assert gathered.total == pytest.approx(gathered.added + items // world * width * 4)
     assert gathered.received == pytest.approx(gathered_bytes_received(items, width, world))
     assert sharded.received == pytest.approx(ring_bytes_received(items, width, world))

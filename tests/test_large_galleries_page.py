@@ -16,12 +16,12 @@ from typing import Any
 import memory_formula as formula
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k.ranking import rank
+from recall_at_k.ranking import budget, rank
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "large-galleries.md").read_text(encoding="utf-8")
 TEXT = " ".join(PAGE.split())  # sentences wrapped over lines, on one line
-MiB = 2**20
+KiB, MiB = 2**10, 2**20
 GPU = 40e9  # the example GPU's memory
 TIMES = {1: "once", 2: "twice"}
 
@@ -47,38 +47,48 @@ def test_the_formula_constants_are_the_package_defaults() -> None:
 
 def test_the_page_states_the_tested_formula() -> None:
     assert f"\n    {formula.COPIES} x N x D x 4 bytes " in PAGE
-    assert f"\n  + {formula.SCRATCH_TILES} x tile " in PAGE
-    assert f"(on CPU at most {formula.CPU_TILE_BYTES // MiB} MiB)" in PAGE
-    assert f"\n  + {formula.BYTES_PER_ITEM} bytes x N " in PAGE
-    assert f"\n  + {formula.FIXED_BYTES // MiB} MiB " in PAGE
-    assert formula.compute_bound(1000, 10, MiB) == (
-        formula.COPIES * 1000
-        + formula.SCRATCH_TILES * MiB
-        + formula.BYTES_PER_ITEM * 10
-        + formula.FIXED_BYTES
+    assert "\n  + chunk_bytes " in PAGE
+    per_item = formula.BOOKKEEPING_BYTES_PER_ITEM
+    assert f"and {per_item} bytes x N of bookkeeping" in TEXT
+    reserved, least_scratch = budget.RESERVED_BYTES // KiB, budget.MIN_SCRATCH_BYTES // KiB
+    per_width = budget.BLOCK_SHARE * budget.MIN_BLOCK_ROWS * 16
+    assert f"(and {reserved} KiB for the interpreter and the C heap)" in TEXT
+    assert (
+        f"the bound needs at least {per_item} bytes x N + {reserved} KiB + {least_scratch} KiB"
+        f" (or {per_width} bytes x D, if larger)." in TEXT
     )
+    assert f"of that scratch (at least {budget.MIN_BLOCK_ROWS} rows)" in TEXT
+    for items, width in ((10, 3), (10**6, 1024), (1600, 2048), (24_000, 256)):
+        least = per_item * items + budget.RESERVED_BYTES
+        least += max(budget.MIN_SCRATCH_BYTES, per_width * width)
+        assert formula.least_chunk_bytes(items, width) == least
+        for chunk in (1, least, 2 * least):
+            assert formula.chunk_bound(1000, chunk, items, width) == 1000 + max(chunk, least)
+    # the scratch the ranking takes is what the bookkeeping leaves of chunk_bytes
+    least = formula.least_chunk_bytes(24_000, 256)
+    assert budget.scratch_bytes(4 * MiB, 24_000) == 4 * MiB - budget.bookkeeping_bytes(24_000)
+    assert budget.scratch_bytes(least, 24_000) >= budget.MIN_SCRATCH_BYTES
 
 
 def test_the_example_adds_up() -> None:
     items, width = 10**6, 1024
     stored = items * width * 4
-    default = formula.compute_bound(stored, items, formula.DEFAULT_CHUNK_BYTES)
-    smaller = formula.compute_bound(stored, items, 32 * MiB)
+    default = formula.chunk_bound(stored, formula.DEFAULT_CHUNK_BYTES, items, width)
+    smaller = formula.chunk_bound(stored, 128 * MiB, items, width)
+    assert formula.least_chunk_bytes(items, width) < 128 * MiB
     assert f"({stored / 1e9:.1f} GB stored)" in TEXT
     terms = (
-        f"{stored / 1e9:.1f} GB + {formula.SCRATCH_TILES} x"
-        f" {formula.DEFAULT_CHUNK_BYTES // MiB} MiB + {formula.BYTES_PER_ITEM * items / 1e6:.0f}"
-        f" MB + {formula.FIXED_BYTES // MiB} MiB, about {default / 1e9:.1f} GB, on a GPU"
+        f"{stored / 1e9:.1f} GB + {formula.DEFAULT_CHUNK_BYTES // MiB} MiB, about"
+        f" {default / 1e9:.1f} GB, on a GPU"
     )
     assert terms in TEXT
     assert f"`chunk_bytes={formula.DEFAULT_CHUNK_BYTES // MiB} * 2**20`" in TEXT
-    scratch = formula.SCRATCH_TILES * formula.tile_bytes(32 * MiB, "cuda")
-    assert f"the scratch falls to {scratch // MiB} MiB and the peak to about" in TEXT
-    assert f"to about {smaller / 1e9:.1f} GB" in TEXT
-    cpu = formula.SCRATCH_TILES * formula.tile_bytes(formula.DEFAULT_CHUNK_BYTES, "cpu")
+    bookkeeping = formula.BOOKKEEPING_BYTES_PER_ITEM * items
+    assert f"their bookkeeping takes {bookkeeping / 1e6:.0f} MB of it." in TEXT
+    assert f"`chunk_bytes=128 * 2**20` the peak falls to about {smaller / 1e9:.1f} GB." in TEXT
     assert (
-        f"On CPU tiles never exceed {formula.CPU_TILE_BYTES // MiB} MiB, so the default adds at"
-        f" most {cpu // MiB} MiB of scratch." in TEXT
+        f"On CPU a tile never exceeds {formula.CPU_TILE_BYTES // MiB} MiB, whatever"
+        " `chunk_bytes`." in TEXT
     )
 
 
@@ -87,7 +97,7 @@ def test_when_to_shard() -> None:
     world, width = 8, 1024
     small, large = 10**6, 10**7
     small_copy, large_copy = small * width * 4, large * width * 4
-    added = formula.compute_bound(small_copy, small, formula.DEFAULT_CHUNK_BYTES)
+    added = formula.chunk_bound(small_copy, formula.DEFAULT_CHUNK_BYTES, small, width)
     assert f"on {world} GPUs of {GPU / 1e9:.0f} GB" in text
     assert f"one million {width}-d float32 items take a {small_copy / 1e9:.1f} GB copy" in text
     assert f"({added / 1e9:.1f} GB added in all with the default `chunk_bytes`), which fits" in text
@@ -152,7 +162,8 @@ def test_reading_the_scale_benchmark() -> None:
     assert 'pairs = r["num"] * (r["num"] - 1)' in inspect.getsource(scale.table)
     assert "ten million 1024-d items on 8 GPUs" in text
     projection = inspect.getsource(scale.project)
-    assert "formula.BYTES_PER_ITEM" in projection and "widen = TARGET_DIM / DIM" in projection
+    assert "formula.BOOKKEEPING_BYTES_PER_ITEM" in projection
+    assert "widen = TARGET_DIM / DIM" in projection
     assert 'share = world / TARGET_WORLD if name == "sharded" else 1.0' in projection
     assert (scale.TARGET_ITEMS, scale.TARGET_DIM, scale.TARGET_WORLD) == (10**7, 1024, 8)
 

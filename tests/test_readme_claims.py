@@ -196,3 +196,19 @@ def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     assert "leaves out the memory probes and benchmark smoke runs" in _flat(DOCS["index.md"])
     for name in ("test_memory.py", "test_benchmarks.py"):
         assert (ROOT / "tests" / name).exists()
+
+
+def test_the_readme_states_the_memory_bound_of_the_large_galleries_page() -> None:
+    """The README's memory sentence is the page's formula (``tests/memory_formula.py``,
+    measured by ``tests/test_memory.py``): one copy plus ``chunk_bytes``, which holds
+    the bookkeeping."""
+    from recall_at_k.ranking import budget
+
+    per_item = budget.BOOKKEEPING_BYTES_PER_ITEM
+    text = _flat(README)
+    assert (
+        "`compute()` adds one copy of the stored (under DDP, gathered) embeddings plus"
+        f" `chunk_bytes`, which holds its tiles, scratch and bookkeeping ({per_item} bytes"
+        " an item);" in text
+    )
+    assert f"and {per_item} bytes x N of bookkeeping" in _flat(DOCS["large-galleries.md"])

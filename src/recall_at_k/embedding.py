@@ -453,10 +453,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     def _block_bytes(self, width: int, items: int) -> int:
         """Rows of ``width`` are copied, prepared and audited this many bytes at a time
-        in a ranking of ``items`` items: a share of its scratch (the ranking's tiles take
-        another), but at least ``BLOCK_MIN_ROWS`` rows (their float64 copies)."""
-        least = _audit.BLOCK_MIN_ROWS * 16 * width
-        return max(1, self._scratch_bytes(items) // _audit.AUDIT_SHARE, least)
+        in a ranking of ``items`` items (:func:`recall_at_k.ranking.budget.block_bytes`)."""
+        return _budget.block_bytes(self._scratch_bytes(items), width)
 
     def _rank_sharded(
         self, source: _sync.BroadcastRows, meta: Tensor, computing: bool
@@ -727,7 +725,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if not callable(stored):
             embeddings, meta = stored
             # Blocks of a share of the scratch, whatever the rows' width.
-            share = max(1, self._scratch_bytes(meta.shape[0]) // _audit.AUDIT_SHARE)
+            share = max(1, self._scratch_bytes(meta.shape[0]) // _budget.BLOCK_SHARE)
             block = self._block_bytes(embeddings.shape[1], meta.shape[0])
             options = options._replace(block_bytes=block, share=share)
         return _audit.audit_directions(stored, sides[: len(self._prefixes)], options)

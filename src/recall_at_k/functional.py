@@ -43,6 +43,7 @@ from recall_at_k._types import (
     Ties,
 )
 from recall_at_k.ranking import bands as _bands
+from recall_at_k.ranking import budget as _budget
 from recall_at_k.ranking import gallery as _gallery
 from recall_at_k.ranking import ordered as _ordered
 from recall_at_k.ranking import progress as _progress
@@ -425,8 +426,10 @@ def embedding_recall_at_k(
     query_side = _gallery.select(is_query, identity)
     gallery_side = _gallery.select(is_query if gallery is None else ~is_query, identity)
     # The one whole copy: the items, prepared, in the ranking's order.
-    # Rows prepared a share of chunk_bytes at a time (at least 64 rows: float64 copies).
-    block = max(1, chunk_bytes // 4, 64 * 16 * queries.shape[1])
+    # Beside the one copy, chunk_bytes holds the bookkeeping and the scratch; rows are
+    # prepared a share of the scratch at a time.
+    scratch = _budget.scratch_bytes(chunk_bytes, num)
+    block = _budget.block_bytes(scratch, queries.shape[1])
     ordered = _ordered.ordered_items(
         source, labels, [(query_side, gallery_side)], similarity, block
     )
@@ -437,7 +440,7 @@ def embedding_recall_at_k(
         exclude,
         ties,
         max(ks),
-        chunk_bytes,
+        scratch,
         validate_args and _score.may_produce_nan(embeddings, similarity),
         progress=progress,
     )

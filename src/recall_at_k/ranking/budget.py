@@ -2,18 +2,17 @@
 copy of the embeddings.
 
 ``compute()`` adds one copy of the stored (or gathered) embeddings, in the ranking's
-order (:mod:`~recall_at_k.ranking.ordered`), and everything else it holds comes out of
+order (:mod:`~recall_at_k.ranking.ordered`); everything else it holds comes out of
 ``chunk_bytes``: per item, the labels, sides, orders and per-query counts of the
-bookkeeping (about :data:`BOOKKEEPING_BYTES_PER_ITEM` bytes); the C heap's and the
+bookkeeping (at most :data:`BOOKKEEPING_BYTES_PER_ITEM` bytes); the C heap's and the
 interpreter's share (:data:`RESERVED_BYTES`); and what is left, the scratch
-(:func:`scratch_bytes`), sizes every tile, panel, block, waiting band and re-scoring
-batch (:class:`~recall_at_k.ranking.bands.RankOptions` ``chunk_bytes``) and the blocks
-that the ordered copy and the protocol audit read.
+(:func:`scratch_bytes`), which sizes every tile, panel, block, waiting band and
+re-scoring batch (:class:`~recall_at_k.ranking.bands.RankOptions` ``chunk_bytes``), and
+the blocks that the ordered copy and the protocol audit read (:func:`block_bytes`).
 
-When ``chunk_bytes`` is too small to hold the bookkeeping of ``N`` items and
-:data:`MIN_SCRATCH_BYTES`, the scratch is :data:`MIN_SCRATCH_BYTES` (or ``chunk_bytes``,
-if smaller) and ``compute()`` adds more than ``chunk_bytes``: :func:`least_chunk_bytes` says how much ``chunk_bytes``
-the bound needs. Results never depend on it.
+A ``chunk_bytes`` too small to hold the bookkeeping of ``N`` items and the least
+scratch cannot bound what ``compute()`` adds: :func:`least_chunk_bytes` is the smallest
+that can. Results never depend on any of it.
 """
 
 from __future__ import annotations
@@ -28,7 +27,15 @@ during ``compute()`` and freed blocks below the C library's mmap threshold that 
 resident while a later block lies above them."""
 
 MIN_SCRATCH_BYTES = 2**18
-"""The least scratch a ranking takes, whatever ``chunk_bytes``."""
+"""The least scratch a ranking takes (unless ``chunk_bytes`` itself is smaller)."""
+
+BLOCK_SHARE = 4
+"""The ordered copy, ``"cosine"``'s normalisation and the protocol audit read rows in
+blocks of ``scratch / BLOCK_SHARE`` (their float64 and bit-pattern copies)..."""
+
+MIN_BLOCK_ROWS = 4
+"""... of at least this many rows (a float64 copy of a row: 8 bytes a value, and one
+more working copy)."""
 
 
 def bookkeeping_bytes(items: int) -> int:
@@ -40,11 +47,18 @@ def bookkeeping_bytes(items: int) -> int:
 def scratch_bytes(chunk_bytes: int, items: int) -> int:
     """The scratch of a ranking of ``items`` items within ``chunk_bytes``: what the
     bookkeeping leaves, at least :data:`MIN_SCRATCH_BYTES` (or ``chunk_bytes`` itself,
-    if smaller: a ``chunk_bytes`` below it sizes the tiles as it says)."""
+    if smaller: such a ``chunk_bytes`` sizes the tiles as it says)."""
     return max(chunk_bytes - bookkeeping_bytes(items), min(chunk_bytes, MIN_SCRATCH_BYTES))
 
 
-def least_chunk_bytes(items: int) -> int:
-    """The smallest ``chunk_bytes`` that holds the bookkeeping of ``items`` items and
-    :data:`MIN_SCRATCH_BYTES` of scratch."""
-    return bookkeeping_bytes(items) + MIN_SCRATCH_BYTES
+def block_bytes(scratch: int, width: int) -> int:
+    """The blocks of rows of ``width`` read by the ordered copy, the normalisation and
+    the audit: a share of ``scratch``, at least :data:`MIN_BLOCK_ROWS` rows."""
+    return max(1, scratch // BLOCK_SHARE, MIN_BLOCK_ROWS * 16 * width)
+
+
+def least_chunk_bytes(items: int, width: int) -> int:
+    """The smallest ``chunk_bytes`` that holds the bookkeeping of ``items`` items and a
+    scratch whose blocks of rows of ``width`` are within their share."""
+    least_scratch = max(MIN_SCRATCH_BYTES, BLOCK_SHARE * MIN_BLOCK_ROWS * 16 * width)
+    return bookkeeping_bytes(items) + least_scratch
