@@ -131,6 +131,27 @@ def narrow_sides(directions: list[Any], num: int) -> list[Any]:
     return out
 
 
+def label_columns(meta: Tensor, with_groups: bool) -> Tensor:
+    """``[2, N]``: the labels and groups of the items, int32 where every value fits (the
+    ranking and the audit only compare and sort them: the same order and equalities),
+    else int64; the groups a view of the labels where ``with_groups`` is False (nothing
+    reads them)."""
+    columns = meta[:, LABEL : GROUP + 1].T if with_groups else meta[:, LABEL].unsqueeze(0)
+    dtype = torch.int64
+    if columns.numel():
+        low, high = (int(v) for v in torch.aminmax(columns))
+        dtype = torch.int32 if low >= -(2**31) and high < 2**31 else torch.int64
+    columns = columns.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    return columns if with_groups else columns.expand(2, -1)
+
+
+def take_columns(columns: Tensor, order: Tensor) -> Tensor:
+    """:func:`label_columns` of the items ``order`` names (a view of the groups kept)."""
+    if columns.stride(0) == 0:
+        return columns[0].index_select(0, order).unsqueeze(0).expand(2, -1)
+    return columns.index_select(1, order)
+
+
 def check_groups(meta: Tensor, exclude: str) -> None:
     """Every item has a group when ``exclude`` reads them (``merge_state`` of items
     added without ``groups`` would otherwise pass unnoticed)."""

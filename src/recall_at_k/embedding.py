@@ -420,24 +420,29 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             return self._rank_sharded(source, meta, computing)
         # The one whole copy: the stored items in the ranking's order, bit for bit
         # (audited so), then prepared in place.
-        block = self._block_bytes(source.shape[1], meta.shape[0])
-        ordered = _ordered.ordered_items(
-            source, meta[:, _items.LABEL], self._directions(meta), None, block
-        )
+        num = meta.shape[0]
+        block = self._block_bytes(source.shape[1], num)
+        # The sides int32 where the items allow, an equal side held once.
+        directions = _items.narrow_sides(self._directions(meta), num)
+        # Of the metadata only the labels (and the groups, where ``exclude`` reads
+        # them) live on, int32 where they fit, in the ranking's order (not the ids,
+        # flags and widths, nor the order itself).
+        columns = _items.label_columns(meta, self.exclude != "none")
+        del meta
+        ordered = _ordered.ordered_items(source, columns[0], directions, None, block)
+        del directions
         embeddings, directions = ordered.embeddings, ordered.directions
-        # Of the metadata only the labels and groups, in the ranking's order, live on
-        # through the ranking (not the ids, flags and widths, nor the order itself).
-        meta = meta[:, : _items.GROUP + 1].index_select(0, ordered.order)
+        columns = _items.take_columns(columns, ordered.order)
         del ordered
-        audits = self._audits((embeddings, meta), directions)
+        audits = self._audits((embeddings, columns.T), directions)
         _ordered.normalise(embeddings, self.similarity, block)
         check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
-        options, known = self._rank_options(audits, check_nan, meta.shape[0])
+        options, known = self._rank_options(audits, check_nan, num)
         group = self._gathered  # shard across processes only when states are gathered
         shared = _rank.rank_shared(
             embeddings,
-            meta[:, _items.LABEL],
-            meta[:, _items.GROUP],
+            columns[0],
+            columns[1],
             directions,
             options,
             self._route,

@@ -33,7 +33,9 @@ class Gallery(NamedTuple):
 
     Its columns are the gallery's items sorted by label (stable), so that each label's
     items are one run of adjacent columns: a query's positives are read as a contiguous
-    block of its score row.
+    block of its score row. Its labels and groups are views of the items' where its
+    rows are one run of them (:mod:`recall_at_k.ranking.ordered`); the rows have the
+    side's dtype, the runs' starts and counts :func:`index_dtype`.
     """
 
     rows: Tensor  # [G] rows of the prepared embeddings, in column order
@@ -54,7 +56,10 @@ class Gallery(NamedTuple):
 
 
 class Queries(NamedTuple):
-    """Queries in gallery terms, in label order."""
+    """Queries in gallery terms, in label order. Rows, columns and positions are
+    :func:`index_dtype` (int32 where the items allow); the rows, labels and groups are
+    the gallery's (leave-one-out) or views of the items' where the queries are one run
+    of them, else copies."""
 
     rows: Tensor  # [Q] rows of the prepared embeddings
     labels: Tensor
@@ -78,6 +83,12 @@ def identities(ids: Tensor, has_id: Tensor) -> Tensor:
     without = (~has_id).nonzero().squeeze(1)
     identity[without] = distinct.shape[0] + torch.arange(without.shape[0], device=ids.device)
     return identity
+
+
+def index_dtype(num: int) -> torch.dtype:
+    """The dtype of rows, columns and positions among ``num`` items: int32 where they
+    fit (half the bytes of every item's bookkeeping), else int64."""
+    return torch.int32 if num < 2**31 else torch.int64
 
 
 def select(plays_role: Tensor, identity: Tensor) -> Side:
@@ -106,18 +117,20 @@ def gallery_of(
 ) -> Gallery:
     """The gallery of ``side``; its norms (and centre) computed ``chunk_bytes`` of rows
     at a time (a centred copy of them for ``"euclidean"``)."""
-    labels_sorted, label_order = torch.sort(labels[side.rows], stable=True)
-    run = _run_of(side.rows)
-    if run is not None and torch.equal(labels_sorted, labels[run]):
-        # Stored in the ranking's order (:mod:`recall_at_k.ranking.ordered`): the
-        # gallery's rows, labels and groups are views, no copies of every item's.
-        rows, labels_sorted, gallery_groups = side.rows, labels[run], groups[run]
-        identity = side.identity
+    side_labels = labels[side.rows]
+    labels_sorted, label_order = torch.sort(side_labels, stable=True)
+    if torch.equal(labels_sorted, side_labels):
+        rows, identity = side.rows, side.identity  # already in label order (stable)
     else:
-        rows = side.rows[label_order]
-        gallery_groups = groups[rows]
-        identity = side.identity[label_order]
-    del label_order
+        rows, identity = side.rows[label_order], side.identity[label_order]
+    del label_order, side_labels
+    run = _run_of(rows)
+    if run is not None:
+        # Stored in the ranking's order (:mod:`recall_at_k.ranking.ordered`): the
+        # gallery's labels and groups are views, no copies of every item's.
+        labels_sorted, gallery_groups = labels[run], groups[run]
+    else:
+        gallery_groups = labels_sorted if _same(groups, labels) else groups[rows]
     gallery_embeddings = _rows_of(embeddings, rows)
     num, width = gallery_embeddings.shape
     step = max(1, chunk_bytes // max(1, width * gallery_embeddings.element_size()))
@@ -151,8 +164,12 @@ def gallery_of(
     bound = bound_coefficient(similarity, dim, dtype, embeddings.device)
     absolute = bound_absolute(similarity, dim, dtype)
     block_labels, block_counts = torch.unique_consecutive(labels_sorted, return_counts=True)
-    block_starts = torch.cumsum(block_counts, dim=0) - block_counts
+    # Copies of their own size (the storages keep the capacity of every column's).
+    block_labels = block_labels.clone()
+    block_counts = block_counts.to(index_dtype(num), copy=True)
+    block_starts = torch.cumsum(block_counts, dim=0, dtype=block_counts.dtype) - block_counts
     identity_sorted, identity_column = torch.sort(identity)
+    identity_column = identity_column.to(index_dtype(num))
     return Gallery(
         rows,
         gallery_embeddings,
@@ -179,8 +196,18 @@ def _run_of(rows: Tensor) -> slice | None:
     first = int(rows[0])
     if int(rows[-1]) != first + rows.shape[0] - 1:
         return None
-    run = torch.arange(first, first + rows.shape[0], device=rows.device)
+    run = torch.arange(first, first + rows.shape[0], dtype=rows.dtype, device=rows.device)
     return slice(first, first + rows.shape[0]) if torch.equal(rows, run) else None
+
+
+def _same(groups: Tensor, labels: Tensor) -> bool:
+    """Whether ``groups`` is a view of ``labels`` (nothing reads the groups)."""
+    return (
+        groups.data_ptr() == labels.data_ptr()
+        and groups.shape == labels.shape
+        and groups.stride() == labels.stride()
+        and groups.dtype == labels.dtype
+    )
 
 
 def _rows_of(embeddings: Tensor, rows: Tensor) -> Tensor:
@@ -230,20 +257,32 @@ def bounds(queries: Tensor, gallery: Gallery, similarity: Similarity) -> Tensor:
 def queries_of(labels: Tensor, groups: Tensor, side: Side, gallery: Gallery) -> Queries:
     """The queries in label order: a tile's label blocks are then adjacent and together
     one run of columns (what :func:`_panel_counts` computes first)."""
+    narrow = index_dtype(max(side.rows.shape[0], gallery.rows.shape[0]))
     query_labels, order = torch.sort(labels[side.rows], stable=True)
-    side = Side(side.rows[order], side.identity[order])
-    block = torch.searchsorted(gallery.block_labels, query_labels)
-    block = block.clamp(max=gallery.block_labels.shape[0] - 1)
+    rows = side.rows[order]
+    run = _run_of(rows)
+    if rows.shape == gallery.rows.shape and torch.equal(rows, gallery.rows):
+        # The gallery's own items in its order (leave-one-out): its rows, labels and
+        # groups (views where they are), not copies.
+        rows, query_labels, query_groups = gallery.rows, gallery.labels, gallery.groups
+    elif run is not None:  # stored in label order: views
+        query_labels, query_groups = labels[run], groups[run]
+    else:
+        query_groups = query_labels if _same(groups, labels) else groups[rows]
+    identity = side.identity[order]
+    order = order.to(narrow)
+    out_int32 = narrow == torch.int32
+    block = torch.searchsorted(gallery.block_labels, query_labels, out_int32=out_int32)
+    block = block.clamp_(max=gallery.block_labels.shape[0] - 1)
     found = gallery.block_labels[block] == query_labels
-    block_start = gallery.block_starts[block]
-    block_count = torch.where(found, gallery.block_counts[block], 0)
-    position = torch.searchsorted(gallery.identity_sorted, side.identity)
-    position = position.clamp(max=gallery.identity_sorted.shape[0] - 1)
-    is_self = gallery.identity_sorted[position] == side.identity
-    self_column = torch.where(is_self, gallery.identity_column[position], -1)
-    return Queries(
-        side.rows, query_labels, groups[side.rows], block_start, block_count, self_column, order
-    )
+    block_start = gallery.block_starts[block].to(narrow)
+    block_count = torch.where(found, gallery.block_counts[block], 0).to(narrow)
+    del block, found
+    position = torch.searchsorted(gallery.identity_sorted, identity, out_int32=out_int32)
+    position = position.clamp_(max=gallery.identity_sorted.shape[0] - 1)
+    is_self = gallery.identity_sorted[position] == identity
+    self_column = torch.where(is_self, gallery.identity_column[position], -1).to(narrow)
+    return Queries(rows, query_labels, query_groups, block_start, block_count, self_column, order)
 
 
 def tile_scores(

@@ -7,9 +7,11 @@ embeddings into one matrix, then into a prepared (normalised) matrix, then into 
 gallery's label order -- three whole copies -- :func:`ordered_items` writes each stored
 block, prepared a chunk at a time, straight to its rows in the ranking's order: the first
 direction's gallery sorted by label, then the second direction's gallery items not in the
-first (sorted by label), then the rest. Each gallery is then a view of that matrix
-wherever it is one run (leave-one-out, query/gallery, and both directions of disjoint
-query and gallery sets), and the rows' sides are renumbered to match.
+first (sorted by label), then the rest (sorted by label). Each gallery (and the queries,
+read in label order) is then a view of that matrix wherever it is one run (leave-one-out,
+query/gallery, and both directions of disjoint query and gallery sets), and the rows'
+sides are renumbered to match (their order kept: the audit and the per-query records
+read it).
 
 The protocol audit hashes and compares the stored bit patterns: the metric builds the
 copy without normalising it, audits it, then normalises it in place (:func:`normalise`).
@@ -25,7 +27,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.gallery import Side
+from recall_at_k.ranking.gallery import Side, index_dtype
 from recall_at_k.ranking.score import prepare_rows
 from recall_at_k.ranking.workers import Workers, worker_count
 
@@ -71,8 +73,9 @@ class Rows(Protocol):
 
 class Ordered(NamedTuple):
     """The items in the ranking's order: ``embeddings`` ``[N, D]`` (prepared), ``order``
-    (the stored row of each row), ``position`` (the row of each stored row) and the
-    directions' sides renumbered."""
+    (the stored row of each row), ``position`` (the row of each stored row; both
+    :func:`~recall_at_k.ranking.gallery.index_dtype`) and the directions' sides
+    renumbered (in their own dtype and order)."""
 
     embeddings: Tensor
     order: Tensor
@@ -82,7 +85,7 @@ class Ordered(NamedTuple):
 
 def ranking_order(labels: Tensor, directions: Sequence[tuple[Side, Side] | None]) -> Tensor:
     """The stored row of each row of the ranking's order: each direction's gallery items
-    not placed before, sorted by label (stable), then every other item."""
+    not placed before, sorted by label (stable), then every other item (by label too)."""
     num = labels.shape[0]
     placed = torch.zeros(num, dtype=torch.bool, device=labels.device)
     parts = []
@@ -96,7 +99,12 @@ def ranking_order(labels: Tensor, directions: Sequence[tuple[Side, Side] | None]
         _, by_label = torch.sort(labels[rows], stable=True)
         parts.append(rows[by_label])
         placed[rows] = True
-    parts.append((~placed).nonzero().view(-1))
+    rest = (~placed).nonzero().view(-1)
+    del placed
+    if rest.numel():  # in label order too: queries read as one run where they are
+        _, by_label = torch.sort(labels[rest], stable=True)
+        rest = rest[by_label]
+    parts.append(rest)
     return torch.cat(parts)
 
 
@@ -113,27 +121,30 @@ def ordered_items(
     renumbered to its rows. Rows are read and prepared ``chunk_bytes`` at a time (their
     copies: float64 and the dtype's, some 16 bytes a coordinate)."""
     num, width = source.shape
-    order = ranking_order(labels, directions)
+    narrow = index_dtype(num)
+    order = ranking_order(labels, directions).to(narrow)
     position = torch.empty_like(order)
     position[order] = torch.arange(num, dtype=order.dtype, device=order.device)
     dtype = torch.promote_types(source.dtype, torch.float32)
     out = torch.empty((num, width), dtype=dtype, device=source.device)
     step = max(1, chunk_bytes // (16 * max(1, width)))
     for first, rows in source.runs(step):
-        target = position[first : first + rows.shape[0]]
+        target = position[first : first + rows.shape[0]].long()  # index_copy_'s dtype
         prepared = rows.to(dtype) if similarity is None else prepare_rows(rows, similarity, dtype)
         out.index_copy_(0, target, prepared)
+    # Renumbered in the rows' own dtype; a tensor that two sides share (leave-one-out's
+    # queries and gallery, :func:`recall_at_k._items.narrow_sides`) renumbered once.
+    done: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def renumber(side: Side) -> Side:
+        key = id(side.rows)
+        if key not in done:
+            done[key] = (side.rows, position[side.rows].to(side.rows.dtype))
+        return Side(done[key][1], side.identity)
+
     renumbered: list[tuple[Side, Side] | None] = []
     for sides in directions:
-        if sides is None:
-            renumbered.append(None)
-        else:
-            renumbered.append(
-                (
-                    Side(position[sides[0].rows], sides[0].identity),
-                    Side(position[sides[1].rows], sides[1].identity),
-                )
-            )
+        renumbered.append(None if sides is None else (renumber(sides[0]), renumber(sides[1])))
     return Ordered(out, order, position, renumbered)
 
 
