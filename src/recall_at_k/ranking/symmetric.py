@@ -34,6 +34,7 @@ from recall_at_k.ranking.bands import (
     near_block,
     near_scan,
     pairs_of,
+    pooled,
     saturate,
 )
 from recall_at_k.ranking.gallery import Gallery, Queries, centred_rows, gallery_bounds, product
@@ -336,7 +337,7 @@ def _diagonal(
         near_sure = torch.zeros(peak.shape[0], dtype=counts, device=scores.device)
         labels = gallery.labels[rows], gallery.labels[rows]
         part = Near(near.lo[rows], near.hi[rows], near_sure, row_near)
-        near_block(scores, peak, part, labels, rows.start, False)
+        near_block(scores, peak, part, labels, rows.start, False, workspace)
     greater = scan_queries(
         scores, 0, peak, lo, labelled.hi, rows.start, counts, row_found, workspace
     )
@@ -413,7 +414,7 @@ def _scan_block(
             near_sure = torch.zeros(peak.shape[0], dtype=counts, device=scores.device)
             labels = gallery.labels[columns], gallery.labels[rows]
             part = Near(near.lo[columns], near.hi[columns], near_sure, down_near)
-            near_block(scores.T, peak, part, labels, rows.start, False)
+            near_block(scores.T, peak, part, labels, rows.start, False, workspace)
         greater = scan_queries(
             scores,
             1,
@@ -434,7 +435,7 @@ def _scan_block(
         near_sure = torch.zeros(peak.shape[0], dtype=counts, device=scores.device)
         labels = gallery.labels[rows], gallery.labels[columns]
         part = Near(near.lo[rows], near.hi[rows], near_sure, row_near)
-        near_block(scores, peak, part, labels, columns.start, False)
+        near_block(scores, peak, part, labels, columns.start, False, workspace)
     greater = scan_queries(
         scores, 0, peak, block.row_lo, block.row_hi, columns.start, counts, row_found, workspace
     )
@@ -516,14 +517,18 @@ def scan_queries(
     ``hi`` (None when no query reaches ``lo``), and into ``found`` the pairs within
     ``[lo, hi]``. ``scores`` is kept. Only the queries reaching ``lo`` are gathered, at
     most ``1 / SCAN_SHARE`` of the block at a time (all of them may reach it), in the
-    scores' memory order, into buffers of ``workspace`` (:func:`_scan_buffers`)."""
+    scores' memory order, into buffers of ``workspace``."""
     reaching = torch.ge(peak, lo).view(-1).nonzero().view(-1)
     if reaching.numel() == 0:
         return None
     size, other = scores.shape[axis], scores.shape[1 - axis]
     shape = (-1, 1) if axis == 0 else (1, -1)
     step = max(1, size // SCAN_SHARE)
-    values, above_marks, inside_marks = _scan_buffers(scores, step * other, workspace)
+    # Buffers of the workspace, not fresh temporaries (:func:`pooled`).
+    device = scores.device
+    values = pooled(workspace, "scan_values", step * other, scores.dtype, device)
+    above_marks = pooled(workspace, "scan_above", step * other, torch.bool, device)
+    inside_marks = pooled(workspace, "scan_inside", step * other, torch.bool, device)
     greater = torch.zeros(size, dtype=counts, device=scores.device)
     for picked in torch.split(reaching, step):
         held = picked.shape[0] * other
@@ -541,24 +546,6 @@ def scan_queries(
             query, item = (row, column) if axis == 0 else (column, row)
             found.append((picked[query], item + first, None))
     return greater
-
-
-def _scan_buffers(
-    scores: Tensor, numel: int, workspace: Workspace
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The scan's copy of its candidates and its two marks, flat, of at least ``numel``
-    each, from ``workspace``: sized to a power of two, so that they are allocated
-    once or twice per ranking, not per block. Fresh temporaries of varying size (up to
-    ``1 / SCAN_SHARE`` of a block, around the C heap's mmap threshold) between the
-    pairs kept for later fragmented the heap: its resident size grew by megabytes
-    that were free."""
-    capacity = 1 << max(0, numel - 1).bit_length()
-    device = scores.device
-    return (
-        workspace.get("scan_values", (capacity,), scores.dtype, device),
-        workspace.get("scan_above", (capacity,), torch.bool, device),
-        workspace.get("scan_inside", (capacity,), torch.bool, device),
-    )
 
 
 def ignore_in_block(
