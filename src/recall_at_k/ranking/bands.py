@@ -311,13 +311,14 @@ def near_block(
     labels: tuple[Tensor, Tensor] | None,
     first: int,
     keep_values: bool,
+    workspace: Workspace | None = None,
 ) -> None:
     """Add a block of scores (columns ``first:``) to a near-duplicate scan: per row, the
     items of another label scored above ``near.hi`` (surely at or above the threshold)
     to ``near.sure``, those within the edges to ``near.found``. ``peak``: each row's
     largest score (or None); ``labels``: those of the rows and of the columns (None: no
     column has a row's label, as in the panel route's panels). Besides the rows' copy,
-    two bool masks of them at a time.
+    two bool masks of them, in buffers of ``workspace`` (:func:`pooled`) where given.
 
     Only the rows whose largest score reaches ``near.lo`` are copied (a positive is near
     when s* is; its label's items are set aside here); NaN, an ignored item, is neither.
@@ -327,25 +328,44 @@ def near_block(
     rows = (peak < near.lo).logical_not_().view(-1).nonzero().view(-1)
     if rows.numel() == 0:
         return
+    count, width, device = rows.shape[0], scores.shape[1], scores.device
+    held = count * width
+    values = pooled(workspace, "near_values", held, scores.dtype, device)
     if scores.stride(0) == 1 and scores.stride(1) != 1:  # a transposed block: gather its rows
-        candidates = scores.T.index_select(1, rows).T  # column by column in memory order
+        # column by column in memory order
+        candidates = torch.index_select(scores.T, 1, rows, out=values.view(width, count)).T
     else:
-        candidates = scores.index_select(0, rows)
+        candidates = torch.index_select(scores, 0, rows, out=values.view(count, width))
+    above = pooled(workspace, "near_above", held, torch.bool, device).view(count, width)
     if labels is not None:
-        same_label = labels[0].index_select(0, rows).unsqueeze(1) == labels[1].unsqueeze(0)
+        row_labels = labels[0].index_select(0, rows).unsqueeze(1)
+        same_label = torch.eq(row_labels, labels[1].unsqueeze(0), out=above)
         candidates.masked_fill_(same_label, math.nan)
-        del same_label
     lo, hi = near.lo.index_select(0, rows), near.hi.index_select(0, rows)
-    above = candidates > hi
+    torch.gt(candidates, hi, out=above)
     near.sure.index_add_(0, rows, above.sum(dim=1, dtype=near.sure.dtype))
     # Within the edges: at or above lo and not above hi (NaN is neither).
-    inside = torch.ge(candidates, lo).logical_and_(above.logical_not_())
-    del above
+    inside = pooled(workspace, "near_inside", held, torch.bool, device).view(count, width)
+    torch.ge(candidates, lo, out=inside).logical_and_(above.logical_not_())
     row, column = inside.nonzero(as_tuple=True)
-    del inside
     if row.numel():
         value = candidates[row, column] if keep_values else None
         near.found.append((rows[row], column + first, value))
+
+
+def pooled(
+    workspace: Workspace | None, slot: str, numel: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """A flat buffer of at least ``numel`` elements from ``workspace`` (a fresh one
+    without), of a power-of-two size, so that a slot is allocated a few times per
+    ranking rather than once per block or panel. A scan's copies and marks, fresh
+    temporaries of varying size (many near the C heap's 128 KiB mmap threshold) made
+    between the small tensors a ranking keeps for later (pairs, views), left the heap
+    fragmented: its resident size grew by megabytes that were free."""
+    if workspace is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    capacity = 1 << max(0, numel - 1).bit_length()
+    return workspace.get(slot, (capacity,), dtype, device)[:numel]
 
 
 def gather_band(
@@ -450,7 +470,7 @@ def block_scan(
     near = near_scan(options.near_duplicate, bound, scores, total)
     if near is not None:
         labels = tile.labels, column_labels
-        near_block(scores, None, near, labels, first, keep)
+        near_block(scores, None, near, labels, first, keep, workspace)
     scan(scores, lo, hi, first, greater, found, keep, workspace, True)
     if options.exclude == "same_label_and_group":
         greater -= ((block > hi) & in_block).sum(dim=1)
@@ -543,6 +563,6 @@ def dense_band(
     keep = callable(options.similarity)
     near = near_scan(options.near_duplicate, bound, scores, scores.shape[1])
     if near is not None:
-        near_block(scores, None, near, (tile.labels, gallery.labels), 0, keep)
+        near_block(scores, None, near, (tile.labels, gallery.labels), 0, keep, workspace)
     scan(scores, lo, hi, 0, greater, found, keep, workspace, True)
     return gather_band(greater, has_positive, found, near)

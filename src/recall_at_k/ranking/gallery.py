@@ -336,7 +336,10 @@ def product(
             if step >= width:
                 torch.addmm(norms, queries, centred.T, alpha=2, out=target)
             else:
-                target.copy_(torch.addmm(norms, queries, centred.T, alpha=2))
+                # In a buffer of the workspace: fresh ones, often just below the C heap's
+                # mmap threshold, fragmented it.
+                buffer = workspace.get("centred_scores", tuple(target.shape), out.dtype, out.device)
+                target.copy_(torch.addmm(norms, queries, centred.T, alpha=2, out=buffer))
         out.sub_(queries.square().sum(dim=1, keepdim=True))
     else:
         torch.matmul(queries, gallery_t, out=out)

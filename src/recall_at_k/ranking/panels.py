@@ -87,7 +87,7 @@ def panel_band(
         peak = scores.amax(dim=1, keepdim=True)
         if state.near is not None:
             # A panel lies outside the tile's label blocks: no column has a row's label.
-            near_block(scores, peak, state.near, None, first, False)
+            near_block(scores, peak, state.near, None, first, False, workspace)
         if panel_rows(scores, peak, first, state, stack, workspace):
             saturate(state.lo, state.greater, options.max_k)  # panels hold no positive
     stack.flush()

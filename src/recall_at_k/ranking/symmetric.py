@@ -34,6 +34,7 @@ from recall_at_k.ranking.bands import (
     near_block,
     near_scan,
     pairs_of,
+    pooled,
     saturate,
 )
 from recall_at_k.ranking.gallery import Gallery, Queries, centred_rows, gallery_bounds, product
@@ -336,8 +337,10 @@ def _diagonal(
         near_sure = torch.zeros(peak.shape[0], dtype=counts, device=scores.device)
         labels = gallery.labels[rows], gallery.labels[rows]
         part = Near(near.lo[rows], near.hi[rows], near_sure, row_near)
-        near_block(scores, peak, part, labels, rows.start, False)
-    greater = scan_queries(scores, 0, peak, lo, labelled.hi, rows.start, counts, row_found)
+        near_block(scores, peak, part, labels, rows.start, False, workspace)
+    greater = scan_queries(
+        scores, 0, peak, lo, labelled.hi, rows.start, counts, row_found, workspace
+    )
     side = (_Side(greater, near_sure), row_found, row_near)
     return _Labelled(labelled._replace(scores=None), side)
 
@@ -411,9 +414,17 @@ def _scan_block(
             near_sure = torch.zeros(peak.shape[0], dtype=counts, device=scores.device)
             labels = gallery.labels[columns], gallery.labels[rows]
             part = Near(near.lo[columns], near.hi[columns], near_sure, down_near)
-            near_block(scores.T, peak, part, labels, rows.start, False)
+            near_block(scores.T, peak, part, labels, rows.start, False, workspace)
         greater = scan_queries(
-            scores, 1, peak, block.column_lo, block.column_hi, rows.start, counts, down_found
+            scores,
+            1,
+            peak,
+            block.column_lo,
+            block.column_hi,
+            rows.start,
+            counts,
+            down_found,
+            workspace,
         )
         sides.append((_Side(greater, near_sure), down_found, down_near))
     row_found: Found = []
@@ -424,9 +435,9 @@ def _scan_block(
         near_sure = torch.zeros(peak.shape[0], dtype=counts, device=scores.device)
         labels = gallery.labels[rows], gallery.labels[columns]
         part = Near(near.lo[rows], near.hi[rows], near_sure, row_near)
-        near_block(scores, peak, part, labels, columns.start, False)
+        near_block(scores, peak, part, labels, columns.start, False, workspace)
     greater = scan_queries(
-        scores, 0, peak, block.row_lo, block.row_hi, columns.start, counts, row_found
+        scores, 0, peak, block.row_lo, block.row_hi, columns.start, counts, row_found, workspace
     )
     sides.insert(0, (_Side(greater, near_sure), row_found, row_near))
     return _Scanned(block.row_block, block.column_block, sides)
@@ -498,6 +509,7 @@ def scan_queries(
     first: int,
     counts: torch.dtype,
     found: Found,
+    workspace: Workspace,
 ) -> Tensor | None:
     """:func:`scan` of a block's queries along ``axis`` (0: each row a query, its
     columns items ``first:``; 1: each column a query, its rows items ``first:``), whose
@@ -505,20 +517,31 @@ def scan_queries(
     ``hi`` (None when no query reaches ``lo``), and into ``found`` the pairs within
     ``[lo, hi]``. ``scores`` is kept. Only the queries reaching ``lo`` are gathered, at
     most ``1 / SCAN_SHARE`` of the block at a time (all of them may reach it), in the
-    scores' memory order."""
+    scores' memory order, into buffers of ``workspace``."""
     reaching = torch.ge(peak, lo).view(-1).nonzero().view(-1)
     if reaching.numel() == 0:
         return None
-    size = scores.shape[axis]
+    size, other = scores.shape[axis], scores.shape[1 - axis]
     shape = (-1, 1) if axis == 0 else (1, -1)
+    step = max(1, size // SCAN_SHARE)
+    # Buffers of the workspace, not fresh temporaries (:func:`pooled`).
+    device = scores.device
+    values = pooled(workspace, "scan_values", step * other, scores.dtype, device)
+    above_marks = pooled(workspace, "scan_above", step * other, torch.bool, device)
+    inside_marks = pooled(workspace, "scan_inside", step * other, torch.bool, device)
     greater = torch.zeros(size, dtype=counts, device=scores.device)
-    for picked in torch.split(reaching, max(1, size // SCAN_SHARE)):
-        candidates = torch.index_select(scores, axis, picked)
-        above = torch.gt(candidates, hi.index_select(0, picked).view(shape))
+    for picked in torch.split(reaching, step):
+        held = picked.shape[0] * other
+        picked_shape = (picked.shape[0], other) if axis == 0 else (other, picked.shape[0])
+        candidates = values[:held].view(picked_shape)
+        torch.index_select(scores, axis, picked, out=candidates)
+        above = above_marks[:held].view(picked_shape)
+        torch.gt(candidates, hi.index_select(0, picked).view(shape), out=above)
         greater.index_add_(0, picked, above.sum(dim=1 - axis, dtype=counts))
         # hi >= lo for a query that reaches lo: what is above hi is at or above lo.
-        inside = torch.ge(candidates, lo.index_select(0, picked).view(shape)).logical_xor_(above)
-        row, column = inside.nonzero(as_tuple=True)
+        inside = inside_marks[:held].view(picked_shape)
+        torch.ge(candidates, lo.index_select(0, picked).view(shape), out=inside)
+        row, column = inside.logical_xor_(above).nonzero(as_tuple=True)
         if row.numel():
             query, item = (row, column) if axis == 0 else (column, row)
             found.append((picked[query], item + first, None))
