@@ -1153,3 +1153,24 @@ def test_report_whatever_the_code_type_and_sort_passes(
         metric = metric_of(case)
         feed(metric, case.batches)
         assert metric.protocol_report() == brute_force(case), case.name
+
+
+def test_rounding_pairs_of_float64_rows_at_the_ends_of_the_range() -> None:
+    """float64 rows whose largest coordinate is subnormal (their scaling to ``[0.5, 1)``
+    needs ``2^1073``, beyond the range as one factor) or near the largest float: their
+    rounding copies (one ulp per coordinate) are found, as the brute force finds them."""
+    gen = torch.Generator().manual_seed(21)
+    base = torch.randn(12, 5, generator=gen, dtype=torch.float64)
+    base[:, 0] = 1.5  # the largest coordinate: 2^-14 of an ulp at 2^-1060
+    scales = torch.tensor([2.0**-1060, 2.0**-1030, 2.0**1000], dtype=torch.float64)
+    rows = torch.cat([base[4 * i : 4 * i + 4] * s for i, s in enumerate(scales.tolist())])
+    moved = torch.nextafter(rows, torch.full_like(rows, math.inf))
+    rows = torch.cat([rows, moved, rows[:2] * 3])
+    expected = _pairs_brute_force(rows)
+    classes = _audit.bitwise_classes(rows)
+    subnormal = {(int(classes[i]), int(classes[i + 12])) for i in range(4)}
+    assert subnormal <= expected
+    assert _pairs(rows) == expected
+    zeros = torch.zeros(rows.shape[0], dtype=torch.int64)
+    codes = _audit.codes(rows, zeros, zeros)
+    assert {(int(a), int(b)) for a, b in codes.adjacent.tolist()} == expected

@@ -52,6 +52,7 @@ known near items. This module turns them into the report.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -154,6 +155,12 @@ class Blocks:
         thread's own scratch)."""
         tasks = (functools.partial(function, item) for item in items)
         return cast(Iterator[Result], self.workers.map(tasks))
+
+    def release(self) -> None:
+        """Free every thread's scratch: a phase's buffers (the hash's, the projections'
+        float64 rows) are not kept beside the next phase's blocks."""
+        self.workers.workspace.clear()
+        self.workers.local = threading.local()  # the threads' workspaces go with it
 
     def step(self, num: int, step: int) -> int:
         """``step`` rows a block, fewer where that makes under :data:`BLOCKS_PER_WORKER`
@@ -378,6 +385,7 @@ def _row_hashes(
 
     for _ in blocks.map(hash_block, range(0, num, step)):
         pass
+    blocks.release()
     return out
 
 
@@ -454,8 +462,8 @@ def rounding_pairs(
     count = int(classes.max()) + 1
     first = first_items(classes, count, block_bytes)
     grid = rounding_grid(width, device)
-    # Each row's copy, its float64 copy and its finite flags.
-    step = project_step(width, block_bytes, 9 + embeddings.element_size())
+    # Each row's copy and its float64 copy.
+    step = project_step(width, block_bytes, 8 + embeddings.element_size())
     step = blocks.step(count, step)
     places = GridPlaces.empty(count, device)
 
@@ -466,6 +474,7 @@ def rounding_pairs(
 
     for _ in blocks.map(project_block, range(0, count, step)):
         pass
+    blocks.release()
     del project_block
     cells = _cells(grid, places, block_bytes)  # its own sorted keys: the places' freed here
     del places
@@ -532,8 +541,7 @@ def project(grid: RoundingGrid, rows: Tensor, scratch: Tensor | None = None) -> 
     row that is not finite: it has no copies). One float64 copy of ``rows`` (into
     ``scratch``, float64 ``[m, D]``, where given), scaled and normalised in place."""
     rows = rows.to(torch.float64, copy=True) if scratch is None else scratch.copy_(rows)
-    finite = rows.isfinite().all(dim=1, keepdim=True)
-    _scale_in_place(rows)
+    finite = _scale_in_place(rows).unsqueeze(1)  # (isfinite() would copy the rows)
     norms = rows.norm(dim=1, keepdim=True)
     unit = rows.div_(norms.clamp(min=1e-300)).masked_fill_(~(norms > 0), 0.0)
     return torch.where(finite, unit @ grid.weights, torch.nan)
@@ -724,15 +732,35 @@ def _half_space_shifts() -> list[tuple[int, ...]]:
     return sorted((s for s in shifts if s >= zero), key=lambda s: s != zero)
 
 
-def _scale_in_place(rows: Tensor) -> None:
+def _scale_in_place(rows: Tensor) -> Tensor:
     """Multiply each float64 row by the power of two that brings its largest absolute
     coordinate into ``[0.5, 1)`` (exact; zero and non-finite rows as they are): what
-    ``torch.ldexp`` computes (``rows * 2^e``), without a copy."""
+    ``torch.ldexp`` computes (``rows * 2^e``), without a copy, and for every finite row
+    (subnormal float64 rows too, whose ``2^e`` alone overflows). bool ``[m]``: which
+    rows are finite (no copy of the rows, unlike ``isfinite()``)."""
     if rows.shape[1] == 0:
-        return
-    largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
-    exponent = torch.frexp(torch.where(largest.isfinite(), largest, 1.0))[1]
-    rows.mul_(torch.pow(2.0, -exponent.unsqueeze(1).to(rows.dtype)))
+        return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())  # NaN propagates
+    finite = largest.isfinite()
+    exponent = torch.frexp(torch.where(finite, largest, 1.0))[1]
+    _times_power_of_two(rows, exponent.neg_())
+    return finite
+
+
+_EXPONENT_STEP = 1022
+"""The largest ``|e|`` of one factor ``2^e`` of :func:`_times_power_of_two` (both
+``2^1022`` and ``2^-1022`` are normal float64 numbers)."""
+
+
+def _times_power_of_two(rows: Tensor, exponent: Tensor) -> None:
+    """``rows[i] *= 2^exponent[i]`` in place (float64 rows, int32 exponents): one exact
+    factor where ``|exponent| <= 1022``, else two (a subnormal row's scaling reaches
+    ``2^1073``, beyond the float64 range as one factor)."""
+    first = exponent.clamp(-_EXPONENT_STEP, _EXPONENT_STEP)
+    rows.mul_(torch.pow(2.0, first.unsqueeze(1).to(rows.dtype)))
+    rest = exponent - first
+    if bool(rest.any()):
+        rows.mul_(torch.pow(2.0, rest.unsqueeze(1).to(rows.dtype)))
 
 
 def _within(
@@ -757,19 +785,31 @@ def within(first: Tensor, second: Tensor) -> Tensor:
     terms being non-negative); only the pairs within ``IN_ORDER_MARGIN`` of the boundary
     are summed again in the fixed order. So the decision depends on the two rows alone,
     not on the other pairs, the batch shape, the device or the process computing it."""
-    a, b = first.to(torch.float64), second.to(torch.float64)
-    if a.shape[1] == 0:
-        return torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
-    largest = torch.maximum(a.abs().amax(dim=1), b.abs().amax(dim=1))
-    shift = -torch.frexp(largest)[1].to(torch.float64).unsqueeze(1)
-    a, b = torch.ldexp(a, shift), torch.ldexp(b, shift)
-    gap = (a - b).square_().sum(dim=1)
-    scale = torch.maximum(a.square().sum(dim=1), b.square().sum(dim=1)) * ROUNDING_TOLERANCE**2
+    if first.shape[1] == 0:
+        return torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
+    a = first.to(torch.float64, copy=True)  # scaled in place: never the caller's rows
+    b = second.to(torch.float64, copy=True)
+    largest = torch.maximum(
+        torch.maximum(a.amax(dim=1), a.amin(dim=1).neg_()),
+        torch.maximum(b.amax(dim=1), b.amin(dim=1).neg_()),
+    )
+    exponent = torch.frexp(largest)[1].neg_()
+    _times_power_of_two(a, exponent)
+    _times_power_of_two(b, exponent)
+    gap = torch.sub(a, b).square_().sum(dim=1)
+    # Row norms as dot products (no squared copies); any order, as the gap.
+    norms = torch.maximum(_row_dots(a), _row_dots(b))
+    scale = norms.mul_(ROUNDING_TOLERANCE**2)
     decided = gap <= scale
     unsure = ((gap - scale).abs() <= IN_ORDER_MARGIN * scale).nonzero().view(-1)
     if unsure.numel():
         decided[unsure] = _within_in_order(a[unsure], b[unsure])
     return decided
+
+
+def _row_dots(rows: Tensor) -> Tensor:
+    """``[m]``: each row's dot product with itself (a batched product, no copy)."""
+    return torch.bmm(rows.unsqueeze(1), rows.unsqueeze(2)).view(-1)
 
 
 def _within_in_order(a: Tensor, b: Tensor) -> Tensor:
