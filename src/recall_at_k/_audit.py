@@ -921,31 +921,22 @@ def audit_direction(
     num = keys.klass.shape[0]
 
     counts = code_dtype(g_rows.shape[0])  # a count of gallery items fits
+    # A side of every item in order (leave-one-out) reads the codes as they are.
+    q_every, g_every = _every_row(q_rows, num), _every_row(g_rows, num)
+
+    def of_queries(code: Tensor) -> Tensor:
+        return code if q_every else code[q_rows]
 
     def in_gallery(code: Tensor) -> Tensor:
         """Per query: the gallery items that share the query's ``code``."""
-        return torch.bincount(code[g_rows], minlength=num).to(counts)[code[q_rows]]
+        return _tally(code, None if g_every else g_rows, counts)[of_queries(code)]
 
-    # The query's own sample in the gallery (the ranking ignores it), where it is there.
-    has_self = torch.zeros_like(q_rows, dtype=torch.bool)
-    self_row = q_rows
-    if g_identity.numel():
-        size = g_identity.shape[0]
-        ident_sorted = torch.empty_like(g_identity)
-        order = torch.empty(size, dtype=code_dtype(size), device=g_identity.device)
-        at = 0
-        for part, values in sorted_parts(g_identity, block_bytes):
-            ident_sorted[at : at + part.shape[0]] = values
-            order[at : at + part.shape[0]] = part
-            at += part.shape[0]
-        position = torch.searchsorted(ident_sorted, q_identity, out_int32=size <= CODE32_LIMIT)
-        position.clamp_(max=size - 1)
-        has_self = ident_sorted[position] == q_identity
-        del ident_sorted
-        self_row = g_rows[order[position].long()].to(code_dtype(num))
-        del order, position
-    same_class = has_self & (keys.klass[self_row] == keys.klass[q_rows])
-    same_label = keys.label[self_row] == keys.label[q_rows]
+    has_self, self_row = own_samples(q_rows, q_identity, g_rows, g_identity, num, block_bytes)
+    if self_row is q_rows:  # each query's own sample is its own row
+        same_class, same_label = has_self.clone(), torch.ones_like(has_self)
+    else:
+        same_class = has_self & (keys.klass[self_row] == of_queries(keys.klass))
+        same_label = keys.label[self_row] == of_queries(keys.label)
     grouped = exclude != "none"  # both rules ignore same-group items of the same label
     group_rule = exclude == "same_group"
     same_group = torch.zeros_like(same_label)
@@ -953,7 +944,10 @@ def audit_direction(
     if grouped:  # the composite keys with the group, each made once
         if keys.group.shape[0] != num:
             raise ValueError(f"exclude={exclude!r} needs the codes made with_groups")
-        same_group = keys.group[self_row] == keys.group[q_rows]
+        if self_row is q_rows:
+            same_group = torch.ones_like(has_self)
+        else:
+            same_group = keys.group[self_row] == of_queries(keys.group)
         label_group = composite(keys.label, keys.group, block_bytes=block_bytes)
     # Valid positives (which queries compute() counts), then the identical ones; each
     # count turned into flags before the next (one key a time besides the codes).
@@ -983,8 +977,8 @@ def audit_direction(
         identical_neg -= in_gallery(composite(keys.klass, keys.group, block_bytes=block_bytes))
     identical_negative = counted & (identical_neg > 0)
     del identical_neg, class_label_group
-    gallery_classes = torch.bincount(keys.klass[g_rows], minlength=num)
-    duplicates = int(g_rows.shape[0]) - int((gallery_classes > 0).sum())
+    gallery_classes = _tally(keys.klass, None if g_every else g_rows, counts)
+    duplicates = int(g_rows.shape[0]) - int(torch.count_nonzero(gallery_classes))
     del gallery_classes
     rounding_pos, rounding_neg = torch.zeros_like(counted), torch.zeros_like(counted)
     rounding_duplicates = 0
@@ -1003,6 +997,74 @@ def audit_direction(
         counted & rounding_neg,
         rounding_duplicates,
     )
+
+
+def _every_row(rows: Tensor, num: int) -> bool:
+    """Whether the distinct ``rows`` are ``0..num-1`` in order."""
+    if rows.shape[0] != num:
+        return False
+    return num < 2 or bool((rows[1:] > rows[:-1]).all())
+
+
+def _tally(code: Tensor, rows: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``[num]`` (``dtype``): how many of the ``rows`` (None: every item) have each
+    code (``bincount``, without its int64 array and the codes' copy for every item)."""
+    num = code.shape[0]
+    table = torch.zeros(num, dtype=dtype, device=code.device)
+    values = code if rows is None else code[rows]
+    one = torch.ones(1, dtype=dtype, device=code.device)
+    return table.index_add_(0, values, one.expand(values.shape[0]))
+
+
+def own_samples(
+    q_rows: Tensor,
+    q_identity: Tensor,
+    g_rows: Tensor,
+    g_identity: Tensor,
+    num: int,
+    block_bytes: int = _COMPARE_BYTES,
+) -> tuple[Tensor, Tensor]:
+    """The query's own sample in the gallery (the ranking ignores it), where it is
+    there: bool ``[Q]`` whether it is, and its row (:func:`code_dtype` of ``num``; the
+    query's own row where it is not). The gallery's identities are distinct.
+
+    Identities in ``[0, num)`` (the metric's: ``0..n-1``) are looked up in a table of
+    ``num`` gallery positions (4 bytes an item); others through a sort of the gallery's
+    identities, in parts (:func:`sorted_parts`)."""
+    dtype = code_dtype(num)
+    size = g_identity.shape[0]
+    if size == 0 or q_identity.shape[0] == 0:
+        return torch.zeros_like(q_rows, dtype=torch.bool), q_rows.to(dtype)
+    if (
+        q_rows.dtype == dtype
+        and torch.equal(q_rows, g_rows)
+        and torch.equal(q_identity, g_identity)
+    ):
+        return torch.ones_like(q_rows, dtype=torch.bool), q_rows  # leave-one-out
+    device = g_identity.device
+    low = min(int(g_identity.min()), int(q_identity.min()))
+    high = max(int(g_identity.max()), int(q_identity.max()))
+    if low >= 0 and high < num:
+        position = torch.full((num,), -1, dtype=code_dtype(size), device=device)
+        position[g_identity] = torch.arange(size, dtype=position.dtype, device=device)
+        position = position[q_identity]
+        has_self = position >= 0
+    else:
+        ident_sorted = torch.empty(size, dtype=torch.int64, device=device)
+        order = torch.empty(size, dtype=code_dtype(size), device=device)
+        at = 0
+        for part, values in sorted_parts(g_identity.to(torch.int64), block_bytes):
+            ident_sorted[at : at + part.shape[0]] = values
+            order[at : at + part.shape[0]] = part
+            at += part.shape[0]
+        found = torch.searchsorted(ident_sorted, q_identity, out_int32=size <= CODE32_LIMIT)
+        found.clamp_(max=size - 1)
+        has_self = ident_sorted[found] == q_identity
+        del ident_sorted
+        position = order[found]
+        del order, found
+    self_row = torch.where(has_self, g_rows[position.clamp_(min=0)], q_rows).to(dtype)
+    return has_self, self_row
 
 
 def _rounding_flags(
