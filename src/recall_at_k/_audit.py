@@ -904,9 +904,10 @@ def audit_direction(
 ) -> DirectionAudit:
     """Identical positives / negatives of each query and the gallery's duplicates.
 
-    Each count is "gallery items with the query's key" (a ``bincount`` of the gallery's
-    codes, read at the query's code), by inclusion-exclusion over the ignore rules,
-    minus the query's own sample when it is in the gallery and would be counted.
+    Each count is "gallery items with the query's key" (a tally of the gallery's codes,
+    :func:`_tally`, read at the query's code), by inclusion-exclusion over the ignore
+    rules, minus the query's own sample (:func:`own_samples`) when it is in the gallery
+    and would be counted. Per item, int32 arrays (:func:`code_dtype`) made one at a time.
 
     Args:
         keys: :func:`codes` of every item.
