@@ -834,7 +834,8 @@ def _code(values: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
     the values (those of ``torch.unique``), sorted in parts (:func:`sorted_parts`)."""
     codes = torch.empty(values.shape[0], dtype=code_dtype(values.shape[0]), device=values.device)
     offset = 0
-    for order, ascending in sorted_parts(values.to(torch.int64), block_bytes):
+    keys = values if values.dtype in (torch.int32, torch.int64) else values.to(torch.int64)
+    for order, ascending in sorted_parts(keys, block_bytes):
         offset = _number_runs(order, ascending, codes, offset)
     return codes
 
@@ -846,11 +847,14 @@ def _code_rows(rows: Tensor) -> Tensor:
 
 
 def _pair(a: Tensor, b: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
-    """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2)."""
+    """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2),
+    through an int32 key where the pairs fit one (4 bytes an item, not 8)."""
     if a.numel() == 0:
         return a.clone()
-    key = a.to(torch.int64) * (int(b.max()) + 1)
-    return _code(key.add_(b), block_bytes)
+    radix = int(b.max()) + 1
+    fits = (int(a.max()) + 1) * radix <= CODE32_LIMIT + 1
+    key = a.to(torch.int32 if fits else torch.int64) * radix
+    return _code(key.add_(b.to(key.dtype)), block_bytes)
 
 
 def composite(*parts: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
@@ -1148,8 +1152,8 @@ def _rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
     """Gallery items whose class first appears in the gallery after a class equal to it
     up to rounding (the bitwise repeats are ``duplicate_gallery_items``)."""
     num, size = keys.klass.shape[0], g_rows.shape[0]
-    first = torch.full((num,), size, dtype=torch.int64, device=g_rows.device)
-    positions = torch.arange(size, device=g_rows.device)
+    first = torch.full((num,), size, dtype=code_dtype(size), device=g_rows.device)
+    positions = torch.arange(size, dtype=first.dtype, device=g_rows.device)
     first.scatter_reduce_(0, keys.klass[g_rows].long(), positions, reduce="amin")
     a, b = keys.adjacent[:, 0], keys.adjacent[:, 1]
     later = (first[a] < first[b]) & (first[b] < size)
