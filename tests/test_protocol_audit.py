@@ -1153,3 +1153,54 @@ def test_report_whatever_the_code_type_and_sort_passes(
         metric = metric_of(case)
         feed(metric, case.batches)
         assert metric.protocol_report() == brute_force(case), case.name
+
+
+def test_rounding_pairs_of_float64_rows_at_the_ends_of_the_range() -> None:
+    """float64 rows whose largest coordinate is subnormal (their scaling to ``[0.5, 1)``
+    needs ``2^1073``, beyond the range as one factor) or near the largest float: their
+    rounding copies (one ulp per coordinate) are found, as the brute force finds them."""
+    gen = torch.Generator().manual_seed(21)
+    base = torch.randn(12, 5, generator=gen, dtype=torch.float64)
+    base[:, 0] = 1.5  # the largest coordinate: 2^-14 of an ulp at 2^-1060
+    scales = torch.tensor([2.0**-1060, 2.0**-1030, 2.0**1000], dtype=torch.float64)
+    rows = torch.cat([base[4 * i : 4 * i + 4] * s for i, s in enumerate(scales.tolist())])
+    moved = torch.nextafter(rows, torch.full_like(rows, math.inf))
+    rows = torch.cat([rows, moved, rows[:2] * 3])
+    expected = _pairs_brute_force(rows)
+    classes = _audit.bitwise_classes(rows)
+    subnormal = {(int(classes[i]), int(classes[i + 12])) for i in range(4)}
+    assert subnormal <= expected
+    assert _pairs(rows) == expected
+    zeros = torch.zeros(rows.shape[0], dtype=torch.int64)
+    codes = _audit.codes(rows, zeros, zeros)
+    assert {(int(a), int(b)) for a, b in codes.adjacent.tolist()} == expected
+
+
+@pytest.mark.parametrize("offset", [0, 2**40])
+def test_own_samples_equal_the_brute_force(offset: int) -> None:
+    """The query's own sample in the gallery (the gallery's identities distinct): looked
+    up in a table for identities ``0..n-1`` (the metric's), through a sort for others
+    (``offset``: ids beyond the items); a side of every item in order (leave-one-out)."""
+    gen = torch.Generator().manual_seed(5)
+    num = 40
+    identity = torch.randperm(num, generator=gen) // 2 * 3 + offset  # pairs share one
+    g_rows = torch.randperm(num, generator=gen)[:25]
+    keep = torch.unique(identity[g_rows], return_inverse=True)[1]
+    first = torch.full((num,), 99).scatter_reduce(0, keep, torch.arange(25), "amin")
+    g_rows = g_rows[first[: int(keep.max()) + 1]].sort()[0]  # distinct identities
+    q_rows = torch.randperm(num, generator=gen)[:30].to(torch.int32)
+    every = torch.arange(num, dtype=torch.int32)
+    alone = torch.arange(num) * 3 + offset
+    for queries, gallery, ids in [(q_rows, g_rows, identity), (every, every, alone)]:
+        q_id, g_id = ids[queries.long()], ids[gallery.long()]
+        has_self, self_row = _audit.own_samples(queries, q_id, gallery, g_id, num)
+        assert self_row.dtype == torch.int32
+        for q, (row, ident) in enumerate(zip(queries.tolist(), q_id.tolist(), strict=True)):
+            match = [
+                int(g) for g, i in zip(gallery.tolist(), g_id.tolist(), strict=True) if i == ident
+            ]
+            assert bool(has_self[q]) == bool(match)
+            assert int(self_row[q]) == (match[0] if match else row)
+    empty = torch.zeros(0, dtype=torch.int64)
+    has_self, self_row = _audit.own_samples(q_rows, identity[q_rows.long()], empty, empty, num)
+    assert not has_self.any() and torch.equal(self_row, q_rows)

@@ -52,6 +52,7 @@ known near items. This module turns them into the report.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -154,6 +155,12 @@ class Blocks:
         thread's own scratch)."""
         tasks = (functools.partial(function, item) for item in items)
         return cast(Iterator[Result], self.workers.map(tasks))
+
+    def release(self) -> None:
+        """Free every thread's scratch: a phase's buffers (the hash's, the projections'
+        float64 rows) are not kept beside the next phase's blocks."""
+        self.workers.workspace.clear()
+        self.workers.local = threading.local()  # the threads' workspaces go with it
 
     def step(self, num: int, step: int) -> int:
         """``step`` rows a block, fewer where that makes under :data:`BLOCKS_PER_WORKER`
@@ -378,6 +385,7 @@ def _row_hashes(
 
     for _ in blocks.map(hash_block, range(0, num, step)):
         pass
+    blocks.release()
     return out
 
 
@@ -454,8 +462,8 @@ def rounding_pairs(
     count = int(classes.max()) + 1
     first = first_items(classes, count, block_bytes)
     grid = rounding_grid(width, device)
-    # Each row's copy, its float64 copy and its finite flags.
-    step = project_step(width, block_bytes, 9 + embeddings.element_size())
+    # Each row's copy and its float64 copy.
+    step = project_step(width, block_bytes, 8 + embeddings.element_size())
     step = blocks.step(count, step)
     places = GridPlaces.empty(count, device)
 
@@ -466,6 +474,7 @@ def rounding_pairs(
 
     for _ in blocks.map(project_block, range(0, count, step)):
         pass
+    blocks.release()
     del project_block
     cells = _cells(grid, places, block_bytes)  # its own sorted keys: the places' freed here
     del places
@@ -532,8 +541,7 @@ def project(grid: RoundingGrid, rows: Tensor, scratch: Tensor | None = None) -> 
     row that is not finite: it has no copies). One float64 copy of ``rows`` (into
     ``scratch``, float64 ``[m, D]``, where given), scaled and normalised in place."""
     rows = rows.to(torch.float64, copy=True) if scratch is None else scratch.copy_(rows)
-    finite = rows.isfinite().all(dim=1, keepdim=True)
-    _scale_in_place(rows)
+    finite = _scale_in_place(rows).unsqueeze(1)  # (isfinite() would copy the rows)
     norms = rows.norm(dim=1, keepdim=True)
     unit = rows.div_(norms.clamp(min=1e-300)).masked_fill_(~(norms > 0), 0.0)
     return torch.where(finite, unit @ grid.weights, torch.nan)
@@ -724,15 +732,35 @@ def _half_space_shifts() -> list[tuple[int, ...]]:
     return sorted((s for s in shifts if s >= zero), key=lambda s: s != zero)
 
 
-def _scale_in_place(rows: Tensor) -> None:
+def _scale_in_place(rows: Tensor) -> Tensor:
     """Multiply each float64 row by the power of two that brings its largest absolute
     coordinate into ``[0.5, 1)`` (exact; zero and non-finite rows as they are): what
-    ``torch.ldexp`` computes (``rows * 2^e``), without a copy."""
+    ``torch.ldexp`` computes (``rows * 2^e``), without a copy, and for every finite row
+    (subnormal float64 rows too, whose ``2^e`` alone overflows). bool ``[m]``: which
+    rows are finite (no copy of the rows, unlike ``isfinite()``)."""
     if rows.shape[1] == 0:
-        return
-    largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
-    exponent = torch.frexp(torch.where(largest.isfinite(), largest, 1.0))[1]
-    rows.mul_(torch.pow(2.0, -exponent.unsqueeze(1).to(rows.dtype)))
+        return torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())  # NaN propagates
+    finite = largest.isfinite()
+    exponent = torch.frexp(torch.where(finite, largest, 1.0))[1]
+    _times_power_of_two(rows, exponent.neg_())
+    return finite
+
+
+_EXPONENT_STEP = 1022
+"""The largest ``|e|`` of one factor ``2^e`` of :func:`_times_power_of_two` (both
+``2^1022`` and ``2^-1022`` are normal float64 numbers)."""
+
+
+def _times_power_of_two(rows: Tensor, exponent: Tensor) -> None:
+    """``rows[i] *= 2^exponent[i]`` in place (float64 rows, int32 exponents): one exact
+    factor where ``|exponent| <= 1022``, else two (a subnormal row's scaling reaches
+    ``2^1073``, beyond the float64 range as one factor)."""
+    first = exponent.clamp(-_EXPONENT_STEP, _EXPONENT_STEP)
+    rows.mul_(torch.pow(2.0, first.unsqueeze(1).to(rows.dtype)))
+    rest = exponent - first
+    if bool(rest.any()):
+        rows.mul_(torch.pow(2.0, rest.unsqueeze(1).to(rows.dtype)))
 
 
 def _within(
@@ -757,19 +785,31 @@ def within(first: Tensor, second: Tensor) -> Tensor:
     terms being non-negative); only the pairs within ``IN_ORDER_MARGIN`` of the boundary
     are summed again in the fixed order. So the decision depends on the two rows alone,
     not on the other pairs, the batch shape, the device or the process computing it."""
-    a, b = first.to(torch.float64), second.to(torch.float64)
-    if a.shape[1] == 0:
-        return torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
-    largest = torch.maximum(a.abs().amax(dim=1), b.abs().amax(dim=1))
-    shift = -torch.frexp(largest)[1].to(torch.float64).unsqueeze(1)
-    a, b = torch.ldexp(a, shift), torch.ldexp(b, shift)
-    gap = (a - b).square_().sum(dim=1)
-    scale = torch.maximum(a.square().sum(dim=1), b.square().sum(dim=1)) * ROUNDING_TOLERANCE**2
+    if first.shape[1] == 0:
+        return torch.ones(first.shape[0], dtype=torch.bool, device=first.device)
+    a = first.to(torch.float64, copy=True)  # scaled in place: never the caller's rows
+    b = second.to(torch.float64, copy=True)
+    largest = torch.maximum(
+        torch.maximum(a.amax(dim=1), a.amin(dim=1).neg_()),
+        torch.maximum(b.amax(dim=1), b.amin(dim=1).neg_()),
+    )
+    exponent = torch.frexp(largest)[1].neg_()
+    _times_power_of_two(a, exponent)
+    _times_power_of_two(b, exponent)
+    gap = torch.sub(a, b).square_().sum(dim=1)
+    # Row norms as dot products (no squared copies); any order, as the gap.
+    norms = torch.maximum(_row_dots(a), _row_dots(b))
+    scale = norms.mul_(ROUNDING_TOLERANCE**2)
     decided = gap <= scale
     unsure = ((gap - scale).abs() <= IN_ORDER_MARGIN * scale).nonzero().view(-1)
     if unsure.numel():
         decided[unsure] = _within_in_order(a[unsure], b[unsure])
     return decided
+
+
+def _row_dots(rows: Tensor) -> Tensor:
+    """``[m]``: each row's dot product with itself (a batched product, no copy)."""
+    return torch.bmm(rows.unsqueeze(1), rows.unsqueeze(2)).view(-1)
 
 
 def _within_in_order(a: Tensor, b: Tensor) -> Tensor:
@@ -794,7 +834,8 @@ def _code(values: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
     the values (those of ``torch.unique``), sorted in parts (:func:`sorted_parts`)."""
     codes = torch.empty(values.shape[0], dtype=code_dtype(values.shape[0]), device=values.device)
     offset = 0
-    for order, ascending in sorted_parts(values.to(torch.int64), block_bytes):
+    keys = values if values.dtype in (torch.int32, torch.int64) else values.to(torch.int64)
+    for order, ascending in sorted_parts(keys, block_bytes):
         offset = _number_runs(order, ascending, codes, offset)
     return codes
 
@@ -806,11 +847,14 @@ def _code_rows(rows: Tensor) -> Tensor:
 
 
 def _pair(a: Tensor, b: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
-    """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2)."""
+    """The code of the pair (a, b) of codes in ``[0, N)`` (no int64 overflow: < N^2),
+    through an int32 key where the pairs fit one (4 bytes an item, not 8)."""
     if a.numel() == 0:
         return a.clone()
-    key = a.to(torch.int64) * (int(b.max()) + 1)
-    return _code(key.add_(b), block_bytes)
+    radix = int(b.max()) + 1
+    fits = (int(a.max()) + 1) * radix <= CODE32_LIMIT + 1
+    key = a.to(torch.int32 if fits else torch.int64) * radix
+    return _code(key.add_(b.to(key.dtype)), block_bytes)
 
 
 def composite(*parts: Tensor, block_bytes: int = _COMPARE_BYTES) -> Tensor:
@@ -864,9 +908,10 @@ def audit_direction(
 ) -> DirectionAudit:
     """Identical positives / negatives of each query and the gallery's duplicates.
 
-    Each count is "gallery items with the query's key" (a ``bincount`` of the gallery's
-    codes, read at the query's code), by inclusion-exclusion over the ignore rules,
-    minus the query's own sample when it is in the gallery and would be counted.
+    Each count is "gallery items with the query's key" (a tally of the gallery's codes,
+    :func:`_tally`, read at the query's code), by inclusion-exclusion over the ignore
+    rules, minus the query's own sample (:func:`own_samples`) when it is in the gallery
+    and would be counted. Per item, int32 arrays (:func:`code_dtype`) made one at a time.
 
     Args:
         keys: :func:`codes` of every item.
@@ -881,31 +926,22 @@ def audit_direction(
     num = keys.klass.shape[0]
 
     counts = code_dtype(g_rows.shape[0])  # a count of gallery items fits
+    # A side of every item in order (leave-one-out) reads the codes as they are.
+    q_every, g_every = _every_row(q_rows, num), _every_row(g_rows, num)
+
+    def of_queries(code: Tensor) -> Tensor:
+        return code if q_every else code[q_rows]
 
     def in_gallery(code: Tensor) -> Tensor:
         """Per query: the gallery items that share the query's ``code``."""
-        return torch.bincount(code[g_rows], minlength=num).to(counts)[code[q_rows]]
+        return _tally(code, None if g_every else g_rows, counts)[of_queries(code)]
 
-    # The query's own sample in the gallery (the ranking ignores it), where it is there.
-    has_self = torch.zeros_like(q_rows, dtype=torch.bool)
-    self_row = q_rows
-    if g_identity.numel():
-        size = g_identity.shape[0]
-        ident_sorted = torch.empty_like(g_identity)
-        order = torch.empty(size, dtype=code_dtype(size), device=g_identity.device)
-        at = 0
-        for part, values in sorted_parts(g_identity, block_bytes):
-            ident_sorted[at : at + part.shape[0]] = values
-            order[at : at + part.shape[0]] = part
-            at += part.shape[0]
-        position = torch.searchsorted(ident_sorted, q_identity, out_int32=size <= CODE32_LIMIT)
-        position.clamp_(max=size - 1)
-        has_self = ident_sorted[position] == q_identity
-        del ident_sorted
-        self_row = g_rows[order[position].long()].to(code_dtype(num))
-        del order, position
-    same_class = has_self & (keys.klass[self_row] == keys.klass[q_rows])
-    same_label = keys.label[self_row] == keys.label[q_rows]
+    has_self, self_row = own_samples(q_rows, q_identity, g_rows, g_identity, num, block_bytes)
+    if self_row is q_rows:  # each query's own sample is its own row
+        same_class, same_label = has_self.clone(), torch.ones_like(has_self)
+    else:
+        same_class = has_self & (keys.klass[self_row] == of_queries(keys.klass))
+        same_label = keys.label[self_row] == of_queries(keys.label)
     grouped = exclude != "none"  # both rules ignore same-group items of the same label
     group_rule = exclude == "same_group"
     same_group = torch.zeros_like(same_label)
@@ -913,7 +949,10 @@ def audit_direction(
     if grouped:  # the composite keys with the group, each made once
         if keys.group.shape[0] != num:
             raise ValueError(f"exclude={exclude!r} needs the codes made with_groups")
-        same_group = keys.group[self_row] == keys.group[q_rows]
+        if self_row is q_rows:
+            same_group = torch.ones_like(has_self)
+        else:
+            same_group = keys.group[self_row] == of_queries(keys.group)
         label_group = composite(keys.label, keys.group, block_bytes=block_bytes)
     # Valid positives (which queries compute() counts), then the identical ones; each
     # count turned into flags before the next (one key a time besides the codes).
@@ -943,8 +982,8 @@ def audit_direction(
         identical_neg -= in_gallery(composite(keys.klass, keys.group, block_bytes=block_bytes))
     identical_negative = counted & (identical_neg > 0)
     del identical_neg, class_label_group
-    gallery_classes = torch.bincount(keys.klass[g_rows], minlength=num)
-    duplicates = int(g_rows.shape[0]) - int((gallery_classes > 0).sum())
+    gallery_classes = _tally(keys.klass, None if g_every else g_rows, counts)
+    duplicates = int(g_rows.shape[0]) - int(torch.count_nonzero(gallery_classes))
     del gallery_classes
     rounding_pos, rounding_neg = torch.zeros_like(counted), torch.zeros_like(counted)
     rounding_duplicates = 0
@@ -963,6 +1002,74 @@ def audit_direction(
         counted & rounding_neg,
         rounding_duplicates,
     )
+
+
+def _every_row(rows: Tensor, num: int) -> bool:
+    """Whether the distinct ``rows`` are ``0..num-1`` in order."""
+    if rows.shape[0] != num:
+        return False
+    return num < 2 or bool((rows[1:] > rows[:-1]).all())
+
+
+def _tally(code: Tensor, rows: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``[num]`` (``dtype``): how many of the ``rows`` (None: every item) have each
+    code (``bincount``, without its int64 array and the codes' copy for every item)."""
+    num = code.shape[0]
+    table = torch.zeros(num, dtype=dtype, device=code.device)
+    values = code if rows is None else code[rows]
+    one = torch.ones(1, dtype=dtype, device=code.device)
+    return table.index_add_(0, values, one.expand(values.shape[0]))
+
+
+def own_samples(
+    q_rows: Tensor,
+    q_identity: Tensor,
+    g_rows: Tensor,
+    g_identity: Tensor,
+    num: int,
+    block_bytes: int = _COMPARE_BYTES,
+) -> tuple[Tensor, Tensor]:
+    """The query's own sample in the gallery (the ranking ignores it), where it is
+    there: bool ``[Q]`` whether it is, and its row (:func:`code_dtype` of ``num``; the
+    query's own row where it is not). The gallery's identities are distinct.
+
+    Identities in ``[0, num)`` (the metric's: ``0..n-1``) are looked up in a table of
+    ``num`` gallery positions (4 bytes an item); others through a sort of the gallery's
+    identities, in parts (:func:`sorted_parts`)."""
+    dtype = code_dtype(num)
+    size = g_identity.shape[0]
+    if size == 0 or q_identity.shape[0] == 0:
+        return torch.zeros_like(q_rows, dtype=torch.bool), q_rows.to(dtype)
+    if (
+        q_rows.dtype == dtype
+        and torch.equal(q_rows, g_rows)
+        and torch.equal(q_identity, g_identity)
+    ):
+        return torch.ones_like(q_rows, dtype=torch.bool), q_rows  # leave-one-out
+    device = g_identity.device
+    low = min(int(g_identity.min()), int(q_identity.min()))
+    high = max(int(g_identity.max()), int(q_identity.max()))
+    if low >= 0 and high < num:
+        position = torch.full((num,), -1, dtype=code_dtype(size), device=device)
+        position[g_identity] = torch.arange(size, dtype=position.dtype, device=device)
+        position = position[q_identity]
+        has_self = position >= 0
+    else:
+        ident_sorted = torch.empty(size, dtype=torch.int64, device=device)
+        order = torch.empty(size, dtype=code_dtype(size), device=device)
+        at = 0
+        for part, values in sorted_parts(g_identity.to(torch.int64), block_bytes):
+            ident_sorted[at : at + part.shape[0]] = values
+            order[at : at + part.shape[0]] = part
+            at += part.shape[0]
+        found = torch.searchsorted(ident_sorted, q_identity, out_int32=size <= CODE32_LIMIT)
+        found.clamp_(max=size - 1)
+        has_self = ident_sorted[found] == q_identity
+        del ident_sorted
+        position = order[found]
+        del order, found
+    self_row = torch.where(has_self, g_rows[position.clamp_(min=0)], q_rows).to(dtype)
+    return has_self, self_row
 
 
 def _rounding_flags(
@@ -1045,8 +1152,8 @@ def _rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
     """Gallery items whose class first appears in the gallery after a class equal to it
     up to rounding (the bitwise repeats are ``duplicate_gallery_items``)."""
     num, size = keys.klass.shape[0], g_rows.shape[0]
-    first = torch.full((num,), size, dtype=torch.int64, device=g_rows.device)
-    positions = torch.arange(size, device=g_rows.device)
+    first = torch.full((num,), size, dtype=code_dtype(size), device=g_rows.device)
+    positions = torch.arange(size, dtype=first.dtype, device=g_rows.device)
     first.scatter_reduce_(0, keys.klass[g_rows].long(), positions, reduce="amin")
     a, b = keys.adjacent[:, 0], keys.adjacent[:, 1]
     later = (first[a] < first[b]) & (first[b] < size)

@@ -252,8 +252,8 @@ class _Shard:
 
     def classes(self, hashes: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor]:
         """``[N]`` codes (``_audit.code_dtype``): the class of each item's bit pattern,
-        numbered in the order of the classes' first items; and int64 ``[C]``: each
-        class's first item."""
+        numbered in the order of the classes' first items; and ``[C]`` (the codes'
+        dtype): each class's first item."""
         device, num = self.device, self.num
 
         def hashed() -> Tensor:
@@ -291,11 +291,11 @@ class _Shard:
             moved[todo[~equal]] = 1
             run = _audit._code(run.long() * 2 + moved)
         del settled
-        first = _audit.first_items(run, int(run.max()) + 1).long()
+        first = _audit.first_items(run, int(run.max()) + 1)  # the codes' dtype
         first, by_first = torch.sort(first)
-        renumber = torch.empty_like(by_first)
-        renumber[by_first] = torch.arange(by_first.shape[0], device=device)
-        return renumber.to(run.dtype)[run], first
+        renumber = torch.empty(by_first.shape, dtype=run.dtype, device=device)
+        renumber[by_first] = torch.arange(by_first.shape[0], dtype=run.dtype, device=device)
+        return renumber[run], first
 
     def rounding_pairs(self, first: Tensor) -> Tensor:
         """``rounding_pairs`` of the classes whose first items are ``first`` (ascending)."""
