@@ -97,8 +97,9 @@ def rank_symmetric(
         return 0
     size = max(1, size)
     device, dtype = embeddings.device, embeddings.dtype
-    # The pairs that wait (each 2 int64 indices) stay within a share of chunk_bytes,
-    # or two a query (the label blocks keep at least each query's best positive).
+    # The pairs that wait (each 2 int64 indices; a span's buffer at most twice its pairs,
+    # _Waiting) stay within a share of chunk_bytes, or two a query (the label blocks
+    # keep at least each query's best positive).
     budget = max(2 * num, options.chunk_bytes // (PENDING_SHARE * PAIR_BYTES))
     pending_limit = min(route.pending_pairs, budget)
     positive_limit = min(route.positive_pairs, budget)
