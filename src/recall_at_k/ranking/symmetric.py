@@ -26,6 +26,7 @@ from recall_at_k.ranking.bands import (
     Band,
     Found,
     Near,
+    Pairs,
     RankOptions,
     Route,
     band_edges,
@@ -96,8 +97,9 @@ def rank_symmetric(
         return 0
     size = max(1, size)
     device, dtype = embeddings.device, embeddings.dtype
-    # The pairs that wait (each 2 int64 indices) stay within a share of chunk_bytes,
-    # or two a query (the label blocks keep at least each query's best positive).
+    # The pairs that wait (each 2 int64 indices; a span's buffer at most twice its pairs,
+    # _Waiting) stay within a share of chunk_bytes, or two a query (the label blocks
+    # keep at least each query's best positive).
     budget = max(2 * num, options.chunk_bytes // (PENDING_SHARE * PAIR_BYTES))
     pending_limit = min(route.pending_pairs, budget)
     positive_limit = min(route.positive_pairs, budget)
@@ -115,9 +117,9 @@ def rank_symmetric(
     aligned = spans is not None
     if spans is None:
         spans = [slice(start, min(start + size, num)) for start in range(0, num, size)]
-    positives: list[Found] = [[] for _ in spans]
-    found: list[Found] = [[] for _ in spans]
-    near_found: list[Found] = [[] for _ in spans]
+    # Per span, its queries' waiting pairs: in-band (positives first), near the threshold.
+    found = [_Waiting() for _ in spans]
+    near_found = [_Waiting() for _ in spans]
     near = near_scan(options.near_duplicate, bound, lo, num)
     # Pairs kept for each block's queries, and their total for the blocks not yet done.
     kept, waiting, positive_count = [0 for _ in spans], 0, 0
@@ -149,7 +151,7 @@ def rank_symmetric(
             labelled = result.blocks
             lo[rows], hi[rows] = labelled.lo, labelled.hi
             has_positive[rows] = labelled.has_positive
-            positives[index].append(labelled.positives)
+            found[index].add([labelled.positives])
             kept[index] += labelled.size
             waiting += labelled.size
             positive_count += labelled.size
@@ -161,9 +163,7 @@ def rank_symmetric(
                     greater[rows] += side.greater
                 if near is not None and side.near is not None:
                     near.sure[rows] += side.near
-                found[index] += pairs
-                near_found[index] += near_part
-                added = _size(pairs) + _size(near_part)
+                added = found[index].add(pairs) + near_found[index].add(near_part)
                 kept[index] += added
                 waiting += added
     # Above -inf, which the blocks write where an item is ignored (scores are finite).
@@ -198,8 +198,8 @@ def rank_symmetric(
         nonlocal waiting
         rows = spans[index]
         tile = Queries._make(t[rows] for t in share)
-        near_pairs = None if near is None else pairs_of(near_found[index], device)
-        band_pairs = pairs_of(positives[index] + found[index], device)
+        near_pairs = None if near is None else near_found[index].pairs(device)
+        band_pairs = found[index].pairs(device)
         band = Band(
             greater[rows],
             has_positive[rows],
@@ -207,7 +207,7 @@ def rank_symmetric(
             None if near is None else near.sure[rows],
             near_pairs,
         )
-        found[index], near_found[index], positives[index] = [], [], []
+        found[index], near_found[index] = _Waiting(), _Waiting()
         add_band(tile, band)
         waiting -= kept[index]
         return waiting <= pending_limit
@@ -225,9 +225,7 @@ def rank_symmetric(
                 if near is not None and side.near is not None:
                     near.sure[where] += side.near
                 target = later if part else index
-                found[target] += pairs
-                near_found[target] += near_part
-                added = _size(pairs) + _size(near_part)
+                added = found[target].add(pairs) + near_found[target].add(near_part)
                 kept[target] += added
                 waiting += added
             if later == len(spans) - 1:
@@ -454,9 +452,47 @@ def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
-def _size(parts: Found) -> int:
-    """The number of pairs in ``parts``."""
-    return sum(part[0].shape[0] for part in parts)
+WAITING_MIN_PAIRS = 64
+"""A span's waiting pairs start with room for this many, then double."""
+
+
+class _Waiting:
+    """The pairs waiting for one span of queries (rows, columns: gallery positions), in
+    one buffer ``[2, capacity]`` that doubles as they come, not a list of the small
+    tensors each scan finds: those, kept from block to block between a block's
+    temporaries, fragmented the C heap (hundreds of tensors a span, a few hundred
+    bytes of heap each)."""
+
+    __slots__ = ("buffer", "size")
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+        self.size = 0
+
+    def add(self, parts: Found) -> int:
+        """Append the pairs of ``parts`` (a scan's, in order); how many."""
+        count = sum(part[0].shape[0] for part in parts)
+        if count == 0:
+            return 0
+        need = self.size + count
+        if self.buffer is None or need > self.buffer.shape[1]:
+            capacity = max(WAITING_MIN_PAIRS, 1 << (need - 1).bit_length())
+            grown = torch.empty((2, capacity), dtype=torch.int64, device=parts[0][0].device)
+            if self.buffer is not None:
+                grown[:, : self.size] = self.buffer[:, : self.size]
+            self.buffer = grown
+        for rows, columns, _ in parts:
+            stop = self.size + rows.shape[0]
+            self.buffer[0, self.size : stop] = rows
+            self.buffer[1, self.size : stop] = columns
+            self.size = stop
+        return count
+
+    def pairs(self, device: torch.device) -> Pairs:
+        """The pairs so far (views of the buffer)."""
+        if self.buffer is None:
+            return pairs_of([], device)
+        return Pairs(self.buffer[0, : self.size], self.buffer[1, : self.size], None)
 
 
 class _LabelBlocks(NamedTuple):
