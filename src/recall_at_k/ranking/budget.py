@@ -17,7 +17,7 @@ that can. Results never depend on any of it.
 
 from __future__ import annotations
 
-BOOKKEEPING_BYTES_PER_ITEM = 96
+BOOKKEEPING_BYTES_PER_ITEM = 128
 """What the ranking keeps per item while it runs, at most: labels, sides, the queries'
 label blocks and positions, their bounds, band edges and counts."""
 
