@@ -41,7 +41,9 @@ sorted cells (12 bytes a class); composite keys (class and label, ...) are made 
 a time when counted. Every sort runs in parts of about ``block_bytes / SORT_BYTES``
 items (:func:`sorted_parts`) and every float64 copy of rows (the hash's words, the
 projections, the rounding check) a block of ``block_bytes`` at a time, at most
-``chunk_bytes / AUDIT_SHARE`` (:class:`AuditOptions`) whatever the dimension.
+``chunk_bytes / AUDIT_SHARE`` (:class:`AuditOptions`) whatever the dimension; each
+phase's buffers are freed before the next phase's (:meth:`Blocks.release`), so the
+audit adds about one block beside its per-item arrays.
 
 The near counts need a score per (query, gallery item): the ranking counts them in its
 own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
