@@ -1204,3 +1204,25 @@ def test_own_samples_equal_the_brute_force(offset: int) -> None:
     empty = torch.zeros(0, dtype=torch.int64)
     has_self, self_row = _audit.own_samples(q_rows, identity[q_rows.long()], empty, empty, num)
     assert not has_self.any() and torch.equal(self_row, q_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_sorted_parts_equal_a_stable_sort(dtype: torch.dtype) -> None:
+    """The parts of :func:`_audit.sorted_parts` (many here: 1,024 items a sort) are a
+    stable sort of the keys, equal keys never in two parts; a key that fills its range
+    alone (half the items share one) is one part whose values are one broadcast key."""
+    gen = torch.Generator().manual_seed(8)
+    keys = torch.randint(-(2**30), 2**30, (6000,), generator=gen, dtype=torch.int64)
+    keys[torch.randperm(6000, generator=gen)[:3000]] = 7
+    keys = keys.to(dtype)
+    parts = list(_audit.sorted_parts(keys, 1024 * _audit.SORT_BYTES))
+    assert len(parts) > 3
+    order = torch.cat([part[0] for part in parts])
+    values = torch.cat([part[1] for part in parts])
+    want_values, want_order = torch.sort(keys, stable=True)
+    assert torch.equal(order, want_order) and torch.equal(values.to(dtype), want_values)
+    last = [int(part[1][-1]) for part in parts[:-1]]
+    first = [int(part[1][0]) for part in parts[1:]]
+    assert all(a < b for a, b in zip(last, first, strict=True))
+    heavy = [part for part in parts if int(part[1][0]) == 7]
+    assert len(heavy) == 1 and heavy[0][1].stride() == (0,) and heavy[0][0].shape[0] >= 3000

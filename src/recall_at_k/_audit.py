@@ -41,7 +41,9 @@ sorted cells (12 bytes a class); composite keys (class and label, ...) are made 
 a time when counted. Every sort runs in parts of about ``block_bytes / SORT_BYTES``
 items (:func:`sorted_parts`) and every float64 copy of rows (the hash's words, the
 projections, the rounding check) a block of ``block_bytes`` at a time, at most
-``chunk_bytes / AUDIT_SHARE`` (:class:`AuditOptions`) whatever the dimension.
+``chunk_bytes / AUDIT_SHARE`` (:class:`AuditOptions`) whatever the dimension; each
+phase's buffers are freed before the next phase's (:meth:`Blocks.release`), so the
+audit adds about one block beside its per-item arrays.
 
 The near counts need a score per (query, gallery item): the ranking counts them in its
 own tiles (:func:`recall_at_k.ranking.rank.rank` with ``near_duplicate``), decided on the
@@ -244,13 +246,14 @@ SORT_MIN_ITEMS = 1024
 def sorted_parts(
     keys: Tensor, block_bytes: int = _COMPARE_BYTES
 ) -> Iterator[tuple[Tensor, Tensor]]:
-    """The stable ascending sort of int64 ``keys`` ``[N]``, in consecutive parts
+    """The stable ascending sort of integer ``keys`` ``[N]``, in consecutive parts
     ``(order, values)`` (int64 item indices, their keys): each part sorts the items of
     one range of keys, so that equal keys never straddle two parts, about ``block_bytes
     / SORT_BYTES`` items at a time (not the whole set) where the keys allow.
 
     The ranges come from a regular sample of the keys: a key that fills a range alone
-    gets a part of its own (no sort); between two such keys, the keys strictly between.
+    gets a part of its own (no sort; its values one key broadcast, not an array: every
+    item of a collapsed model); between two such keys, the keys strictly between.
     Each part costs a pass over the keys (a comparison of each, one byte an item)."""
     num = keys.shape[0]
     most = max(SORT_MIN_ITEMS, block_bytes // SORT_BYTES)
@@ -282,7 +285,7 @@ def sorted_parts(
             index = mask.nonzero().view(-1)
             del mask
             if index.numel():
-                yield index, torch.full_like(index, splitter)
+                yield index, keys.new_full((1,), splitter).expand(index.shape[0])
             del index
             lowest = splitter
 
