@@ -260,12 +260,11 @@ def queries_of(labels: Tensor, groups: Tensor, side: Side, gallery: Gallery) -> 
     narrow = index_dtype(max(side.rows.shape[0], gallery.rows.shape[0]))
     query_labels, order = torch.sort(labels[side.rows], stable=True)
     rows = side.rows[order]
-    run = _run_of(rows)
     if rows.shape == gallery.rows.shape and torch.equal(rows, gallery.rows):
         # The gallery's own items in its order (leave-one-out): its rows, labels and
         # groups (views where they are), not copies.
         rows, query_labels, query_groups = gallery.rows, gallery.labels, gallery.groups
-    elif run is not None:  # stored in label order: views
+    elif (run := _run_of(rows)) is not None:  # stored in label order: views
         query_labels, query_groups = labels[run], groups[run]
     else:
         query_groups = query_labels if _same(groups, labels) else groups[rows]
