@@ -55,9 +55,14 @@ def test_the_page_states_the_tested_formula() -> None:
     assert f"(and {reserved} KiB for the interpreter and the C heap)" in TEXT
     assert (
         f"the bound needs at least {per_item} bytes x N + {reserved} KiB + {least_scratch} KiB"
-        f" (or {per_width} bytes x D, if larger)." in TEXT
+        f" (or {per_width:,} bytes x D, if larger)." in TEXT
     )
     assert f"of that scratch (at least {budget.MIN_BLOCK_ROWS} rows)" in TEXT
+    meta, transport = formula.GATHERED_META_BYTES_PER_ITEM, formula.TRANSPORT_BYTES // MiB
+    assert f"every item's metadata ({meta} bytes x N, gathered) and {transport} MiB" in TEXT
+    assert formula.gathered_bound(1000, 1, 10, 3) == (
+        formula.chunk_bound(1000, 1, 10, 3) + meta * 10 + formula.TRANSPORT_BYTES
+    )
     for items, width in ((10, 3), (10**6, 1024), (1600, 2048), (24_000, 256)):
         least = per_item * items + budget.RESERVED_BYTES
         least += max(budget.MIN_SCRATCH_BYTES, per_width * width)

@@ -33,7 +33,7 @@ BLOCK_SHARE = 4
 """The ordered copy, ``"cosine"``'s normalisation and the protocol audit read rows in
 blocks of ``scratch / BLOCK_SHARE`` (their float64 and bit-pattern copies)..."""
 
-MIN_BLOCK_ROWS = 4
+MIN_BLOCK_ROWS = 16
 """... of at least this many rows (a float64 copy of a row: 8 bytes a value, and one
 more working copy)."""
 
