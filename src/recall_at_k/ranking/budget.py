@@ -21,7 +21,7 @@ BOOKKEEPING_BYTES_PER_ITEM = 128
 """What the ranking keeps per item while it runs, at most: labels, sides, the queries'
 label blocks and positions, their bounds, band edges and counts."""
 
-RESERVED_BYTES = 2**19
+RESERVED_BYTES = 3 * 2**18
 """Held back from ``chunk_bytes`` for what no tensor accounts for: Python objects made
 during ``compute()`` and freed blocks below the C library's mmap threshold that stay
 resident while a later block lies above them."""
