@@ -115,11 +115,6 @@ _COMPARE_BYTES = 2**20
 the caller gives a ``block_bytes`` (the metric: a share of its ``chunk_bytes``,
 :data:`AUDIT_SHARE`)."""
 
-BLOCK_MIN_ROWS = 16
-"""The metric's blocks hold at least this many rows, whatever ``chunk_bytes``: smaller
-ones cost more in Python calls than they save (and their many small temporaries
-fragment the C heap)."""
-
 AUDIT_SHARE = 4
 """The metric's audit works on blocks of ``chunk_bytes / AUDIT_SHARE`` (each block's
 copies -- bit patterns, float64 rows, projections -- together within it)."""
