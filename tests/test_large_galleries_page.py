@@ -58,6 +58,8 @@ def test_the_page_states_the_tested_formula() -> None:
         f" (or {per_width:,} bytes x D, if larger)." in TEXT
     )
     assert f"of that scratch (at least {budget.MIN_BLOCK_ROWS} rows)" in TEXT
+    spread = formula.SPREAD_BYTES / MiB
+    assert f"so the tests allow {spread:.1f} MiB on top of the bound" in TEXT
     meta, transport = formula.GATHERED_META_BYTES_PER_ITEM, formula.TRANSPORT_BYTES // MiB
     assert f"every item's metadata ({meta} bytes x N, gathered) and {transport} MiB" in TEXT
     assert formula.gathered_bound(1000, 1, 10, 3) == (

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import run_distributed
-from memory_formula import chunk_bound, gathered_bound, least_chunk_bytes
+from memory_formula import SPREAD_BYTES, chunk_bound, gathered_bound, least_chunk_bytes
 from memory_probe import ENV, measure
 
 CHUNK = 2**19
@@ -105,7 +105,11 @@ def test_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(case: dict[str,
     (result,) = _run_probe([case])
     assert result["case"] == case
     assert result["peak"] == max(result["audit_peak"], result["ranking_peak"])
-    assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
+    # the bound, and the run-to-run spread of the C heap (memory_formula.SPREAD_BYTES)
+    assert result["peak"] <= bound(result) + SPREAD_BYTES, (
+        result["peak"] / result["stored"],
+        result,
+    )
 
 
 def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +159,7 @@ def test_each_process_adds_one_copy_of_the_gathered_embeddings(
     for result in results:
         assert result["result"] == want
         assert result["report"] == single.protocol_report()
-        assert result["peak"] <= allowed, result["peak"] / gathered
+        assert result["peak"] <= allowed + SPREAD_BYTES, result["peak"] / gathered
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -176,4 +180,7 @@ def test_cuda_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(
         "device": "cuda",
     }
     result = measure(case)
-    assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
+    assert result["peak"] <= bound(result) + SPREAD_BYTES, (
+        result["peak"] / result["stored"],
+        result,
+    )
