@@ -604,14 +604,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             )
             embeddings, order = ordered.embeddings, ordered.order
             check_nan = self.validate_args and _score.may_produce_nan(embeddings, self.similarity)
-            options = _bands.RankOptions(
-                self.similarity,
-                self.exclude,
-                self.ties,
-                self.max_k,
-                self._scratch_bytes(meta.shape[0]),
-                check_nan,
-            )
+            options = self._rank_options(None, check_nan, meta.shape[0])[0]
+            options = options._replace(progress=False)
             records = _ranking_outcomes.rank_outcomes(
                 embeddings,
                 meta[order, _items.LABEL],
@@ -730,8 +724,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if not callable(stored):
             embeddings, meta = stored
             # Blocks of a share of the scratch, whatever the rows' width.
-            share = max(1, self._scratch_bytes(meta.shape[0]) // _budget.BLOCK_SHARE)
-            block = self._block_bytes(embeddings.shape[1], meta.shape[0])
+            scratch = self._scratch_bytes(meta.shape[0])
+            share = max(1, scratch // _budget.BLOCK_SHARE)
+            block = _budget.block_bytes(scratch, embeddings.shape[1])
             options = options._replace(block_bytes=block, share=share)
         return _audit.audit_directions(stored, sides[: len(self._prefixes)], options)
 
