@@ -66,22 +66,6 @@ def chunk_bound(embedding_bytes: int, chunk_bytes: int, items: int, width: int) 
     return COPIES * embedding_bytes + max(chunk_bytes, least_chunk_bytes(items, width))
 
 
-GATHERED_META_BYTES_PER_ITEM = 40
-"""Under DDP (without sharding) a process also holds every process's metadata, gathered:
-5 integers an item (label, group, id, role, width)."""
-
-TRANSPORT_BYTES = 2**20
-"""... and what torch.distributed keeps for its collectives (measured with gloo)."""
-
-
-def gathered_bound(embedding_bytes: int, chunk_bytes: int, items: int, width: int) -> int:
-    """What ``compute()`` may add on a process under DDP without sharding:
-    :func:`chunk_bound` of the gathered embeddings, plus the gathered metadata and
-    :data:`TRANSPORT_BYTES`."""
-    bound = chunk_bound(embedding_bytes, chunk_bytes, items, width)
-    return bound + GATHERED_META_BYTES_PER_ITEM * items + TRANSPORT_BYTES
-
-
 def ring_bytes_received(items: int, dim: int, world: int, element: int = 4) -> int:
     """Embedding bytes a process receives with ``sharded=True``: in each of the
     ``SHARDED_PASSES`` passes, the blocks of every other process."""

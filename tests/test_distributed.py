@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import traceback
 import warnings
 from collections.abc import Callable
@@ -332,6 +333,17 @@ def _outcome(metric: EmbeddingRecallAtK, batches: list[Batch]) -> Any:
     return {key: float(v) for key, v in result.items()}
 
 
+def _outcome_in_context(metric: EmbeddingRecallAtK, batches: list[Batch]) -> Any:
+    """The result of ``compute()`` within the user's own ``sync_context()`` (with
+    ``sync_on_compute=False``: torchmetrics' way to compute on gathered states once)."""
+    for batch in batches:
+        metric.update(batch.embeddings, batch.labels, **batch.kwargs())
+    with metric.sync_context():
+        result = metric.compute()
+    assert isinstance(result, dict)
+    return {key: float(v) for key, v in result.items()}
+
+
 def _fails_on_rank_one(queries: Tensor, gallery: Tensor) -> Tensor:
     if torch.distributed.get_rank() == 1:
         raise ValueError("similarity failed on rank 1")
@@ -348,12 +360,20 @@ def _embedding(rank: int, world: int) -> dict[str, Any]:
                 value,
                 dict(metric.last_compute_num_queries_ranked),
             )
+        metric = EmbeddingRecallAtK(KS, sync_on_compute=False, **case["kwargs"])
+        out[f"{case['name']}-context"] = _outcome_in_context(metric, case["shards"][rank])
     # A direction without gallery must raise on every process (no hang in all_reduce).
     only_queries = [Batch(torch.randn(3, 2), torch.tensor([0, 1, 0]), "query")]
     out["no-gallery"] = _outcome(EmbeddingRecallAtK(KS), only_queries if rank == 0 else [])
     # A failure while ranking one process's share must not leave the other one waiting.
     items = [Batch(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]))]
     out["one-fails"] = _outcome(EmbeddingRecallAtK(KS, similarity=_fails_on_rank_one), items)
+    # A state corrupted on one process: every process raises, naming both counts.
+    corrupted = EmbeddingRecallAtK(KS)
+    corrupted.update(torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
+    if rank == 1:
+        corrupted.embedding_values.append(torch.zeros(1))
+    out["corrupted"] = _outcome(corrupted, [])
     return out
 
 
@@ -375,6 +395,13 @@ def test_embedding_two_processes_equal_one_process(runs: Runs) -> None:
             for direction, total in case["queries"].items():
                 share = total * (rank + 1) // 2 - total * rank // 2
                 assert ranked[direction] == share, (case["name"], rank, direction)
+            # Within the user's own sync_context (which once failed: "the state holds
+            # 0 values"), the gathered result.
+            in_context = results[rank][f"{case['name']}-context"]
+            if exact:
+                assert in_context == expected, (case["name"], rank)
+            else:
+                assert in_context == pytest.approx(expected, abs=1e-12), (case["name"], rank)
             # sync_on_compute=False: every process on its own data alone.
             got, ranked = results[rank][f"{case['name']}-syncFalse"]
             local = _outcome(EmbeddingRecallAtK(KS, **case["kwargs"]), case["shards"][rank])
@@ -390,6 +417,12 @@ def test_embedding_two_processes_equal_one_process(runs: Runs) -> None:
         "RuntimeError: EmbeddingRecallAtK.compute() failed on another process; see its error"
     )
     assert results[1]["one-fails"] == "ValueError: similarity failed on rank 1"
+    corrupted = (
+        r"ValueError: `embeddings`: the processes hold \[12, 13\] values for \[4, 4\] items"
+        r" of width 3; the state was corrupted"
+    )
+    for rank in range(2):
+        assert re.fullmatch(corrupted, results[rank]["corrupted"]), results[rank]["corrupted"]
 
 
 # ------------------------------------------------------------ faults, three processes

@@ -213,12 +213,40 @@ def local_counts(
     them in (``dtype``: this process's, :func:`widest_float` of its blocks): one
     all-gather of two integers. The rows are then read in that dtype (widened exactly),
     as :func:`agree_float_dtypes` agrees before torchmetrics' gather."""
+    counts, _, widest = process_rows(rows, 0, dtype, group, device)
+    return counts, widest
+
+
+def process_rows(
+    rows: int, held: int, dtype: torch.dtype, group: Any, device: torch.device
+) -> tuple[list[int], list[int], torch.dtype]:
+    """:func:`local_counts`, with the values each process holds (``held``, for a check
+    every process makes alike): one all-gather of three integers."""
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows, _BITS[dtype]], dtype=torch.int64, device=device)
+    mine = torch.tensor([rows, held, _BITS[dtype]], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    widest = max(int(pair[1]) for pair in every)
-    return [int(pair[0]) for pair in every], _FLOAT_OF_BITS[widest]
+    widest = max(int(row[2]) for row in every)
+    return [int(row[0]) for row in every], [int(row[1]) for row in every], _FLOAT_OF_BITS[widest]
+
+
+def broadcast_rows(
+    local: list[Tensor], counts: list[int], width: int, device: torch.device, group: Any
+) -> Tensor:
+    """Every process's int64 ``[rows, width]`` blocks (``counts`` rows each, from
+    :func:`process_rows`) in one new tensor, in process order: each process's rows are
+    broadcast from it straight into their place (no padded or per-process copies)."""
+    out = torch.empty((sum(counts), width), dtype=torch.int64, device=device)
+    me, start = dist.get_rank(group), 0
+    for rank, count in enumerate(counts):
+        if count:
+            part = out[start : start + count]
+            if rank == me:
+                _Cursor(local).fill(part)
+            source = rank if group is None else dist.get_global_rank(group, rank)
+            dist.broadcast(part, src=source, group=group)
+        start += count
+    return out
 
 
 def agree_float_dtypes(

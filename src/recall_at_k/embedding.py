@@ -50,6 +50,9 @@ __all__ = ["EmbeddingRecallAtK"]
 _VALUES = "embedding_values"
 """The list state of embeddings (a tensor once gathered): swapped by the lean sync."""
 
+_META = "embedding_meta"
+"""The list state of their metadata (:mod:`recall_at_k._items`): swapped with it."""
+
 
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     r"""Recall@K of embeddings ranked against a gallery that is complete only at the end.
@@ -283,6 +286,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         # Within sync_context: this process's own embeddings (not gathered whole).
         self._lean_sync = False
         self._local_values: list[Tensor] | None = None
+        self._local_meta: list[Tensor] | None = None
+        self._lean_group: _rank.ProcessGroup | None = None
         # Embeddings are stored flattened (1-D, float32 or wider: _items.stored_dtype)
         # so that a process without data sends an empty block of the same layout; the
         # width is in the metadata.
@@ -344,10 +349,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         distributed_available: Callable[..., Any] | None = None,
     ) -> Generator[None, None, None]:
         """torchmetrics' ``sync_context`` (what ``compute()`` syncs in), except that the
-        embeddings are not gathered whole: inside it each process keeps its own, and
-        the ranking reads every process's rows a run at a time
-        (:class:`recall_at_k._sync.BroadcastRows`), writing each to its place in its
-        one copy. An explicit ``sync()`` gathers them as torchmetrics does, and so does
+        embeddings and their metadata are not gathered into the states: inside it each
+        process keeps its own, the ranking broadcasts every process's metadata into a
+        tensor of its own (freed before the copy) and reads every process's rows a run
+        at a time (:class:`recall_at_k._sync.BroadcastRows`), writing each to its place
+        in its one copy. An explicit ``sync()`` gathers them as torchmetrics does, and so does
         a context that leaves the states synced (``should_unsync=False``: ``forward``
         with ``dist_sync_on_step=True`` keeps the gathered batch state)."""
         # A custom gather function gathers all.
@@ -374,26 +380,39 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._gathered = None
         lean = will_sync and self._lean_sync and self._local_values is None
         if lean:
+            # Neither the rows nor their metadata are gathered into the state: the
+            # ranking reads them from every process when it needs them (_stored), so
+            # no gathered copy outlives its use, and torchmetrics' cache of the local
+            # states clones neither.
             self._local_values = cast(list[Tensor], getattr(self, _VALUES))
+            self._local_meta = cast(list[Tensor], getattr(self, _META))
             setattr(self, _VALUES, [])
+            setattr(self, _META, [])
         try:
             super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         except BaseException:
             if lean:
-                setattr(self, _VALUES, self._local_values)
-                self._local_values = None
+                self._restore_local()
             raise
         if will_sync:
             self._gathered = _rank.ProcessGroup(process_group or self.process_group)
+        if lean:
+            self._lean_group = self._gathered
 
     def unsync(self, should_unsync: bool = True) -> None:
         """The base ``unsync``; the states are local again afterwards."""
         super().unsync(should_unsync=should_unsync)
         if should_unsync:
             self._gathered = None
-            if self._local_values is not None:
-                setattr(self, _VALUES, self._local_values)
-                self._local_values = None
+            self._restore_local()
+
+    def _restore_local(self) -> None:
+        """After a sync within :meth:`sync_context`: this process's own states again."""
+        if self._local_values is not None:
+            setattr(self, _VALUES, self._local_values)
+            setattr(self, _META, self._local_meta)
+        self._local_values = self._local_meta = None
+        self._lean_group = None
 
     # ------------------------------------------------------------------ compute
 
@@ -771,22 +790,28 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def _stored(self) -> tuple[_ordered.RowSource | _sync.BroadcastRows, Tensor]:
         """The stored (or gathered) embeddings, read in blocks (nothing is copied whole;
         ranked in the widest dtype stored, on any process), and their metadata."""
-        if self._local_values is None or self._gathered is None:
+        lean = self._lean_group
+        if self._local_values is None or self._local_meta is None or lean is None:
             blocks, width, meta = _items.stored_blocks(self.embedding_values, self.embedding_meta)
             return _ordered.RowSource(blocks, meta.shape[0], width, _sync.FLOAT_FLOOR), meta
-        # Synced within sync_context: the metadata gathered, the rows read from every
-        # process a run at a time, in the widest dtype any process stores.
-        _, width, meta = _items.stored_blocks([], self.embedding_meta, False)
+        # Synced within sync_context: the metadata of every process broadcast into one
+        # tensor that lives as long as its reader (not in the state), the rows read from
+        # every process a run at a time, in the widest dtype any process stores.
+        group = lean.group
         local = _items.blocks(self._local_values)
-        rows = sum(block.numel() for block in local) // max(1, width)
-        group = self._gathered.group
+        local_meta = [m.reshape(-1, _items.META_COLUMNS) for m in _items.blocks(self._local_meta)]
+        device = local_meta[0].device if local_meta else self.device
+        rows = sum(block.shape[0] for block in local_meta)
+        held = sum(block.numel() for block in local)
         mine = _sync.widest_float([block.dtype for block in local])
-        counts, dtype = _sync.local_counts(rows, mine, group, meta.device)
-        if sum(counts) != meta.shape[0]:
+        counts, helds, dtype = _sync.process_rows(rows, held, mine, group, device)
+        gathered = _sync.broadcast_rows(local_meta, counts, _items.META_COLUMNS, device, group)
+        _, width, meta = _items.stored_blocks([], [gathered], False)
+        del gathered
+        if any(h != c * width for h, c in zip(helds, counts, strict=True)):
             raise ValueError(
-                f"`embeddings`: the processes hold {sum(counts)} items but {meta.shape[0]}"
-                " metadata rows; the state was corrupted"
+                f"`embeddings`: the processes hold {helds} values for {counts} items of"
+                f" width {width}; the state was corrupted"
             )
-        device = local[0].device if local else meta.device
         source = _sync.BroadcastRows(local, counts, width, dtype, device, group)
         return source, meta

@@ -38,7 +38,14 @@ from recall_at_k.ranking.bands import (
     pooled,
     saturate,
 )
-from recall_at_k.ranking.gallery import Gallery, Queries, centred_rows, gallery_bounds, product
+from recall_at_k.ranking.gallery import (
+    Gallery,
+    Queries,
+    centred_rows,
+    gallery_bounds,
+    index_dtype,
+    product,
+)
 from recall_at_k.ranking.workers import Workers
 
 
@@ -97,9 +104,9 @@ def rank_symmetric(
         return 0
     size = max(1, size)
     device, dtype = embeddings.device, embeddings.dtype
-    # The pairs that wait (each 2 int64 indices; a span's buffer at most twice its pairs,
-    # _Waiting) stay within a share of chunk_bytes, or two a query (the label blocks
-    # keep at least each query's best positive).
+    # The pairs that wait (each 2 int32 or int64 positions; a span's buffer at most
+    # 1.5 times its pairs, _Waiting) stay within a share of chunk_bytes, or two a query
+    # (the label blocks keep at least each query's best positive).
     budget = max(2 * num, options.chunk_bytes // (PENDING_SHARE * PAIR_BYTES))
     pending_limit = min(route.pending_pairs, budget)
     positive_limit = min(route.positive_pairs, budget)
@@ -118,8 +125,9 @@ def rank_symmetric(
     if spans is None:
         spans = [slice(start, min(start + size, num)) for start in range(0, num, size)]
     # Per span, its queries' waiting pairs: in-band (positives first), near the threshold.
-    found = [_Waiting() for _ in spans]
-    near_found = [_Waiting() for _ in spans]
+    positions = index_dtype(num)
+    found = [_Waiting(positions) for _ in spans]
+    near_found = [_Waiting(positions) for _ in spans]
     near = near_scan(options.near_duplicate, bound, lo, num)
     # Pairs kept for each block's queries, and their total for the blocks not yet done.
     kept, waiting, positive_count = [0 for _ in spans], 0, 0
@@ -207,7 +215,7 @@ def rank_symmetric(
             None if near is None else near.sure[rows],
             near_pairs,
         )
-        found[index], near_found[index] = _Waiting(), _Waiting()
+        found[index], near_found[index] = _Waiting(positions), _Waiting(positions)
         add_band(tile, band)
         waiting -= kept[index]
         return waiting <= pending_limit
@@ -452,21 +460,23 @@ def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
-WAITING_MIN_PAIRS = 64
-"""A span's waiting pairs start with room for this many, then double."""
+WAITING_MIN_PAIRS = 16
+"""A span's waiting pairs start with room for this many, then grow by half."""
 
 
 class _Waiting:
     """The pairs waiting for one span of queries (rows, columns: gallery positions), in
-    one buffer ``[2, capacity]`` that doubles as they come, not a list of the small
-    tensors each scan finds: those, kept from block to block between a block's
+    one buffer ``[2, capacity]`` that grows by half as they come, not a list of the
+    small tensors each scan finds: those, kept from block to block between a block's
     temporaries, fragmented the C heap (hundreds of tensors a span, a few hundred
-    bytes of heap each)."""
+    bytes of heap each). Positions are kept int32 where the gallery allows (every span
+    waits at once: at 24,000 items some 30,000 pairs in 370 spans)."""
 
-    __slots__ = ("buffer", "size")
+    __slots__ = ("buffer", "dtype", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         self.buffer: Tensor | None = None
+        self.dtype = dtype
         self.size = 0
 
     def add(self, parts: Found) -> int:
@@ -476,8 +486,9 @@ class _Waiting:
             return 0
         need = self.size + count
         if self.buffer is None or need > self.buffer.shape[1]:
-            capacity = max(WAITING_MIN_PAIRS, 1 << (need - 1).bit_length())
-            grown = torch.empty((2, capacity), dtype=torch.int64, device=parts[0][0].device)
+            capacity = max(WAITING_MIN_PAIRS, need + need // 2)
+            device = parts[0][0].device
+            grown = torch.empty((2, capacity), dtype=self.dtype, device=device)
             if self.buffer is not None:
                 grown[:, : self.size] = self.buffer[:, : self.size]
             self.buffer = grown
@@ -489,10 +500,11 @@ class _Waiting:
         return count
 
     def pairs(self, device: torch.device) -> Pairs:
-        """The pairs so far (views of the buffer)."""
+        """The pairs so far (int64 copies: the buffer is freed with this span)."""
         if self.buffer is None:
             return pairs_of([], device)
-        return Pairs(self.buffer[0, : self.size], self.buffer[1, : self.size], None)
+        rows, columns = self.buffer[:, : self.size].long()
+        return Pairs(rows, columns, None)
 
 
 class _LabelBlocks(NamedTuple):
