@@ -500,6 +500,13 @@ def _faults(rank: int, world: int) -> dict[str, Any]:
     out["manual/state_dict"] = {k: v.clone() for k, v in manual.state_dict().items()}
     out["manual/synced"] = manual.compute()  # and compute() un-syncs afterwards
     out["manual/after_unsync"] = manual.query_counts.clone()
+    # ... or compute() within the user's own sync_context().
+    in_context = RetrievalRecallAtK(FAULT_KS, sync_on_compute=False)
+    for i in shards[rank]:
+        in_context.update(*data[i])
+    with in_context.sync_context():
+        out["manual/context"] = in_context.compute()
+    out["manual/after_context"] = in_context.query_counts.clone()
 
     # compute() twice, and after reset() only what came later counts.
     again = RetrievalRecallAtK(FAULT_KS)
@@ -537,10 +544,12 @@ def test_fault_cases_across_three_processes(runs: Runs) -> None:
         else:
             assert all(torch.isnan(v) for v in result["manual/local"].values())
         assert result["manual/synced"] == _single(everything)
+        assert result["manual/context"] == _single(everything)
         assert result["twice"][0] == result["twice"][1] == _single(everything)
         assert result["after_reset"] == _single([5, 5, 5])  # each of 3 processes added it
         sizes = sum(len(_fault_batches()[i][1]) for i in shard)
         assert int(result["manual/after_unsync"].sum()) == sizes
+        assert int(result["manual/after_context"].sum()) == sizes
 
     # state_dict saved on process 0 after a sync, loaded into a new single-process metric
     fresh = RetrievalRecallAtK(FAULT_KS)
