@@ -186,15 +186,20 @@ def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line for line in ci.splitlines() if line.startswith("python -m pytest")]
     # Leg 1 runs the README's command as it is; the lowest-versions leg leaves out the
-    # memory probes and the benchmark smoke runs, and nothing else.
+    # memory probes, the benchmark smoke runs and the exactness sweeps, and nothing else.
+    left_out = ("test_memory.py", "test_benchmarks.py", "test_embedding_exact.py")
+    left_out += ("test_embedding_band.py",)
     assert commands == [
         "python -m pytest -q",
-        "python -m pytest -q --ignore=tests/test_memory.py --ignore=tests/test_benchmarks.py",
+        "python -m pytest -q" + "".join(f" --ignore=tests/{name}" for name in left_out),
     ]
-    said = "that second run leaves out the memory probes and benchmark smoke runs"
+    said = (
+        "that second run leaves out the memory probes, benchmark smoke runs and the"
+        " ranking's exactness sweeps"
+    )
     assert said in _flat(README)
-    assert "leaves out the memory probes and benchmark smoke runs" in _flat(DOCS["index.md"])
-    for name in ("test_memory.py", "test_benchmarks.py"):
+    assert said.removeprefix("that second run ") in _flat(DOCS["index.md"])
+    for name in left_out:
         assert (ROOT / "tests" / name).exists()
 
 
