@@ -102,12 +102,9 @@ class BroadcastRows:
         buffer = torch.empty((rows_per_chunk, self.shape[1]), dtype=self.dtype, device=self.device)
         start, cursor = 0, _Cursor(self.local)
         for rank, count in enumerate(self.counts):
-            source = rank if self.group is None else dist.get_global_rank(self.group, rank)
             for first in range(0, count, rows_per_chunk):
                 part = buffer[: min(rows_per_chunk, count - first)]
-                if rank == me:
-                    cursor.fill(part)
-                dist.broadcast(part, src=source, group=self.group)
+                _broadcast_part(part, rank, me, cursor, self.group)
                 yield start + first, part
             start += count
 
@@ -237,16 +234,21 @@ def broadcast_rows(
     :func:`process_rows`) in one new tensor, in process order: each process's rows are
     broadcast from it straight into their place (no padded or per-process copies)."""
     out = torch.empty((sum(counts), width), dtype=torch.int64, device=device)
-    me, start = dist.get_rank(group), 0
+    me, start, cursor = dist.get_rank(group), 0, _Cursor(local)
     for rank, count in enumerate(counts):
         if count:
-            part = out[start : start + count]
-            if rank == me:
-                _Cursor(local).fill(part)
-            source = rank if group is None else dist.get_global_rank(group, rank)
-            dist.broadcast(part, src=source, group=group)
+            _broadcast_part(out[start : start + count], rank, me, cursor, group)
         start += count
     return out
+
+
+def _broadcast_part(part: Tensor, rank: int, me: int, cursor: _Cursor, group: Any) -> None:
+    """``part`` = the next rows of process ``rank`` of ``group`` (read by ``cursor`` on
+    that process, which is process ``me``), broadcast from it to every process."""
+    if rank == me:
+        cursor.fill(part)
+    source = rank if group is None else dist.get_global_rank(group, rank)
+    dist.broadcast(part, src=source, group=group)
 
 
 def agree_float_dtypes(

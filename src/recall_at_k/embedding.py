@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
+from typing import Any, ClassVar, Literal, NamedTuple, SupportsIndex, cast, overload
 
 import torch
 from torch import Tensor
@@ -52,6 +52,15 @@ _VALUES = "embedding_values"
 
 _META = "embedding_meta"
 """The list state of their metadata (:mod:`recall_at_k._items`): swapped with it."""
+
+
+class _LeanSync(NamedTuple):
+    """Within :meth:`EmbeddingRecallAtK.sync_context`, synced: this process's own
+    states (the metric's are empty) and the group that every process reads them in."""
+
+    values: list[Tensor]
+    meta: list[Tensor]
+    group: _rank.ProcessGroup
 
 
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
@@ -285,9 +294,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._gathered: _rank.ProcessGroup | None = None
         # Within sync_context: this process's own embeddings (not gathered whole).
         self._lean_sync = False
-        self._local_values: list[Tensor] | None = None
-        self._local_meta: list[Tensor] | None = None
-        self._lean_group: _rank.ProcessGroup | None = None
+        self._lean: _LeanSync | None = None
         # Embeddings are stored flattened (1-D, float32 or wider: _items.stored_dtype)
         # so that a process without data sends an empty block of the same layout; the
         # width is in the metadata.
@@ -378,14 +385,15 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         embeddings stay where they are (each process's own)."""
         will_sync = self._will_sync(should_sync, distributed_available)
         self._gathered = None
-        lean = will_sync and self._lean_sync and self._local_values is None
+        group = _rank.ProcessGroup(process_group or self.process_group)
+        lean = will_sync and self._lean_sync and self._lean is None
         if lean:
             # Neither the rows nor their metadata are gathered into the state: the
             # ranking reads them from every process when it needs them (_stored), so
             # no gathered copy outlives its use, and torchmetrics' cache of the local
             # states clones neither.
-            self._local_values = cast(list[Tensor], getattr(self, _VALUES))
-            self._local_meta = cast(list[Tensor], getattr(self, _META))
+            values = cast(list[Tensor], getattr(self, _VALUES))
+            self._lean = _LeanSync(values, cast(list[Tensor], getattr(self, _META)), group)
             setattr(self, _VALUES, [])
             setattr(self, _META, [])
         try:
@@ -395,9 +403,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 self._restore_local()
             raise
         if will_sync:
-            self._gathered = _rank.ProcessGroup(process_group or self.process_group)
-        if lean:
-            self._lean_group = self._gathered
+            self._gathered = group
 
     def unsync(self, should_unsync: bool = True) -> None:
         """The base ``unsync``; the states are local again afterwards."""
@@ -408,11 +414,10 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     def _restore_local(self) -> None:
         """After a sync within :meth:`sync_context`: this process's own states again."""
-        if self._local_values is not None:
-            setattr(self, _VALUES, self._local_values)
-            setattr(self, _META, self._local_meta)
-        self._local_values = self._local_meta = None
-        self._lean_group = None
+        if self._lean is not None:
+            setattr(self, _VALUES, self._lean.values)
+            setattr(self, _META, self._lean.meta)
+        self._lean = None
 
     # ------------------------------------------------------------------ compute
 
@@ -790,16 +795,16 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def _stored(self) -> tuple[_ordered.RowSource | _sync.BroadcastRows, Tensor]:
         """The stored (or gathered) embeddings, read in blocks (nothing is copied whole;
         ranked in the widest dtype stored, on any process), and their metadata."""
-        lean = self._lean_group
-        if self._local_values is None or self._local_meta is None or lean is None:
+        lean = self._lean
+        if lean is None:
             blocks, width, meta = _items.stored_blocks(self.embedding_values, self.embedding_meta)
             return _ordered.RowSource(blocks, meta.shape[0], width, _sync.FLOAT_FLOOR), meta
         # Synced within sync_context: the metadata of every process broadcast into one
         # tensor that lives as long as its reader (not in the state), the rows read from
         # every process a run at a time, in the widest dtype any process stores.
-        group = lean.group
-        local = _items.blocks(self._local_values)
-        local_meta = [m.reshape(-1, _items.META_COLUMNS) for m in _items.blocks(self._local_meta)]
+        group = lean.group.group
+        local = _items.blocks(lean.values)
+        local_meta = [m.reshape(-1, _items.META_COLUMNS) for m in _items.blocks(lean.meta)]
         device = local_meta[0].device if local_meta else self.device
         rows = sum(block.shape[0] for block in local_meta)
         held = sum(block.numel() for block in local)
