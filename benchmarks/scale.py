@@ -5,17 +5,18 @@ and 4 gloo processes sharded (``sharded=True``: the gallery passes round the pro
 in blocks; reported as not available where ``EmbeddingRecallAtK`` has no ``sharded``).
 
 Leave-one-out, cosine, D = 128, ``ids=``, ``chunk_bytes`` 4 MiB; each process runs one
-torch thread and holds its share of the items. After a warm-up ``compute()`` of a small
-metric of the same options on the same processes, each process measures its own
-``compute()``: the time (after a barrier), the peak resident memory it adds
-(``measure.start_peak`` / ``measure.peak_since``: VmHWM over the resident set before,
-``MALLOC_MMAP_THRESHOLD_=131072``), and the bytes that its ``torch.distributed`` calls
-receive (:class:`Traffic`). A row's time is the slowest process's (the least over
-``--repeats`` computes); its memory and bytes the largest process's. "time / pair" is
-that time over the N x (N - 1) scores ranked by all processes together; "bytes / item"
-the peak over N; "x gathered bytes" the peak over N x D x 4, the bytes of one copy of
-every item. With more processes than cores the processes share the cores: times then
-include waiting for a core.
+torch thread and holds its share of the items. After a warm-up ``compute()`` of a tenth
+of the items (at least 600) with the same options and scratch on the same processes (as
+``tests/memory_probe.py``: the code that the measured one runs is paged in before it),
+each process measures its own ``compute()``: the time (after a barrier), the peak
+resident memory it adds (``measure.start_peak`` / ``measure.peak_since``: VmHWM over the
+resident set before, ``MALLOC_MMAP_THRESHOLD_=131072``), and the bytes that its
+``torch.distributed`` calls receive (:class:`Traffic`). A row's time is the slowest
+process's (the least over ``--repeats`` computes); its memory and bytes the largest
+process's. "time / pair" is that time over the N x (N - 1) scores ranked by all
+processes together; "bytes / item" the peak over N; "x gathered bytes" the peak over N x
+D x 4, the bytes of one copy of every item. With more processes than cores the processes
+share the cores: times then include waiting for a core.
 
 The projection to 10M x 1024-d items on 8 GPUs is computed from these measurements and
 the memory formula (``tests/memory_formula.py``, stated in ``docs/large-galleries.md``).
@@ -59,10 +60,12 @@ from measure import (  # noqa: E402
     Section,
     fmt_bytes,
     markdown_table,
+    on_own_thread,
     peak_since,
     start_peak,
     write_section,
 )
+from memory_probe import warm_chunk_bytes, warm_items  # noqa: E402
 
 DIM = 128
 CHUNK = 4 * 2**20
@@ -71,7 +74,6 @@ PROCESSES = 4
 FULL_SIZES = (20_000, 50_000, 100_000)
 METRIC = "recall_at_k:EmbeddingRecallAtK"
 BATCH = 1000
-WARM_ITEMS = 400
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,14 @@ def _worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
         options["sharded"] = payload["sharded"]
     embeddings, labels = _data(num)
     ids = torch.arange(num)
-    warm = cls(KS, **options)  # the same code paths, on every process, before measuring
-    few = slice(WARM_ITEMS * rank // world, WARM_ITEMS * (rank + 1) // world)
+    # The same code paths, on every process, before measuring: a tenth of the items
+    # (at least 600) with the measured ranking's scratch, as tests/memory_probe.py does.
+    warm_num = warm_items(num)
+    warm_options = dict(options)
+    if not payload["sharded"]:
+        warm_options["chunk_bytes"] = warm_chunk_bytes(CHUNK, num)
+    warm = cls(KS, **warm_options)
+    few = slice(warm_num * rank // world, warm_num * (rank + 1) // world)
     warm.update(embeddings[few], labels[few], ids=ids[few])
     warm.compute()
     metric = cls(KS, **options)
@@ -247,7 +255,9 @@ def _worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
             baseline = start_peak("cpu")
             with traffic.installed():
                 begin = time.perf_counter()
-                result = metric.compute()
+                # On a thread of its own, so that its C heap is its own (as the memory
+                # tests measure it: measure.on_own_thread).
+                result = on_own_thread(metric.compute)
                 seconds.append(time.perf_counter() - begin)
             peak = peak_since("cpu", baseline)
         else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 # One implementation of the probe: the benchmarks' (benchmarks/measure.py).
-from measure import LIVE_MEMORY_MMAP_THRESHOLD, peak_since, start_peak
-from memory_formula import BOOKKEEPING_BYTES_PER_ITEM, CPU_TILE_BYTES
+from measure import LIVE_MEMORY_MMAP_THRESHOLD, on_own_thread, peak_since, start_peak
+from memory_formula import CPU_TILE_BYTES
+
+from recall_at_k.ranking import budget
 
 ENV = {"MALLOC_MMAP_THRESHOLD_": str(LIVE_MEMORY_MMAP_THRESHOLD), "OMP_NUM_THREADS": "1"}
 """The environment of a measuring process."""
@@ -98,13 +101,20 @@ def warm_items(num: int) -> int:
 
 
 def warm_chunk_bytes(chunk_bytes: int, num: int) -> int:
-    """The first ``compute()``'s ``chunk_bytes``: what leaves it the measured one's
-    scratch (``chunk_bytes`` less the bookkeeping of the items it lacks), so that it
-    takes the same routes and tile shapes and the code they run is paged in before the
-    measured window (otherwise its first use counts: about 0.5 MiB of libtorch's code
-    at 24,000 x 256)."""
-    missing = num - warm_items(num)
-    return max(1, chunk_bytes - BOOKKEEPING_BYTES_PER_ITEM * missing)
+    """The first ``compute()``'s ``chunk_bytes``: one that leaves it the measured one's
+    scratch (:func:`recall_at_k.ranking.budget.scratch_bytes`, the measured
+    ``chunk_bytes`` less the bookkeeping of the items the first one lacks, or the least
+    scratch), so that it takes the same routes and tile shapes and the code they run is
+    paged in before the measured window (otherwise its first use counts: about 0.5 MiB
+    of libtorch's code at 24,000 x 256)."""
+    warm = warm_items(num)
+    if chunk_bytes <= budget.min_scratch_bytes(warm):
+        return chunk_bytes
+    return budget.scratch_bytes(chunk_bytes, num) + budget.bookkeeping_bytes(warm)
+
+
+def _here(call: Callable[[], Any]) -> Any:
+    return call()
 
 
 def _reset_peak() -> None:
@@ -157,8 +167,9 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     peaks = {"audit": 0, "ranking": 0}
     if device != "cuda":
         _audit_window(metric, device, baseline, peaks)
-    metric.compute()
-    metric.protocol_report()
+    # On CPU on a thread of its own: its C heap is then its own (measure.on_own_thread).
+    run = on_own_thread if device != "cuda" else _here
+    run(lambda: (metric.compute(), metric.protocol_report()))
     peaks["ranking"] = max(peaks["ranking"], peak_since(device, baseline))
     peak = max(peaks.values())
     tile = case["chunk_bytes"] if device == "cuda" else min(case["chunk_bytes"], CPU_TILE_BYTES)

@@ -30,7 +30,9 @@ import pytest
 import torch
 from helpers import run_distributed
 from memory_formula import SPREAD_BYTES, chunk_bound, least_chunk_bytes
-from memory_probe import ENV, measure
+from memory_probe import ENV, measure, warm_chunk_bytes, warm_items
+
+from recall_at_k.ranking import budget
 
 CHUNK = 2**19
 NUM, DIM = 1600, 2048  # 12.5 MiB of float32 embeddings: chunk_bytes below the least
@@ -99,6 +101,21 @@ def test_the_cases_cover_both_sides_of_the_least_chunk_bytes() -> None:
     assert chunk_bound(stored, ISSUE_CHUNK, ISSUE_NUM, ISSUE_DIM) == stored + ISSUE_CHUNK
 
 
+@pytest.mark.parametrize(
+    ("num", "chunk_bytes"),
+    [(NUM, CHUNK), (ISSUE_NUM, ISSUE_CHUNK), (100_000, 4 * 2**20), (50_000, 64 * 2**20),
+     (1000, 2**17), (1000, 2**18 + 1), (100_000, 2**19), (100_000, 2**18)],
+)  # fmt: skip
+def test_the_probes_warm_up_runs_with_the_measured_scratch(num: int, chunk_bytes: int) -> None:
+    """The first ``compute()`` of fewer items takes the measured one's scratch, also
+    where ``chunk_bytes`` is below the least (at 100,000 items a ``chunk_bytes`` less
+    the missing items' bookkeeping was 1 byte: tiles of one row, a warm-up of hours)."""
+    warm = warm_chunk_bytes(chunk_bytes, num)
+    assert warm >= min(chunk_bytes, budget.min_scratch_bytes(warm_items(num)))
+    scratch = budget.scratch_bytes(chunk_bytes, num)
+    assert budget.scratch_bytes(warm, warm_items(num)) == scratch
+
+
 @pytest.mark.parametrize("case", CASES, ids=[case_id(case) for case in CASES])
 def test_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(case: dict[str, Any]) -> None:
     _needs_proc()
@@ -114,6 +131,7 @@ def test_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(case: dict[str,
 
 def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
     """Each process holds its share of the items (with ids); the peak its compute adds."""
+    from measure import on_own_thread
     from memory_probe import items, peak_since, start
 
     from recall_at_k import EmbeddingRecallAtK
@@ -133,8 +151,7 @@ def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, An
     metric.update(embeddings[mine], labels[mine], ids=torch.arange(num)[mine])
     del embeddings, labels, warm, warm_items, warm_labels
     baseline = start("cpu")
-    result = metric.compute()
-    report = metric.protocol_report()
+    result, report = on_own_thread(lambda: (metric.compute(), metric.protocol_report()))
     return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
 
 

@@ -27,7 +27,15 @@ during ``compute()`` and freed blocks below the C library's mmap threshold that 
 resident while a later block lies above them."""
 
 MIN_SCRATCH_BYTES = 2**18
-"""The least scratch a ranking takes (unless ``chunk_bytes`` itself is smaller)."""
+"""The least scratch a ranking takes (unless ``chunk_bytes`` itself is smaller)..."""
+
+MIN_SCRATCH_BYTES_PER_ITEM = 8
+"""... or this many bytes an item, if more: with a scratch fixed whatever ``N`` the
+blocks, spans and tiles of a large ranking are many and small, and their small buffers
+land all over the C heap's free holes, each a page to touch (measured at 100,000 x 128
+items, leave-one-out cosine, in one process: with 256 KiB of scratch ``compute()`` added
+7.9-9.5 MiB or 13.2-16.2 MiB beyond the copy from run to run; with 800,000 bytes,
+7.9-9.6 MiB)."""
 
 BLOCK_SHARE = 4
 """The ordered copy, ``"cosine"``'s normalisation and the protocol audit read rows in
@@ -44,11 +52,18 @@ def bookkeeping_bytes(items: int) -> int:
     return BOOKKEEPING_BYTES_PER_ITEM * max(0, items) + RESERVED_BYTES
 
 
+def min_scratch_bytes(items: int) -> int:
+    """The least scratch of a ranking of ``items`` items: :data:`MIN_SCRATCH_BYTES`, or
+    :data:`MIN_SCRATCH_BYTES_PER_ITEM` an item if more."""
+    return max(MIN_SCRATCH_BYTES, MIN_SCRATCH_BYTES_PER_ITEM * max(0, items))
+
+
 def scratch_bytes(chunk_bytes: int, items: int) -> int:
     """The scratch of a ranking of ``items`` items within ``chunk_bytes``: what the
-    bookkeeping leaves, at least :data:`MIN_SCRATCH_BYTES` (or ``chunk_bytes`` itself,
+    bookkeeping leaves, at least :func:`min_scratch_bytes` (or ``chunk_bytes`` itself,
     if smaller: such a ``chunk_bytes`` sizes the tiles as it says)."""
-    return max(chunk_bytes - bookkeeping_bytes(items), min(chunk_bytes, MIN_SCRATCH_BYTES))
+    least = min(chunk_bytes, min_scratch_bytes(items))
+    return max(chunk_bytes - bookkeeping_bytes(items), least)
 
 
 def block_bytes(scratch: int, width: int) -> int:
@@ -60,5 +75,5 @@ def block_bytes(scratch: int, width: int) -> int:
 def least_chunk_bytes(items: int, width: int) -> int:
     """The smallest ``chunk_bytes`` that holds the bookkeeping of ``items`` items and a
     scratch whose blocks of rows of ``width`` are within their share."""
-    least_scratch = max(MIN_SCRATCH_BYTES, BLOCK_SHARE * MIN_BLOCK_ROWS * 16 * width)
+    least_scratch = max(min_scratch_bytes(items), BLOCK_SHARE * MIN_BLOCK_ROWS * 16 * width)
     return bookkeeping_bytes(items) + least_scratch
