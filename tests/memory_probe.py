@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ __all__ = [
     "groups_of",
     "items",
     "measure",
+    "on_own_thread",
     "peak_since",
     "start",
 ]
@@ -113,10 +113,6 @@ def warm_chunk_bytes(chunk_bytes: int, num: int) -> int:
     return budget.scratch_bytes(chunk_bytes, num) + budget.bookkeeping_bytes(warm)
 
 
-def _here(call: Callable[[], Any]) -> Any:
-    return call()
-
-
 def _reset_peak() -> None:
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -167,9 +163,15 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     peaks = {"audit": 0, "ranking": 0}
     if device != "cuda":
         _audit_window(metric, device, baseline, peaks)
-    # On CPU on a thread of its own: its C heap is then its own (measure.on_own_thread).
-    run = on_own_thread if device != "cuda" else _here
-    run(lambda: (metric.compute(), metric.protocol_report()))
+
+    def compute_and_report() -> None:
+        metric.compute()
+        metric.protocol_report()
+
+    if device == "cuda":
+        compute_and_report()
+    else:  # on a thread of its own: its C heap is then its own (measure.on_own_thread)
+        on_own_thread(compute_and_report)
     peaks["ranking"] = max(peaks["ranking"], peak_since(device, baseline))
     peak = max(peaks.values())
     tile = case["chunk_bytes"] if device == "cuda" else min(case["chunk_bytes"], CPU_TILE_BYTES)

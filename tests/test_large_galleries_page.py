@@ -72,7 +72,7 @@ def test_the_page_states_the_tested_formula() -> None:
     assert f"so the tests allow {spread:.1f} MiB on top of the bound" in TEXT
     # "with the call on a thread of its own": the probe's, and the DDP test's
     probe = importlib.import_module("memory_probe")
-    assert 'run = on_own_thread if device != "cuda" else _here' in inspect.getsource(probe.measure)
+    assert "on_own_thread(compute_and_report)" in inspect.getsource(probe.measure)
     assert "with the call on a thread of its own" in TEXT
     memory_test = (ROOT / "tests" / "test_memory.py").read_text(encoding="utf-8")
     assert "on_own_thread(lambda: (metric.compute(), metric.protocol_report()))" in memory_test

@@ -131,8 +131,7 @@ def test_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(case: dict[str,
 
 def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
     """Each process holds its share of the items (with ids); the peak its compute adds."""
-    from measure import on_own_thread
-    from memory_probe import items, peak_since, start
+    from memory_probe import items, on_own_thread, peak_since, start
 
     from recall_at_k import EmbeddingRecallAtK
 
