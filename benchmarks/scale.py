@@ -5,10 +5,10 @@ and 4 gloo processes sharded (``sharded=True``: the gallery passes round the pro
 in blocks; reported as not available where ``EmbeddingRecallAtK`` has no ``sharded``).
 
 Leave-one-out, cosine, D = 128, ``ids=``, ``chunk_bytes`` 4 MiB; each process runs one
-torch thread and holds its share of the items. After a warm-up ``compute()`` of a tenth
-of the items (at least 600) with the same options and scratch on the same processes (as
-``tests/memory_probe.py``: the code that the measured one runs is paged in before it),
-each process measures its own ``compute()``: the time (after a barrier), the peak
+torch thread and holds its share of the items. After a warm-up ``compute()`` of the same
+items and options on the same processes (as ``tests/memory_probe.py`` warms up: the
+code that the measured one runs is paged in before it), each process measures its own
+``compute()``: the time (after a barrier), the peak
 resident memory it adds (``measure.start_peak`` / ``measure.peak_since``: VmHWM over the
 resident set before, ``MALLOC_MMAP_THRESHOLD_=131072``), and the bytes that its
 ``torch.distributed`` calls receive (:class:`Traffic`). A row's time is the slowest
@@ -24,11 +24,10 @@ the memory formula (``tests/memory_formula.py``, stated in ``docs/large-gallerie
 Run alone: ``python benchmarks/scale.py [--sizes 20000,50000,100000]
 [--configs single,gathered,sharded] [--repeats 1] [--results benchmarks/RESULTS.md]``
 (the results file gets the section ``scale`` and ``scale.png`` beside it; without
-``--results`` the section is printed). On two quiet cores the one-process and gathered
-rows of the three sizes take about 4 minutes (20k: 25 s for both, compute() growing as
-N^2, about 12 s a run of 4 processes to start and fill); the sharded rows take as long
-again as their compute() (at 20k, about 7x the gathered one's on the sharded branch's
-first version, measured under load: about 6 more minutes for the three sizes).
+``--results`` the section is printed). On two quiet cores the three configurations at the
+three sizes take about 7.5 minutes (435 s on 2026-12-05, each ``compute()`` run twice:
+the warm-up and the measured one; ``compute()`` grows as N^2, and a run of 4 processes
+takes about 12 s to start and fill).
 """
 
 from __future__ import annotations
@@ -65,7 +64,6 @@ from measure import (  # noqa: E402
     start_peak,
     write_section,
 )
-from memory_probe import warm_chunk_bytes, warm_items  # noqa: E402
 
 DIM = 128
 CHUNK = 4 * 2**20
@@ -230,18 +228,14 @@ def _worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
         options["sharded"] = payload["sharded"]
     embeddings, labels = _data(num)
     ids = torch.arange(num)
-    # The same code paths, on every process, before measuring: a tenth of the items
-    # (at least 600) with the measured ranking's scratch, as tests/memory_probe.py does.
-    warm_num = warm_items(num)
-    warm_options = dict(options)
-    if not payload["sharded"]:
-        warm_options["chunk_bytes"] = warm_chunk_bytes(CHUNK, num)
-    warm = cls(KS, **warm_options)
-    few = slice(warm_num * rank // world, warm_num * (rank + 1) // world)
-    warm.update(embeddings[few], labels[few], ids=ids[few])
+    mine = slice(num * rank // world, num * (rank + 1) // world)
+    # A first compute() of the same size and options on every process, before measuring
+    # (as tests/memory_probe.py warms up): the code the measured one runs is then paged
+    # in, and torch.distributed's buffers for the first collectives are in place.
+    warm = cls(KS, **options)
+    warm.update(embeddings[mine], labels[mine], ids=ids[mine])
     warm.compute()
     metric = cls(KS, **options)
-    mine = slice(num * rank // world, num * (rank + 1) // world)
     for first in range(mine.start, mine.stop, BATCH):
         rows = slice(first, min(mine.stop, first + BATCH))
         metric.update(embeddings[rows], labels[rows], ids=ids[rows])
@@ -548,11 +542,13 @@ def run(
     )
     text = (
         f"Leave-one-out, cosine, D = {DIM}, `ids=`, `chunk_bytes` {CHUNK // 2**20} MiB, gloo"
-        " on 127.0.0.1, one torch thread a process. Time: the slowest process's"
-        f" `compute()` (the least of {repeats}); memory: the largest peak a process's"
-        " `compute()` adds; x gathered bytes: that peak over N x D x 4, one copy of every"
-        " item; received: the bytes a process's `torch.distributed` calls receive during"
-        " `compute()`; same result: every process returns the one-process values."
+        " on 127.0.0.1, one torch thread a process, each process's measured `compute()`"
+        " its second (the first, of the same items, pages in the code it runs). Time: the"
+        f" slowest process's `compute()` (the least of {repeats}); memory: the largest"
+        " peak a process's `compute()` adds; x gathered bytes: that peak over N x D x 4,"
+        " one copy of every item; received: the bytes a process's `torch.distributed`"
+        " calls receive during `compute()`; same result: every process returns the"
+        " one-process values."
         f"{shared}\n\n"
         + table(rows)
         + (f"\n\n![compute() time and memory against N]({figure_path.name})" if plotted else "")

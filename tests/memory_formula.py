@@ -45,16 +45,6 @@ query's best positive score, then the negatives above it): each pass computes th
 products of a process's queries with every gallery block and moves every block once."""
 
 
-SPREAD_BYTES = 3 * 2**18
-"""How far the same case moves from run to run (the C heap's layout, which follows the
-interpreter's hash seed and the order of earlier allocations): measured up to about
-0.3 MiB at 24,000 x 256 items, with ``compute()`` on a thread of its own
-(``measure.on_own_thread``; on the main thread, whose heap holds the holes that
-building the measurement left, it moved by 2.3 MiB at 20,000 x 128 items). The tests
-allow it on top of the bound, so that a test does not fail by chance: the bound itself
-is what the budget aims at, not a guarantee to the byte."""
-
-
 def least_chunk_bytes(items: int, width: int) -> int:
     """The smallest ``chunk_bytes`` within which ``compute()`` keeps everything beside
     the copy, for ``items`` items of ``width``."""

@@ -3,9 +3,11 @@
 On CPU: the resident-set high-water mark after ``compute()`` minus the resident set
 before it (Linux ``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``), in a
 process started with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed buffers leave the
-resident set at once. A first ``compute()`` of a small metric of the same options runs
-before (:func:`warm_items` items, with the same scratch: :func:`warm_chunk_bytes`), so
-that code pages touched for the first time are not counted. On CUDA:
+resident set at once. A first ``compute()`` of other items, as many and with the same
+options, runs before, so that the code the measured one runs is paged in already and
+not counted: libtorch's code read from its file, once per process (with a warm-up of a
+tenth of the items, 0.4 MiB of it was still read during the measured call at 24,000 x
+256 items, and 0.25 MiB with half of them). On CUDA:
 ``torch.cuda.max_memory_allocated()`` minus the memory allocated before.
 
 On CPU the protocol audit's window is measured apart as well: ``"audit_peak"`` is the
@@ -36,8 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 # One implementation of the probe: the benchmarks' (benchmarks/measure.py).
 from measure import LIVE_MEMORY_MMAP_THRESHOLD, on_own_thread, peak_since, start_peak
 from memory_formula import CPU_TILE_BYTES
-
-from recall_at_k.ranking import budget
 
 ENV = {"MALLOC_MMAP_THRESHOLD_": str(LIVE_MEMORY_MMAP_THRESHOLD), "OMP_NUM_THREADS": "1"}
 """The environment of a measuring process."""
@@ -94,25 +94,6 @@ def fill(
             )
 
 
-def warm_items(num: int) -> int:
-    """The items of the first ``compute()``, which runs before the measured one: a tenth
-    (at least 600)."""
-    return max(600, num // 10)
-
-
-def warm_chunk_bytes(chunk_bytes: int, num: int) -> int:
-    """The first ``compute()``'s ``chunk_bytes``: one that leaves it the measured one's
-    scratch (:func:`recall_at_k.ranking.budget.scratch_bytes`, the measured
-    ``chunk_bytes`` less the bookkeeping of the items the first one lacks, or the least
-    scratch), so that it takes the same routes and tile shapes and the code they run is
-    paged in before the measured window (otherwise its first use counts: about 0.5 MiB
-    of libtorch's code at 24,000 x 256)."""
-    warm = warm_items(num)
-    if chunk_bytes <= budget.min_scratch_bytes(warm):
-        return chunk_bytes
-    return budget.scratch_bytes(chunk_bytes, num) + budget.bookkeeping_bytes(warm)
-
-
 def _reset_peak() -> None:
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -146,10 +127,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
         "near_duplicate": case.get("near_duplicate"),
         "exclude": exclude,
     }
-    warm_num = warm_items(case["num"])
-    warm_options = {**options, "chunk_bytes": warm_chunk_bytes(case["chunk_bytes"], case["num"])}
-    warm = EmbeddingRecallAtK((1, 5, 10), **warm_options)
-    warm_embeddings, warm_labels = items(warm_num, case["dim"], 1, device)
+    warm = EmbeddingRecallAtK((1, 5, 10), **options)
+    warm_embeddings, warm_labels = items(case["num"], case["dim"], 1, device)
     warm_groups = None if exclude == "none" else groups_of(warm_labels)
     fill(warm, case["protocol"], warm_embeddings, warm_labels, warm_groups)
     warm.compute()

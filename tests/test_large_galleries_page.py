@@ -68,14 +68,21 @@ def test_the_page_states_the_tested_formula() -> None:
     before = least - budget.min_scratch_bytes(100_000) + budget.MIN_SCRATCH_BYTES
     assert f"(the least allowed {before / MiB:.1f} MiB, now {least / MiB:.1f} MiB)" in TEXT
     assert f"of that scratch (at least {budget.MIN_BLOCK_ROWS} rows)" in TEXT
-    spread = formula.SPREAD_BYTES / MiB
-    assert f"so the tests allow {spread:.1f} MiB on top of the bound" in TEXT
     # "with the call on a thread of its own": the probe's, and the DDP test's
-    probe = importlib.import_module("memory_probe")
-    assert "on_own_thread(compute_and_report)" in inspect.getsource(probe.measure)
+    probe_source = inspect.getsource(importlib.import_module("memory_probe").measure)
+    assert "on_own_thread(compute_and_report)" in probe_source
     assert "with the call on a thread of its own" in TEXT
     memory_test = (ROOT / "tests" / "test_memory.py").read_text(encoding="utf-8")
     assert "on_own_thread(lambda: (metric.compute(), metric.protocol_report()))" in memory_test
+    # "The tests allow nothing on top of the bound", each measured call a process's
+    # second compute() of its size (the first of as many other items: seed 1)
+    assert "The tests allow nothing on top of the bound." in TEXT
+    assert not hasattr(formula, "SPREAD_BYTES")
+    assert 'assert result["peak"] <= bound(result), (' in memory_test
+    assert 'assert result["peak"] <= allowed, ' in memory_test
+    assert "a process's second `compute()` of its size" in TEXT
+    assert 'items(case["num"], case["dim"], 1, device)' in probe_source
+    assert 'warm_embeddings, warm_labels = items(num, dim, 1, "cpu")' in memory_test
     assert "and the same bound holds under DDP" in TEXT
     for items, width in ((10, 3), (10**6, 1024), (1600, 2048), (24_000, 256), (10**5, 128)):
         least = per_item * items + budget.RESERVED_BYTES

@@ -9,9 +9,10 @@ protocol audit on.
 
 Measured in a fresh process as the benchmarks measure it (``tests/memory_probe.py``:
 the resident-set high-water mark over the resident set before ``compute()``, freed
-buffers returned at once). Before the ranking wrote its one ordered copy, ``compute()``
-added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one process and
-8x the gathered bytes per process under DDP. At the issue's size (24,000 x 256 items,
+buffers returned at once, after a first ``compute()`` of as many other items), with
+nothing allowed on top of the bound. Before the ranking wrote its one ordered copy,
+``compute()`` added 3.2x (query/gallery) to 4.7x (leave-one-out) the stored bytes in one
+process and 8x the gathered bytes per process under DDP. At the issue's size (24,000 x 256 items,
 ``chunk_bytes`` 4 MiB: the bound is 1.171x) the whole ``compute()`` and
 ``protocol_report()`` measured 1.30-1.66x before the scratch came out of
 ``chunk_bytes``.
@@ -23,16 +24,16 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import run_distributed
-from memory_formula import SPREAD_BYTES, chunk_bound, least_chunk_bytes
-from memory_probe import ENV, measure, warm_chunk_bytes, warm_items
-
-from recall_at_k.ranking import budget
+from memory_formula import chunk_bound, least_chunk_bytes
+from memory_probe import ENV, measure
 
 CHUNK = 2**19
 NUM, DIM = 1600, 2048  # 12.5 MiB of float32 embeddings: chunk_bytes below the least
@@ -46,6 +47,7 @@ def bound(result: dict[str, Any]) -> int:
 
 
 def _run_probe(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case measured in a fresh process of its own (``tests/memory_probe.py``)."""
     here = Path(__file__).resolve().parent
     env = {**os.environ, **ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here)])
@@ -101,32 +103,32 @@ def test_the_cases_cover_both_sides_of_the_least_chunk_bytes() -> None:
     assert chunk_bound(stored, ISSUE_CHUNK, ISSUE_NUM, ISSUE_DIM) == stored + ISSUE_CHUNK
 
 
-@pytest.mark.parametrize(
-    ("num", "chunk_bytes"),
-    [(NUM, CHUNK), (ISSUE_NUM, ISSUE_CHUNK), (100_000, 4 * 2**20), (50_000, 64 * 2**20),
-     (1000, 2**17), (1000, 2**18 + 1), (100_000, 2**19), (100_000, 2**18)],
-)  # fmt: skip
-def test_the_probes_warm_up_runs_with_the_measured_scratch(num: int, chunk_bytes: int) -> None:
-    """The first ``compute()`` of fewer items takes the measured one's scratch, also
-    where ``chunk_bytes`` is below the least (at 100,000 items a ``chunk_bytes`` less
-    the missing items' bookkeeping was 1 byte: tiles of one row, a warm-up of hours)."""
-    warm = warm_chunk_bytes(chunk_bytes, num)
-    assert warm >= min(chunk_bytes, budget.min_scratch_bytes(warm_items(num)))
-    scratch = budget.scratch_bytes(chunk_bytes, num)
-    assert budget.scratch_bytes(warm, warm_items(num)) == scratch
+PROBES_AT_ONCE = 2
+"""Probe processes run side by side (each on one thread, its resident set its own): each
+warms up with a whole first ``compute()`` of its size, which doubles a probe's time."""
+
+
+@pytest.fixture(scope="module")
+def probes() -> Iterator[dict[str, Future[list[dict[str, Any]]]]]:
+    """Every case's probe, started at once, :data:`PROBES_AT_ONCE` at a time."""
+    _needs_proc()
+    workers = max(1, min(PROBES_AT_ONCE, len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(workers) as pool:
+        started = {case_id(case): pool.submit(_run_probe, [case]) for case in CASES}
+        assert len(started) == len(CASES), "two cases with one id"
+        yield started
+        for future in started.values():
+            future.cancel()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(case) for case in CASES])
-def test_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(case: dict[str, Any]) -> None:
-    _needs_proc()
-    (result,) = _run_probe([case])
+def test_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(
+    case: dict[str, Any], probes: dict[str, Future[list[dict[str, Any]]]]
+) -> None:
+    (result,) = probes[case_id(case)].result()
     assert result["case"] == case
     assert result["peak"] == max(result["audit_peak"], result["ranking_peak"])
-    # the bound, and the run-to-run spread of the C heap (memory_formula.SPREAD_BYTES)
-    assert result["peak"] <= bound(result) + SPREAD_BYTES, (
-        result["peak"] / result["stored"],
-        result,
-    )
+    assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
 
 
 def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
@@ -137,18 +139,19 @@ def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, An
 
     torch.set_num_threads(1)
     num, dim = payload["num"], payload["dim"]
-    # A first compute() of its own items, synchronised: the code, and torch.distributed's
-    # buffers for its first collectives (about 0.85 MiB with gloo, once a process; a
-    # training run has paid them before its validation), are in place before.
+    mine = slice(num * rank // world, num * (rank + 1) // world)
+    # A first compute() of as many other items, synchronised (as tests/memory_probe.py
+    # warms up): the code, and torch.distributed's buffers for its first collectives
+    # (about 0.85 MiB with gloo, once a process; a training run has paid them before its
+    # validation), are in place before.
     warm = EmbeddingRecallAtK((1, 5, 10), chunk_bytes=CHUNK)
-    warm_items, warm_labels = items(600, dim, 1 + rank, "cpu")
-    warm.update(warm_items, warm_labels)
+    warm_embeddings, warm_labels = items(num, dim, 1, "cpu")
+    warm.update(warm_embeddings[mine], warm_labels[mine], ids=torch.arange(num)[mine])
     warm.compute()
     embeddings, labels = items(num, dim, 0, "cpu")
-    mine = slice(num * rank // world, num * (rank + 1) // world)
     metric = EmbeddingRecallAtK((1, 5, 10), chunk_bytes=CHUNK)
     metric.update(embeddings[mine], labels[mine], ids=torch.arange(num)[mine])
-    del embeddings, labels, warm, warm_items, warm_labels
+    del embeddings, labels, warm, warm_embeddings, warm_labels
     baseline = start("cpu")
     result, report = on_own_thread(lambda: (metric.compute(), metric.protocol_report()))
     return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
@@ -179,7 +182,7 @@ def test_each_process_adds_one_copy_of_the_gathered_embeddings(
     for result in results:
         assert result["result"] == want
         assert result["report"] == single.protocol_report()
-        assert result["peak"] <= allowed + SPREAD_BYTES, result["peak"] / gathered
+        assert result["peak"] <= allowed, result["peak"] / gathered
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -200,7 +203,4 @@ def test_cuda_compute_adds_one_copy_of_the_embeddings_and_chunk_bytes(
         "device": "cuda",
     }
     result = measure(case)
-    assert result["peak"] <= bound(result) + SPREAD_BYTES, (
-        result["peak"] / result["stored"],
-        result,
-    )
+    assert result["peak"] <= bound(result), (result["peak"] / result["stored"], result)
