@@ -8,10 +8,11 @@ Leave-one-out, cosine, D = 128, ``ids=``, ``chunk_bytes`` 4 MiB; each process ru
 torch thread and holds its share of the items. After a warm-up ``compute()`` of the same
 items and options on the same processes (as ``tests/memory_probe.py`` warms up: the
 code that the measured one runs is paged in before it), each process measures its own
-``compute()``: the time (after a barrier), the peak
-resident memory it adds (``measure.start_peak`` / ``measure.peak_since``: VmHWM over the
-resident set before, ``MALLOC_MMAP_THRESHOLD_=131072``), and the bytes that its
-``torch.distributed`` calls receive (:class:`Traffic`). A row's time is the slowest
+``compute()``, on a thread of its own (:func:`measure.on_own_thread`):
+the time (after a barrier), the peak resident memory it adds (``measure.start_peak`` /
+``measure.peak_since``: VmHWM over the resident set before,
+``MALLOC_MMAP_THRESHOLD_=131072``), and the bytes that its ``torch.distributed`` calls
+receive (:class:`Traffic`). A row's time is the slowest
 process's (the least over ``--repeats`` computes); its memory and bytes the largest
 process's. "time / pair" is that time over the N x (N - 1) scores ranked by all
 processes together; "bytes / item" the peak over N; "x gathered bytes" the peak over N x
@@ -229,9 +230,10 @@ def _worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:
     embeddings, labels = _data(num)
     ids = torch.arange(num)
     mine = slice(num * rank // world, num * (rank + 1) // world)
-    # A first compute() of the same size and options on every process, before measuring
-    # (as tests/memory_probe.py warms up): the code the measured one runs is then paged
-    # in, and torch.distributed's buffers for the first collectives are in place.
+    # A first compute() of the same items and options on every process, before
+    # measuring (as tests/memory_probe.py warms up): the code the measured one runs is
+    # then paged in, and torch.distributed's buffers for the first collectives are in
+    # place.
     warm = cls(KS, **options)
     warm.update(embeddings[mine], labels[mine], ids=ids[mine])
     warm.compute()

@@ -3,12 +3,18 @@
 On CPU: the resident-set high-water mark after ``compute()`` minus the resident set
 before it (Linux ``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``), in a
 process started with ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed buffers leave the
-resident set at once. A first ``compute()`` of other items, as many and with the same
-options, runs before, so that the code the measured one runs is paged in already and
-not counted: libtorch's code read from its file, once per process (with a warm-up of a
-tenth of the items, 0.4 MiB of it was still read during the measured call at 24,000 x
-256 items, and 0.25 MiB with half of them). On CUDA:
-``torch.cuda.max_memory_allocated()`` minus the memory allocated before.
+resident set at once. A first ``compute()`` and ``protocol_report()`` of the same items
+(a second metric, filled alike) run before, so that what a process does once is done
+before the window, as in a validation epoch after the first: the code the measured
+call runs is paged in from libtorch's file, and the interpreter has run ours. They run
+on the main thread: on a thread of their own, the measured call's thread took over
+that thread's C heap, holes and all (glibc hands an exited thread's arena to the next),
+and read up to 0.8 MiB more at 24,000 x 256 items. With a first call of other items
+(the branches taken depend on the items) 0.3 MiB of libtorch's code was still read
+during the measured call at 1,600 x 2,048 items, and 1.0 MiB from a torch installed
+just before (as CI installs it); with a tenth of the items, 0.4 MiB at 24,000 x 256
+items. On CUDA: ``torch.cuda.max_memory_allocated()`` minus the memory allocated
+before.
 
 On CPU the protocol audit's window is measured apart as well: ``"audit_peak"`` is the
 peak over the same baseline while the metric audits its items (``_audits``), and
@@ -127,11 +133,16 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
         "near_duplicate": case.get("near_duplicate"),
         "exclude": exclude,
     }
+
+    def compute_and_report(of: Any) -> None:
+        of.compute()
+        of.protocol_report()
+
     warm = EmbeddingRecallAtK((1, 5, 10), **options)
-    warm_embeddings, warm_labels = items(case["num"], case["dim"], 1, device)
+    warm_embeddings, warm_labels = items(case["num"], case["dim"], 0, device)
     warm_groups = None if exclude == "none" else groups_of(warm_labels)
     fill(warm, case["protocol"], warm_embeddings, warm_labels, warm_groups)
-    warm.compute()
+    compute_and_report(warm)  # the code the measured call runs is then paged in
     metric = EmbeddingRecallAtK((1, 5, 10), **options)
     embeddings, labels = items(case["num"], case["dim"], 0, device)
     groups = None if exclude == "none" else groups_of(labels)
@@ -140,17 +151,11 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     del embeddings, labels, groups, warm, warm_embeddings, warm_labels, warm_groups
     baseline = start(device)
     peaks = {"audit": 0, "ranking": 0}
-    if device != "cuda":
-        _audit_window(metric, device, baseline, peaks)
-
-    def compute_and_report() -> None:
-        metric.compute()
-        metric.protocol_report()
-
     if device == "cuda":
-        compute_and_report()
+        compute_and_report(metric)
     else:  # on a thread of its own: its C heap is then its own (measure.on_own_thread)
-        on_own_thread(compute_and_report)
+        _audit_window(metric, device, baseline, peaks)
+        on_own_thread(lambda: compute_and_report(metric))
     peaks["ranking"] = max(peaks["ranking"], peak_since(device, baseline))
     peak = max(peaks.values())
     tile = case["chunk_bytes"] if device == "cuda" else min(case["chunk_bytes"], CPU_TILE_BYTES)

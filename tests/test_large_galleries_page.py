@@ -70,19 +70,24 @@ def test_the_page_states_the_tested_formula() -> None:
     assert f"of that scratch (at least {budget.MIN_BLOCK_ROWS} rows)" in TEXT
     # "with the call on a thread of its own": the probe's, and the DDP test's
     probe_source = inspect.getsource(importlib.import_module("memory_probe").measure)
-    assert "on_own_thread(compute_and_report)" in probe_source
+    assert "on_own_thread(lambda: compute_and_report(metric))" in probe_source
     assert "with the call on a thread of its own" in TEXT
     memory_test = (ROOT / "tests" / "test_memory.py").read_text(encoding="utf-8")
-    assert "on_own_thread(lambda: (metric.compute(), metric.protocol_report()))" in memory_test
+    assert "on_own_thread(functools.partial(_compute_and_report, metric))" in memory_test
     # "The tests allow nothing on top of the bound", each measured call a process's
-    # second compute() of its size (the first of as many other items: seed 1)
+    # second compute() and protocol_report() of the same items (seed 0, both)
     assert "The tests allow nothing on top of the bound." in TEXT
     assert not hasattr(formula, "SPREAD_BYTES")
     assert 'assert result["peak"] <= bound(result), (' in memory_test
     assert 'assert result["peak"] <= allowed, ' in memory_test
-    assert "a process's second `compute()` of its size" in TEXT
-    assert 'items(case["num"], case["dim"], 1, device)' in probe_source
-    assert 'warm_embeddings, warm_labels = items(num, dim, 1, "cpu")' in memory_test
+    assert (
+        "a process's second `compute()` and `protocol_report()` of the same items, as in a"
+        " validation epoch after the first" in TEXT
+    )
+    assert probe_source.count('items(case["num"], case["dim"], 0, device)') == 2
+    assert "compute_and_report(warm)" in probe_source
+    assert 'embeddings, labels = items(num, dim, 0, "cpu")' in memory_test
+    assert "warm, metric = metrics" in memory_test and "_compute_and_report(warm)" in memory_test
     assert "and the same bound holds under DDP" in TEXT
     for items, width in ((10, 3), (10**6, 1024), (1600, 2048), (24_000, 256), (10**5, 128)):
         least = per_item * items + budget.RESERVED_BYTES
