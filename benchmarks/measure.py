@@ -154,7 +154,10 @@ def on_own_thread(call: Callable[[], Any]) -> Any:
     the measurement left in the main thread's heap, which :func:`start_peak` hands
     back to the system: small buffers placed in those holes each touch a page again,
     wherever they land, and the same ``compute()`` read from 2.6 to 4.8 MiB beyond its
-    copy of 20,000 x 128 embeddings on the main thread, 3.6-3.8 MiB on its own.
+    copy of 20,000 x 128 embeddings on the main thread, 3.6-3.8 MiB on its own. The
+    arena is new only while no thread has ended before: glibc hands an ended thread's
+    arena, holes and all, to the next thread, so warm-ups run on the main thread (one
+    on a thread of its own made the measured call read up to 0.8 MiB more).
     """
     outcome: dict[str, Any] = {}
 
