@@ -23,7 +23,23 @@ from reference import reference_recall
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k.ranking.bands import Route
+from recall_at_k._kernel import recall_from_histogram
+from recall_at_k.ranking import engine, plan
+from recall_at_k.ranking.stored import StoredRows
+
+Route = tuple[engine.Mode, int]
+"""How the engine walks the blocks (its mode) and the ``chunk_bytes`` that sizes them."""
+
+ROUTES: tuple[Route, ...] = (
+    ("auto", 256 * 2**20),
+    ("panels", 256 * 2**20),
+    ("panels", 2**14),  # panels of a few columns
+    ("tiles", 256 * 2**20),  # whole rows of scores, as on a GPU
+    ("tiles", 2**12),
+    ("squares", 2**13),  # squares narrower than a label
+    ("squares", 2**16),  # spans of whole labels
+)
+"""Every way the engine walks one block, at a few sizes."""
 
 
 @dataclass(frozen=True)
@@ -390,11 +406,63 @@ SCENARIOS: dict[str, Callable[[], tuple[list[Batch], dict[str, Any]]]] = {
 def run_metric(
     batches: list[Batch], ks: Any = KS, route: Route | None = None, **kwargs: Any
 ) -> dict[str, float]:
-    metric = EmbeddingRecallAtK(ks, **kwargs)
+    """The metric's result on ``batches`` (``route``: through the engine's interface,
+    in that mode and ``chunk_bytes``)."""
     if route is not None:
-        metric._route = route
+        return engine_recall(batches, ks, route, **kwargs)
+    metric = EmbeddingRecallAtK(ks, **kwargs)
     for batch in batches:
         metric.update(batch.embeddings, batch.labels, **batch.kwargs())
     result = metric.compute()
     assert isinstance(result, dict)
     return {key: float(value) for key, value in result.items()}
+
+
+ROLE_BITS = {"query": plan.QUERY, "gallery": plan.GALLERY, "both": plan.QUERY | plan.GALLERY}
+
+
+def engine_recall(
+    batches: Sequence[Batch],
+    ks: Any = KS,
+    route: Route = ("auto", 256 * 2**20),
+    *,
+    similarity: Any = "cosine",
+    exclude: str = "none",
+    ties: str = "pessimistic",
+    empty_target_action: str = "neg",
+    bidirectional: bool = False,
+    directions: tuple[str, str] = ("q2g", "g2q"),
+    chunk_bytes: int | None = None,
+    near_duplicate: float | None = None,
+    validate_args: bool = True,
+) -> dict[str, float]:
+    """Recall@K of ``batches`` through the engine's interface (plan, prepare, rank),
+    as the metric ranks them, walking the blocks in ``route``'s mode."""
+    ks = (ks,) if isinstance(ks, int) else tuple(ks)
+    mode, route_bytes = route
+    chunk = route_bytes if chunk_bytes is None else chunk_bytes
+    zeros = [torch.zeros(b.labels.shape[0], dtype=torch.int64) for b in batches]
+    items = plan.Items(
+        torch.cat([b.labels.long() for b in batches]),
+        torch.cat([z if b.groups is None else b.groups.long() for b, z in zip(batches, zeros)]),
+        torch.cat([z if b.ids is None else b.ids.long() for b, z in zip(batches, zeros)]),
+        torch.cat([z.bool() | (b.ids is not None) for b, z in zip(batches, zeros)]),
+        torch.cat([z + ROLE_BITS[b.role] for b, z in zip(batches, zeros)]),
+    )
+    rows = StoredRows([b.embeddings.float() if b.embeddings.dtype != torch.float64 else b.embeddings for b in batches], batches[0].embeddings.shape[1])
+    count = 2 if bidirectional else 1
+    sides = plan.directions(items, count)
+    assert all(not isinstance(s, tuple) or not isinstance(s[1], str) for s in sides), sides
+    planned = plan.make_plan(rows, items, sides, exclude, chunk)  # type: ignore[arg-type]
+    plan.prepare(planned, similarity)
+    options = engine.RankOptions(
+        similarity, exclude, ties, max(ks), validate_args, near_duplicate, False, mode
+    )
+    out: dict[str, float] = {}
+    for index, ranked in enumerate(engine.rank(planned, options)):
+        assert ranked is not None
+        values, _, _ = recall_from_histogram(ranked.hist, ranked.queries, ks, empty_target_action)
+        values = values.to(torch.get_default_dtype())  # as the metric returns them
+        prefix = f"{directions[index]}/" if bidirectional else ""
+        out.update({f"{prefix}recall@{k}": float(v) for k, v in zip(ks, values)})
+    return out

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from embedding_reference import (
+    ROUTES,
     KS,
     SCENARIOS,
     Batch,
@@ -29,26 +30,9 @@ from torch import Tensor
 from torchmetrics import MetricCollection
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k.ranking import bands as _bands
-from recall_at_k.ranking import rank as _rank
-from recall_at_k.ranking.bands import Route
 
 # One value below a single row of scores (one query a tile), a few rows, everything.
 CHUNKS = (8, 1000, 256 * 2**20)
-# Every way of counting a tile: the automatic choice, dense masks, whole tiles through
-# label blocks (as on a GPU), CPU panels of the default size and of one column, and the
-# symmetric blocks of leave-one-out (of a few rows; giving up after the first one; and
-# giving up before any, its label blocks holding too many pairs).
-ROUTES = (
-    Route(),
-    Route("dense"),
-    Route("tiles"),
-    Route("panels"),
-    Route("panels", panel_bytes=1),
-    Route("symmetric", block_bytes=100),
-    Route("symmetric", block_bytes=400, pending_pairs=0),
-    Route("symmetric", positive_pairs=0),
-)
 
 
 def _reference_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -64,13 +48,14 @@ def test_matches_brute_force_reference(scenario: str, ties: str) -> None:
     batches, kwargs = SCENARIOS[scenario]()
     expected = reference_embedding_recall(batches, KS, ties=ties, **_reference_kwargs(kwargs))
     assert not all(v in (0.0, 1.0) for v in expected.values())  # a scenario that tells
-    # Routes: dense masks or label blocks; on CPU the blocks by panels of columns (of
-    # the default size, and of one column each) or, as on a GPU, in whole tiles.
+    # Every way the engine walks the gallery (squares, CPU panels, whole rows as on a
+    # GPU) at several sizes, and the metric itself at chunks from below one row up.
     for route in ROUTES:
-        for chunk in CHUNKS:
-            got = run_metric(batches, ties=ties, chunk_bytes=chunk, route=route, **kwargs)
-            where = (route, chunk)
-            assert got == pytest.approx(expected, abs=1e-6, nan_ok=True), where
+        got = run_metric(batches, ties=ties, route=route, **kwargs)
+        assert got == pytest.approx(expected, abs=1e-6, nan_ok=True), route
+    for chunk in CHUNKS:
+        got = run_metric(batches, ties=ties, chunk_bytes=chunk, **kwargs)
+        assert got == pytest.approx(expected, abs=1e-6, nan_ok=True), chunk
 
 
 @pytest.mark.parametrize("action", ("neg", "pos", "skip"))
@@ -315,49 +300,21 @@ def test_plot_draws_one_curve_per_direction() -> None:
     assert len(ax.get_lines()) == 1
 
 
-def test_leave_one_out_takes_the_symmetric_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU, leave-one-out computes each score once (the symmetric route ranks every
-    query); a query/gallery protocol, blocks below ``SYMMETRIC_MIN_ROWS`` rows, or label
-    blocks with too many in-band positives do not take it. The values are the
-    reference's either way."""
-    ranked: list[int] = []
-    original = _rank.rank_symmetric
-
-    def spy(*args: Any, **kwargs: Any) -> int:
-        ranked.append(original(*args, **kwargs))
-        return ranked[-1]
-
-    monkeypatch.setattr(_rank, "rank_symmetric", spy)
+def test_every_walk_of_the_gallery_gives_the_reference() -> None:
+    """Leave-one-out (the squares, each score once for both items), query/gallery and
+    two wide classes (labels of half the gallery) give the reference's values whichever
+    way the engine walks the gallery."""
     emb = torch.randn(300, 8, generator=gen(18))
     labels = torch.arange(300) % 12
-    loo = [Batch(emb, labels)]
-    assert run_metric(loo) == pytest.approx(reference_embedding_recall(loo, KS), abs=1e-6)
-    assert ranked == [300]
-    assert run_metric(loo, chunk_bytes=4 * 63 * 63) == run_metric(loo, route=Route("panels"))
-    assert ranked == [300, 0]  # blocks of 63 rows: too small, ranked by panels
-    assert run_metric(loo, route=Route("symmetric", positive_pairs=0)) == run_metric(loo)
-    assert ranked == [300, 0, 0, 300]  # too many in-band positives (> 0): by panels
-    qg = [
-        Batch(emb[:100], labels[:100], role="query"),
-        Batch(emb[100:], labels[100:], role="gallery"),
+    cases = [
+        [Batch(emb, labels)],
+        [Batch(emb[:100], labels[:100], role="query"), Batch(emb[100:], labels[100:], "gallery")],
+        [Batch(emb[:30], torch.arange(30) % 2)],
     ]
-    assert run_metric(qg) == pytest.approx(reference_embedding_recall(qg, KS), abs=1e-6)
-    assert ranked == [300, 0, 0, 300]
-
-
-def test_wide_label_blocks_take_the_dense_route() -> None:
-    emb = torch.randn(30, 4, generator=gen(17))
-    batches = [Batch(emb, torch.arange(30) % 2)]  # two classes: blocks of half the gallery
-    expected = reference_embedding_recall(batches, KS)
-    assert run_metric(batches) == pytest.approx(expected, abs=1e-6)
-    assert run_metric(batches, route=Route("dense")) == run_metric(batches)
-    # the automatic choice for a tile whose widest block is half the gallery: dense
-    assert _bands.tile_mode(Route(), 15, 30, panels_possible=True) == "dense"
-    many = [Batch(emb, torch.arange(30) % 10)]
-    assert run_metric(many) == pytest.approx(reference_embedding_recall(many, KS), abs=1e-6)
-    # ... and for blocks of a tenth of it: label blocks, by panels on the CPU
-    assert _bands.tile_mode(Route(), 3, 30, panels_possible=True) == "panels"
-    assert _bands.tile_mode(Route(), 3, 30, panels_possible=False) == "tiles"
+    for batches in cases:
+        expected = reference_embedding_recall(batches, KS)
+        for route in ROUTES:
+            assert run_metric(batches, route=route) == pytest.approx(expected, abs=1e-6), route
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

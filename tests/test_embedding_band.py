@@ -21,33 +21,23 @@ from typing import Any
 
 import pytest
 import torch
-from embedding_reference import Batch, canonical_embedding_recall, run_metric
+from embedding_reference import ROUTES, Batch, canonical_embedding_recall, run_metric
+from helpers import run_distributed
 from torch import Tensor
 
+from recall_at_k import EmbeddingRecallAtK
 from recall_at_k._kernel import Workspace
 from recall_at_k.functional import embedding_recall_at_k
-from recall_at_k.ranking import bands as _bands
-from recall_at_k.ranking import gallery as _gallery
-from recall_at_k.ranking import panels as _panels
+from recall_at_k.ranking import blocks as _blocks
+from recall_at_k.ranking import engine as _engine
 from recall_at_k.ranking import score as _score
-from recall_at_k.ranking import symmetric as _symmetric
-from recall_at_k.ranking.bands import Route
-from recall_at_k.ranking.gallery import Gallery
+from recall_at_k.ranking.blocks import Gallery
 
 KS = (1, 2, 3, 5)
 DIM = 8
 SIMILARITIES = ("cosine", "dot", "euclidean")
 LAYOUTS = ("leave-one-out", "query-gallery")
 TIES = ("pessimistic", "optimistic")
-ROUTES = (
-    Route(),
-    Route("panels"),
-    Route("panels", 2**8),
-    Route("tiles"),
-    Route("dense"),
-    Route("symmetric", block_bytes=2**10),
-    Route("symmetric", block_bytes=2**12, pending_pairs=0),
-)
 # Positives pushed up and negatives down (a negative tied with or just above s* looks
 # below s*), or the reverse (one tied or just below looks above).
 PUSHES = {"positives-up": 1.0, "positives-down": -1.0}
@@ -113,7 +103,8 @@ class Seam:
     def __init__(self, original: Callable[..., Tensor], similarity: str, push: float) -> None:
         self.original, self.similarity, self.push = original, similarity, push
         rows, labels = _data()
-        prepared = _score.prepare(rows, similarity)  # type: ignore[arg-type]
+        prepared = _score.prepare_rows(rows, similarity, torch.float32)  # type: ignore[arg-type]
+        self.largest = float(prepared.double().norm(dim=1).max())
         self.labels = {
             row.numpy().tobytes(): int(label) for row, label in zip(prepared, labels, strict=True)
         }
@@ -127,19 +118,18 @@ class Seam:
         gallery: Gallery,
         first: int,
         stop: int,
-        similarity: Any,
         workspace: Workspace,
     ) -> Tensor:
-        out = self.original(queries, gallery, first, stop, similarity, workspace)
+        out = self.original(queries, gallery, first, stop, workspace)
         if gallery.centre is not None:  # the queries and gallery are as stored
             assert not bool(gallery.centre.any())
-        items = gallery.embeddings[first:stop]
+        items = gallery.fast[first:stop]
         canonical = self.canonical(queries, items)
         row_labels = torch.tensor([self.labels[row.numpy().tobytes()] for row in queries])
         positive = row_labels.unsqueeze(1) == gallery.labels[first:stop].unsqueeze(0)
         # Each pair's bound: the smaller of its two items' (either may be the query:
-        # the symmetric route reads a block both ways).
-        largest = float(gallery.embeddings.double().norm(dim=1).max())
+        # the squares are read both ways); every row has the same norm.
+        largest = self.largest
         query_norms = queries.double().norm(dim=1, keepdim=True)
         item_norms = items.double().norm(dim=1).unsqueeze(0)
         bound = documented_bound(self.similarity, torch.minimum(query_norms, item_norms), largest)
@@ -167,8 +157,8 @@ class Seam:
 
 def _install(monkeypatch: pytest.MonkeyPatch, similarity: str, push: float) -> Seam:
     """Every module that computes fast products gets the seam."""
-    seam = Seam(_gallery.product, similarity, push)
-    for module in (_gallery, _bands, _panels, _symmetric):
+    seam = Seam(_blocks.product, similarity, push)
+    for module in (_blocks, _engine):
         monkeypatch.setattr(module, "product", seam)
     return seam
 
@@ -188,6 +178,8 @@ def test_fast_scores_anywhere_within_the_bound_give_the_canonical_ranking(
             got = run_metric(batches, KS, route, similarity=similarity, ties=ties)
             assert seam.calls > 0, route  # the ranking went through the seam
             assert got == pytest.approx(expected, abs=1e-6), (ties, route)
+        got = run_metric(batches, KS, similarity=similarity, ties=ties)  # the metric
+        assert got == pytest.approx(expected, abs=1e-6), (ties, "metric")
         if layout == "leave-one-out":
             rows, labels = _data()
             result = embedding_recall_at_k(rows, labels, k=KS, similarity=similarity, ties=ties)
@@ -205,7 +197,7 @@ def test_the_worst_case_product_changes_the_float32_ranking(
     (pessimistic, optimistic) differs from the canonical one for both pushes, so a band
     too narrow to reach the tied items gives a wrong answer above."""
     rows, labels = _data()
-    prepared = _score.prepare(rows, similarity)  # type: ignore[arg-type]
+    prepared = _score.prepare_rows(rows, similarity, torch.float32)  # type: ignore[arg-type]
     for push in PUSHES.values():
         seam = Seam(lambda *args: torch.empty(0), similarity, push)
         canonical = seam.canonical(prepared, prepared)
@@ -221,3 +213,36 @@ def test_the_worst_case_product_changes_the_float32_ranking(
             tied = ((scores >= best) & ~positive).sum(dim=1)  # pessimistic rank - 1
             hits.append((float((tied == 0).double().mean()), float((above == 0).double().mean())))
         assert hits[0] != hits[1], (similarity, push, hits)
+
+
+def _sharded_worker(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[Any]:
+    """Each case's result with the gallery sharded over the processes and the seam in
+    place of every fast product (each process holds every other batch's items)."""
+    out = []
+    for similarity, layout, push in cases:
+        seam = Seam(_blocks.product, similarity, PUSHES[push])
+        _blocks.product, _engine.product = seam, seam  # type: ignore[assignment]
+        try:
+            for ties in TIES:
+                metric = EmbeddingRecallAtK(KS, similarity=similarity, ties=ties, sharded=True)
+                for index, batch in enumerate(_batches(layout)):
+                    mine = torch.arange(batch.labels.shape[0]) % world == rank
+                    metric.update(batch.embeddings[mine], batch.labels[mine], role=batch.role)
+                got = {key: float(value) for key, value in metric.compute().items()}
+                out.append((similarity, layout, push, ties, got, seam.calls))
+        finally:
+            _blocks.product, _engine.product = seam.original, seam.original  # type: ignore[assignment]
+    return out
+
+
+def test_a_sharded_gallery_with_fast_scores_anywhere_within_the_bound() -> None:
+    """The same worst-case products on a gallery sharded across two processes: each
+    process ranks its queries against the gallery passing by, with the same band."""
+    cases = [(s, lay, p) for s in SIMILARITIES for lay in LAYOUTS for p in sorted(PUSHES)]
+    results = run_distributed(_sharded_worker, world_size=2, payload=cases)
+    for rank_results in results:
+        for similarity, layout, push, ties, got, calls in rank_results:
+            assert calls > 0
+            # The items in rank order, as the sharded metric's gathered state orders them.
+            expected = _canonical(similarity, layout, ties)
+            assert got == pytest.approx(expected, abs=1e-6), (similarity, layout, push, ties)

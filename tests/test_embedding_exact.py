@@ -18,7 +18,10 @@ from typing import Any
 import pytest
 import torch
 from embedding_reference import (
+    ROUTES,
     Batch,
+    Route,
+    engine_recall,
     canonical_score,
     ignored,
     items_of,
@@ -32,27 +35,11 @@ from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
 from recall_at_k._kernel import Workspace
-from recall_at_k.ranking import gallery as _gallery
+from recall_at_k.ranking import blocks as _blocks
 from recall_at_k.ranking import score as _score
-from recall_at_k.ranking.bands import Route
-from recall_at_k.ranking.gallery import Side
 
 TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
-# The automatic choice, CPU panels (of the default size, and of a few columns), whole
-# tiles through label blocks (as on a GPU), dense masks, the symmetric blocks of
-# leave-one-out (of 16 rows; and giving up after the first block of 32).
-ROUTES = (
-    Route(),
-    Route("panels"),
-    Route("panels", 2**10),
-    Route("tiles"),
-    Route("dense"),
-    Route("symmetric", block_bytes=2**10),
-    Route("symmetric", block_bytes=2**12, pending_pairs=0),
-)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -149,18 +136,17 @@ def _threads(count: int) -> Iterator[None]:
 
 
 def _metric(
-    batches: Sequence[Batch], route: Route | str = "auto", **kwargs: Any
+    batches: Sequence[Batch], **kwargs: Any
 ) -> tuple[dict[str, float], EmbeddingRecallAtK[Any]]:
     metric = EmbeddingRecallAtK(KS, **kwargs)
-    metric._route = route if isinstance(route, Route) else Route(route)
     for batch in batches:
         metric.update(batch.embeddings, batch.labels, **batch.kwargs())
     return {key: float(value) for key, value in metric.compute().items()}, metric
 
 
 def _chunks(num_gallery: int) -> tuple[int, ...]:
-    """1 byte (one query a tile), 7 rows' worth, 64 KiB, the default, 1 GiB."""
-    return (1, 7 * num_gallery * 4, 2**16, 256 * 2**20, 2**30)
+    """1 byte (one query a tile), 7 rows' worth, 64 KiB, 1 GiB."""
+    return (1, 7 * num_gallery * 4, 2**16, 2**30)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -183,13 +169,13 @@ def test_bit_identical_over_tiles_routes_and_threads(name: str, layout: str) -> 
         first = None
         for threads in (1, 2):
             with _threads(threads):
+                for route in ROUTES:
+                    got = engine_recall(batches, KS, route, similarity=similarity, ties=ties)
+                    first = got if first is None else first
+                    assert got == first, (ties, threads, route)
                 for chunk in _chunks(num_gallery):
-                    for route in ROUTES:
-                        got = _metric(
-                            batches, route, similarity=similarity, ties=ties, chunk_bytes=chunk
-                        )[0]
-                        first = got if first is None else first
-                        assert got == first, (ties, threads, chunk, route)
+                    got = _metric(batches, similarity=similarity, ties=ties, chunk_bytes=chunk)[0]
+                    assert got == first, (ties, threads, chunk)
 
 
 def test_issue_examples_do_not_depend_on_the_tiling() -> None:
@@ -287,11 +273,13 @@ def test_continuous_data_equals_the_float64_brute_force(similarity: str) -> None
         expected = reference_embedding_recall(
             batches, KS, similarity=similarity, ties=ties, bidirectional=True
         )
-        for route in ("auto", "tiles", "dense"):
-            got, metric = _metric(
-                batches, route, similarity=similarity, ties=ties, bidirectional=True
+        for route in ROUTES:
+            got = engine_recall(
+                batches, KS, route, similarity=similarity, ties=ties, bidirectional=True
             )
             assert got == pytest.approx(expected, abs=1e-6), (ties, route)
+        got, metric = _metric(batches, similarity=similarity, ties=ties, bidirectional=True)
+        assert got == pytest.approx(expected, abs=1e-6), ties
         # Continuous scores hardly ever fall in a band: about one item (the best
         # positive) is re-scored per query (200 queries, then 140 the other way).
         rescored = metric.last_compute_rescored
@@ -306,27 +294,35 @@ def _fast_and_canonical(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """|fast - canonical| per pair (fast scores from tiles of ``queries`` rows and
     panels of ``width`` columns), and each query's bound, ``[Q, G]`` and ``[Q, 1]``."""
-    prepared = _score.prepare(embeddings, similarity)  # type: ignore[arg-type]
-    num = prepared.shape[0]
-    rows = torch.arange(num)
+    prepared = _score.prepare_rows(embeddings, similarity, torch.float32)  # type: ignore[arg-type]
+    num, dim = prepared.shape
+    stats = _blocks.statistics(
+        similarity,  # type: ignore[arg-type]
+        lambda: iter([prepared]),
+        lambda: iter([prepared]),
+        num,
+        dim,
+        prepared.dtype,
+        prepared.device,
+        _blocks.Reduce(None),
+    )
+    fast_rows = prepared.to(stats.dtype)
     labels = torch.zeros(num, dtype=torch.int64)
-    gallery = _gallery.gallery_of(prepared, labels, labels, Side(rows, rows), similarity)  # type: ignore[arg-type]
-    centred = prepared if gallery.centre is None else prepared - gallery.centre
-    bound = _gallery.bounds(centred, gallery, similarity)  # type: ignore[arg-type]
-    fast = torch.empty(num, num, dtype=prepared.dtype)
+    gallery = _blocks.gallery_block(prepared, fast_rows, labels, labels, torch.arange(num), stats)
+    centred = fast_rows if stats.centre is None else fast_rows - stats.centre
+    bound = _blocks.bounds(centred, stats)
+    fast = torch.empty(num, num, dtype=fast_rows.dtype)
     workspace = Workspace()
     for start in range(0, num, queries):
         block = centred[start : start + queries]
         for first in range(0, num, width):
             stop = min(first + width, num)
-            part = _gallery.product(block, gallery, first, stop, similarity, workspace)  # type: ignore[arg-type]
+            part = _blocks.product(block, gallery, first, stop, workspace)
             fast[start : start + queries, first:stop] = part
+    rows = torch.arange(num)
     pairs = torch.cartesian_prod(rows, rows)
     canonical = _score.canonical_scores(
-        prepared,
-        pairs[:, 0],
-        gallery.rows[pairs[:, 1]],
-        similarity,  # type: ignore[arg-type]
+        prepared, prepared, pairs[:, 0], pairs[:, 1], similarity  # type: ignore[arg-type]
     ).view(num, num)
     return (fast.double() - canonical).abs(), bound, canonical
 
@@ -363,13 +359,13 @@ def test_fast_scores_stay_within_the_certified_bound(shape: tuple[int, int]) -> 
 
 def test_cosine_normalisation_is_per_row() -> None:
     embeddings = torch.randn(50, 33, generator=_gen(51)) * 7
-    whole = _score.prepare(embeddings, "cosine")
+    whole = _score.prepare_rows(embeddings, "cosine", torch.float32)
     for i in range(0, 50, 7):
-        alone = _score.prepare(embeddings[i : i + 1], "cosine")
+        alone = _score.prepare_rows(embeddings[i : i + 1], "cosine", torch.float32)
         assert torch.equal(whole[i : i + 1], alone)
     with _threads(2):
-        assert torch.equal(_score.prepare(embeddings, "cosine"), whole)
-    zero = _score.prepare(torch.zeros(2, 4), "cosine")
+        assert torch.equal(_score.prepare_rows(embeddings, "cosine", torch.float32), whole)
+    zero = _score.prepare_rows(torch.zeros(2, 4), "cosine", torch.float32)
     assert torch.equal(zero, torch.zeros(2, 4))
 
 
@@ -418,6 +414,6 @@ def test_canonical_scores_are_the_sum_in_order_of_d(
         want.append(-total if similarity == "euclidean" else total)
     for batch_bytes in (8, 1024, _score.CANONICAL_BATCH_BYTES):
         got = _score.canonical_scores(
-            embeddings, pairs[:, 0], pairs[:, 1], similarity, batch_bytes=batch_bytes
+            embeddings, embeddings, pairs[:, 0], pairs[:, 1], similarity, batch_bytes=batch_bytes
         )  # type: ignore[arg-type]
         assert got.tolist() == want, (dim, dtype, similarity, batch_bytes)

@@ -42,7 +42,9 @@ from torch import Tensor
 
 from recall_at_k import _audit
 from recall_at_k._audit import Codes
-from recall_at_k._sync import LocalBlocks, local_counts, widest_float
+from recall_at_k.ranking.stored import process_rows, widest_float
+
+from collections.abc import Iterator
 
 _T = TypeVar("_T")
 
@@ -328,3 +330,93 @@ class _Shard:
                 within = self.check(first[a], first[b], _audit.within)
                 found.append(torch.stack([a[within], b[within]], dim=1))
         return _audit.both_orientations(found, count, device)
+
+
+# TEMPORARY (replaced by the audit subpackage)
+class LocalBlocks:
+    """This process's stored rows, a list of ``[b, D]`` blocks (views of the state), read
+    as one ``[n, D]`` tensor of ``dtype`` a few rows at a time: nothing is copied whole.
+
+    :meth:`span` of rows within one block is a view (widened where ``dtype`` is wider);
+    :meth:`take` gathers any rows into a new tensor."""
+
+    def __init__(
+        self, blocks: list[Tensor], width: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        # 2-D blocks as they are (rows of width 0 included), flat ones reshaped
+        rows = [b if b.dim() == 2 else b.reshape(-1, width) for b in blocks if b.numel()]
+        rows += [b for b in blocks if b.dim() == 2 and b.numel() == 0]
+        self.blocks = [block for block in rows if block.shape[0]]
+        self.starts = [0]
+        for block in self.blocks:
+            self.starts.append(self.starts[-1] + block.shape[0])
+        self.shape = (self.starts[-1], width)
+        self.dtype = dtype
+        self.device = device
+        self._ends = torch.tensor(self.starts[1:], dtype=torch.int64, device=device)
+
+    def span(self, first: int, stop: int) -> Tensor:
+        """Rows ``first:stop`` in ``dtype`` (a view where they lie in one block and are
+        stored in ``dtype``)."""
+        parts = []
+        for start, block in zip(self.starts, self.blocks, strict=False):
+            lo, hi = max(first, start), min(stop, start + block.shape[0])
+            if lo < hi:
+                parts.append(block[lo - start : hi - start])
+        if not parts:
+            return torch.empty((0, self.shape[1]), dtype=self.dtype, device=self.device)
+        if len(parts) == 1:
+            return parts[0].to(self.dtype)
+        return torch.cat([part.to(self.dtype) for part in parts])
+
+    def take(self, index: Tensor) -> Tensor:
+        """The rows ``index`` (any order) in ``dtype``, a new ``[len(index), D]`` tensor."""
+        if len(self.blocks) == 1:
+            return self.blocks[0].index_select(0, index).to(self.dtype)
+        out = torch.empty((index.shape[0], self.shape[1]), dtype=self.dtype, device=self.device)
+        self.take_into(index, out)
+        return out
+
+    def span_into(self, first: int, stop: int, out: Tensor) -> None:
+        """:meth:`span` written into ``out`` (``[stop - first, D]``, of ``dtype`` or
+        wider: widened exactly), a block's part at a time."""
+        for start, block in zip(self.starts, self.blocks, strict=False):
+            lo, hi = max(first, start), min(stop, start + block.shape[0])
+            if lo < hi:
+                out[lo - first : hi - first].copy_(block[lo - start : hi - start])
+
+    def take_into(self, index: Tensor, out: Tensor) -> None:
+        """:meth:`take` written into ``out`` (``[len(index), D]``, of ``dtype`` or
+        wider)."""
+        if len(self.blocks) == 1 and self.blocks[0].dtype == out.dtype:
+            torch.index_select(self.blocks[0], 0, index, out=out)
+            return
+        if len(self.blocks) == 1:
+            out.copy_(self.blocks[0].index_select(0, index))
+            return
+        which = torch.searchsorted(self._ends, index, right=True)
+        for block in torch.unique(which).tolist():
+            chosen = (which == block).nonzero().view(-1)
+            rows = index.index_select(0, chosen) - self.starts[block]
+            out.index_copy_(0, chosen, self.blocks[block].index_select(0, rows).to(out.dtype))
+
+    def runs(self, rows_per_chunk: int) -> Iterator[tuple[int, Tensor]]:
+        """``(first row, rows)`` of every row in order, at most ``rows_per_chunk`` rows a
+        part (views of the blocks, in their stored dtype)."""
+        for start, block in zip(self.starts, self.blocks, strict=False):
+            for first in range(0, block.shape[0], rows_per_chunk):
+                yield start + first, block[first : first + rows_per_chunk]
+
+
+
+def local_counts(
+    rows: int, dtype: torch.dtype, group: Any, device: torch.device
+) -> tuple[list[int], torch.dtype]:
+    """The rows each process of ``group`` holds and the widest float dtype any holds
+    them in (``dtype``: this process's, :func:`widest_float` of its blocks): one
+    all-gather of two integers. The rows are then read in that dtype (widened exactly),
+    as :func:`agree_float_dtypes` agrees before torchmetrics' gather."""
+    counts, _, widest = process_rows(rows, 0, dtype, group, device)
+    return counts, widest
+
+

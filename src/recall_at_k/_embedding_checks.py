@@ -80,3 +80,21 @@ def check_directions(directions: object) -> tuple[str, str]:
             f" query -> gallery and gallery -> query), got {directions!r}"
         )
     return (directions[0], directions[1])
+
+
+def check_sharded(sharded: object, similarity: object) -> bool:
+    """``sharded`` as a bool: a ValueError unless it is one, or when it is True with a
+    callable ``similarity`` (whose scores are not canonical: a sharded gallery is scored
+    block by block, and a callable's scores could depend on the blocks)."""
+    if not isinstance(sharded, bool):
+        raise ValueError(
+            "`sharded` must be a bool (True: under DDP each process keeps its items and"
+            f" the gallery passes around the processes in blocks), got {sharded!r}"
+        )
+    if sharded and callable(similarity):
+        raise ValueError(
+            "`sharded=True` needs a built-in `similarity` ('cosine', 'dot' or"
+            " 'euclidean'), whose canonical scores do not depend on how the gallery is"
+            f" split; got a callable ({similarity!r}): pass sharded=False"
+        )
+    return sharded

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recall_at_k._sync import FLOAT_FLOOR
+from recall_at_k.ranking.plan import GALLERY, QUERY, Items
+from recall_at_k.ranking.stored import FLOAT_FLOOR
 
 LABEL, GROUP, ID, FLAGS, WIDTH = range(5)
 META_COLUMNS = 5
@@ -100,58 +101,6 @@ def stored_blocks(
     return [block.reshape(-1, width_min) for block in values], width_min, meta
 
 
-def narrow_sides(directions: list[Any], num: int) -> list[Any]:
-    """Each direction's ``(queries, gallery)`` sides (NamedTuples of int64 ``rows`` and
-    ``identity``, or None) with int32 tensors where ``num`` items allow it (half the
-    bytes of every item's bookkeeping), an equal side read from one tensor (the queries
-    and gallery of leave-one-out, the two directions of a bidirectional metric): the
-    same values."""
-    if num >= 2**31:
-        return directions
-    seen: list[Tensor] = []
-
-    def narrow(values: Tensor) -> Tensor:
-        for other in seen:
-            if other.shape == values.shape and torch.equal(other, values):
-                return other
-        seen.append(values.to(torch.int32))
-        return seen[-1]
-
-    out: list[Any] = []
-    for sides in directions:
-        if sides is None:
-            out.append(None)
-            continue
-        out.append(
-            tuple(
-                side._replace(rows=narrow(side.rows), identity=narrow(side.identity))
-                for side in sides
-            )
-        )
-    return out
-
-
-def label_columns(meta: Tensor, with_groups: bool) -> Tensor:
-    """``[2, N]``: the labels and groups of the items, int32 where every value fits (the
-    ranking and the audit only compare and sort them: the same order and equalities),
-    else int64; the groups a view of the labels where ``with_groups`` is False (nothing
-    reads them)."""
-    columns = meta[:, LABEL : GROUP + 1].T if with_groups else meta[:, LABEL].unsqueeze(0)
-    dtype = torch.int64
-    if columns.numel():
-        low, high = (int(v) for v in torch.aminmax(columns))
-        dtype = torch.int32 if low >= -(2**31) and high < 2**31 else torch.int64
-    columns = columns.to(dtype, memory_format=torch.contiguous_format, copy=True)
-    return columns if with_groups else columns.expand(2, -1)
-
-
-def take_columns(columns: Tensor, order: Tensor) -> Tensor:
-    """:func:`label_columns` of the items ``order`` names (a view of the groups kept)."""
-    if columns.stride(0) == 0:
-        return columns[0].index_select(0, order).unsqueeze(0).expand(2, -1)
-    return columns.index_select(1, order)
-
-
 def check_groups(meta: Tensor, exclude: str) -> None:
     """Every item has a group when ``exclude`` reads them (``merge_state`` of items
     added without ``groups`` would otherwise pass unnoticed)."""
@@ -165,14 +114,22 @@ def check_groups(meta: Tensor, exclude: str) -> None:
         )
 
 
-def missing_side(name: str, index: int, queries: Tensor, gallery: Tensor) -> str | None:
-    """The error message when direction ``index`` has no queries or no gallery rows."""
+def missing_side(name: str, index: int, what: str) -> str:
+    """The error message when direction ``index`` has no ``what`` (``"queries"`` or
+    ``"gallery"``) at ``compute()``."""
     query_role, gallery_role = ("query", "gallery") if index == 0 else ("gallery", "query")
     arrow = "query -> gallery" if index == 0 else "gallery -> query"
-    for rows, what, role in ((queries, "queries", query_role), (gallery, "gallery", gallery_role)):
-        if rows.numel() == 0:
-            return (
-                f"`role`: direction {name!r} ({arrow}) has no {what} at compute(): add"
-                f" embeddings with role={role!r} or role='both' first"
-            )
-    return None
+    role = query_role if what == "queries" else gallery_role
+    return (
+        f"`role`: direction {name!r} ({arrow}) has no {what} at compute(): add"
+        f" embeddings with role={role!r} or role='both' first"
+    )
+
+
+def items_of(meta: Tensor) -> Items:
+    """The stored items' :class:`~recall_at_k.ranking.plan.Items` (views of ``meta``'s
+    columns where they can be)."""
+    flags = meta[:, FLAGS]
+    roles = (flags & IS_QUERY != 0).to(torch.int64) * QUERY
+    roles |= (flags & IS_GALLERY != 0).to(torch.int64) * GALLERY
+    return Items(meta[:, LABEL], meta[:, GROUP], meta[:, ID], (flags & HAS_ID) != 0, roles)

@@ -18,7 +18,7 @@ from torch import Tensor
 from recall_at_k import _items
 from recall_at_k._kernel import first_of_each_id
 from recall_at_k._result import no_positive_error
-from recall_at_k.ranking.gallery import Side
+from recall_at_k.ranking.plan import Side
 
 
 class QueryOutcomes(NamedTuple):

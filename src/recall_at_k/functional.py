@@ -42,13 +42,10 @@ from recall_at_k._types import (
     Similarity,
     Ties,
 )
-from recall_at_k.ranking import bands as _bands
-from recall_at_k.ranking import budget as _budget
-from recall_at_k.ranking import gallery as _gallery
-from recall_at_k.ranking import ordered as _ordered
+from recall_at_k.ranking import engine as _engine
+from recall_at_k.ranking import plan as _plan
 from recall_at_k.ranking import progress as _progress
-from recall_at_k.ranking import rank as _rank
-from recall_at_k.ranking import score as _score
+from recall_at_k.ranking.stored import StoredRows
 
 __all__ = [
     "embedding_recall_at_k",
@@ -404,50 +401,35 @@ def embedding_recall_at_k(
         for name, side in zip(("queries", "gallery"), sides, strict=False):
             _embedding_checks.check_finite(side[0], name)
     device = queries.device
-    num = sum(side[0].shape[0] for side in sides)
-    source = _ordered.RowSource([side[0] for side in sides], num, queries.shape[1], queries.dtype)
-
-    def column(index: int) -> tuple[Tensor, Tensor]:
-        """A metadata column of every item, and whether each item has it."""
-        values, present = [], []
-        for side in sides:
-            value = side[index]
-            if value is None:
-                value = torch.zeros_like(side[1], dtype=torch.int64)
-            values.append(value.to(torch.int64))
-            present.append(torch.full_like(side[1], side[index] is not None, dtype=torch.bool))
-        return torch.cat(values), torch.cat(present)
-
-    labels, _ = column(1)
-    groups, _ = column(2)
-    ids, has_id = column(3)
-    identity = _gallery.identities(ids, has_id)
-    is_query = torch.arange(num, device=device) < queries.shape[0]
-    query_side = _gallery.select(is_query, identity)
-    gallery_side = _gallery.select(is_query if gallery is None else ~is_query, identity)
-    # The one whole copy: the items, prepared, in the ranking's order.
-    # Beside the one copy, chunk_bytes holds the bookkeeping and the scratch; rows are
-    # prepared a share of the scratch at a time.
-    scratch = _budget.scratch_bytes(chunk_bytes, num)
-    block = _budget.block_bytes(scratch, queries.shape[1])
-    ordered = _ordered.ordered_items(
-        source, labels, [(query_side, gallery_side)], similarity, block
+    labels, groups, ids, has_id = (
+        torch.cat(parts)
+        for parts in zip(*(_side_columns(side) for side in sides), strict=True)
     )
-    embeddings, sides_ordered = ordered.embeddings, ordered.directions[0]
-    assert sides_ordered is not None
-    options = _bands.RankOptions(
-        similarity,
-        exclude,
-        ties,
-        max(ks),
-        scratch,
-        validate_args and _score.may_produce_nan(embeddings, similarity),
-        progress=progress,
+    is_query = torch.arange(labels.shape[0], device=device) < queries.shape[0]
+    query_role = torch.where(is_query, _plan.QUERY, 0)
+    gallery_role = torch.where(is_query if gallery is None else ~is_query, _plan.GALLERY, 0)
+    items = _plan.Items(labels, groups, ids, has_id, query_role | gallery_role)
+    rows = StoredRows([side[0] for side in sides], queries.shape[1])
+    planned = _plan.make_plan(rows, items, _plan.directions(items, 1), exclude, chunk_bytes)  # type: ignore[arg-type]
+    _plan.prepare(planned, similarity)
+    options = _engine.RankOptions(
+        similarity, exclude, ties, max(ks), validate_args, progress=progress
     )
-    labels, groups = labels[ordered.order], groups[ordered.order]
-    counts = _rank.rank(embeddings, labels, groups, *sides_ordered, options)
-    nan_queries = int(counts.nan_queries)
-    if nan_queries:
-        raise _embedding_checks.nan_scores_error(nan_queries)
-    values, _ = recall_values(counts.hist, counts.queries, ks, empty_target_action)
+    ranked = _engine.rank(planned, options)[0]
+    assert ranked is not None
+    values, _ = recall_values(ranked.hist, ranked.queries, ks, empty_target_action)
     return format_output(values, keys, single)
+
+
+def _side_columns(
+    side: tuple[Tensor, Tensor, Tensor | None, Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One side's labels, groups, ids (int64) and whether each item has an id."""
+    _, labels, groups, ids = side
+    zeros = torch.zeros(labels.shape[0], dtype=torch.int64, device=labels.device)
+    return (
+        labels.to(torch.int64),
+        zeros if groups is None else groups.to(torch.int64),
+        zeros if ids is None else ids.to(torch.int64),
+        torch.full_like(zeros, ids is not None, dtype=torch.bool),
+    )

@@ -1,49 +1,161 @@
-"""How a ranking spends ``chunk_bytes``: the one budget for all it holds beside the one
-copy of the embeddings.
+"""Every size the package derives from ``chunk_bytes``, and every other byte, share or
+row count it works in: one module, so that one test can add them up.
 
-``compute()`` adds one copy of the stored (or gathered) embeddings, in the ranking's
-order (:mod:`~recall_at_k.ranking.ordered`); everything else it holds comes out of
-``chunk_bytes``: per item, the labels, sides, orders and per-query counts of the
-bookkeeping (at most :data:`BOOKKEEPING_BYTES_PER_ITEM` bytes); the C heap's and the
-interpreter's share (:data:`RESERVED_BYTES`); and what is left, the scratch
-(:func:`scratch_bytes`), which sizes every tile, panel, block, waiting band and
-re-scoring batch (:class:`~recall_at_k.ranking.bands.RankOptions` ``chunk_bytes``), and
-the blocks that the ordered copy and the protocol audit read (:func:`block_bytes`).
+``EmbeddingRecallAtK.compute()`` adds one copy of the stored (or gathered) embeddings in
+the ranking's order; everything else comes out of ``chunk_bytes``: the per-item
+bookkeeping (:func:`bookkeeping_bytes`), then the scratch (:func:`scratch_bytes`), cut
+into the shares of :class:`Budget`. While the ranking runs, its tiles, their scans'
+buffers, the pairs waiting to be decided, their decision and (sharded) the run of
+gallery rows passing by are held at once: :meth:`Budget.shares` lists them, and their
+sum never exceeds the scratch (a test holds it). Copying, normalising and auditing the
+rows happen before the ranking, a block of :attr:`Budget.row_block_bytes` at a time.
 
-A ``chunk_bytes`` too small to hold the bookkeeping of ``N`` items and the least
-scratch cannot bound what ``compute()`` adds: :func:`least_chunk_bytes` is the smallest
-that can. Results never depend on any of it.
+A ``chunk_bytes`` smaller than :func:`least_chunk_bytes` cannot hold the bookkeeping and
+the least scratch: the ranking then takes the least scratch. Results never depend on any
+size here.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
+
+# --- the bookkeeping beside the scratch
+
 BOOKKEEPING_BYTES_PER_ITEM = 128
-"""What the ranking keeps per item while it runs, at most: labels, sides, the queries'
-label blocks and positions, their bounds, band edges and counts."""
+"""What a ranking keeps per item, at most: labels, groups, sides, identities, orders and
+the per-query state (bounds, band edges, best scores, counts)."""
 
 RESERVED_BYTES = 3 * 2**18
-"""Held back from ``chunk_bytes`` for what no tensor accounts for: Python objects made
-during ``compute()`` and freed blocks below the C library's mmap threshold that stay
-resident while a later block lies above them."""
+"""Held back for what no tensor accounts for: Python objects and C heap blocks that stay
+resident between larger ones."""
 
 MIN_SCRATCH_BYTES = 2**18
-"""The least scratch a ranking takes (unless ``chunk_bytes`` itself is smaller)..."""
+"""The least scratch of a ranking (unless ``chunk_bytes`` itself is smaller) ..."""
 
 MIN_SCRATCH_BYTES_PER_ITEM = 8
-"""... or this many bytes an item, if more: with a scratch fixed whatever ``N`` the
-blocks, spans and tiles of a large ranking are many and small, and their small buffers
-land all over the C heap's free holes, each a page to touch (measured at 100,000 x 128
-items, leave-one-out cosine, in one process: with 256 KiB of scratch ``compute()`` added
-7.9-9.5 MiB or 13.2-16.2 MiB beyond the copy from run to run; with 800,000 bytes,
-7.9-9.6 MiB)."""
-
-BLOCK_SHARE = 4
-"""The ordered copy, ``"cosine"``'s normalisation and the protocol audit read rows in
-blocks of ``scratch / BLOCK_SHARE`` (their float64 and bit-pattern copies)..."""
+"""... or this many bytes an item, if more: a fixed scratch would cut a large ranking into
+very many small blocks."""
 
 MIN_BLOCK_ROWS = 16
-"""... of at least this many rows (a float64 copy of a row: 8 bytes a value, and one
-more working copy)."""
+"""Rows are copied, normalised and audited in blocks of at least this many rows."""
+
+# --- the shares of the scratch while the ranking runs (their sum is at most 1)
+
+TILE_SHARE = 4
+"""Tiles of queries' scores, all worker threads' together: ``scratch / TILE_SHARE``. The
+buffers of a tile's scan (marks, gathered rows, label blocks) are shaped like the tile
+and take as much again."""
+
+PENDING_SHARE = 8
+"""Pairs waiting for their canonical score take at most ``scratch / PENDING_SHARE``;
+deciding them (their rows' indices and scores) as much again."""
+
+CANONICAL_SHARE = 16
+"""A batch of canonical re-scoring: its gathered rows, ``scratch / CANONICAL_SHARE``
+(two float64 sides and the rows' own dtype: at most 2.5 batches)."""
+
+RUN_SHARE = 32
+"""A sharded gallery passes by in runs of ``scratch / RUN_SHARE`` (the run's rows and
+their prepared copy, twice that)."""
+
+ROW_BLOCK_SHARE = 4
+"""Before the ranking: rows are copied, normalised and audited ``scratch /
+ROW_BLOCK_SHARE`` bytes at a time (their float64 and bit-pattern copies included)."""
+
+PAIR_BYTES = 24
+"""A waiting pair: its query, its gallery row (int64 each) and a score kept for a
+callable similarity."""
+
+# --- speed on CPU: sizes that buy nothing larger (none is a bound on memory)
+
+CPU_TILE_BYTES = 32 * 2**20
+"""On CPU, tiles hold at most this many bytes of scores."""
+
+CPU_PANEL_BYTES = 2 * 2**20
+"""On CPU a tile's scores beyond its label blocks are computed in panels of columns of
+about this many bytes, each scanned while it is still in the core's cache."""
+
+CPU_PANEL_COLUMNS = 512
+"""... at most this many columns wide (the BLAS keeps a packing buffer of the widest
+panel), so tiles take more rows instead."""
+
+CPU_STACK_BYTES = 4 * 2**20
+"""The panel rows that reach their band are copied aside, panel after panel, into a
+buffer of about this many bytes, then compared at once."""
+
+CPU_COUNT_BLOCK_BYTES = 2 * 2**20
+"""Rows are compared with their band this many bytes at a time on CPU."""
+
+CPU_SQUARE_BYTES = 4 * 2**20
+"""Leave-one-out on CPU: the product in square blocks of about this many bytes, each
+scanned for the queries of its rows and of its columns."""
+
+SQUARE_MIN_ROWS = 64
+"""Square blocks of fewer rows (but not every item) cost more than they save: the
+queries then go through tiles."""
+
+SQUARE_SCAN_SHARE = 8
+"""A square block's scan gathers its reaching rows at most ``1 / SQUARE_SCAN_SHARE`` of
+the block at a time."""
+
+CANONICAL_BATCH_BYTES = 4 * 2**20
+"""A canonical batch never takes more than this, whatever the scratch."""
+
+CANONICAL_DIM_BLOCK = 64
+"""Canonical re-scoring gathers its pairs' rows this many dimensions at a time (the sum's
+order stays ``d = 0 .. D-1``): a batch holds many pairs even where ``D`` is large."""
+
+PENDING_PAIRS = 2**16
+"""Pairs are decided once this many wait (or the pending share is full, or at the end):
+one canonical pass over ``D`` for many tiles."""
+
+STATS_CHUNK_BYTES = 2**20
+"""The gallery's norms, centre and largest value are read this many bytes at a time."""
+
+
+class Budget(NamedTuple):
+    """The sizes of one ranking of ``items`` items of width ``width`` within
+    ``chunk_bytes``."""
+
+    chunk_bytes: int
+    items: int
+    width: int
+    scratch: int
+    tile_bytes: int  # all workers' tiles together
+    pending_bytes: int
+    canonical_bytes: int
+    run_bytes: int  # a sharded gallery's run
+    row_block_bytes: int
+
+    def shares(self, sharded: bool = False) -> dict[str, int]:
+        """What the ranking holds at once beside the bookkeeping, by share: their sum is
+        at most :attr:`scratch` (a test holds it for every size)."""
+        return {
+            "tiles": self.tile_bytes,
+            "scans": self.tile_bytes,
+            "pending": self.pending_bytes,
+            "decisions": self.pending_bytes + 5 * self.canonical_bytes // 2,
+            "run": 2 * self.run_bytes if sharded else 0,
+        }
+
+    def tile_for(self, device: torch.device, workers: int = 1) -> int:
+        """The bytes of one worker's tile on ``device`` (CPU: at most
+        :data:`CPU_TILE_BYTES`)."""
+        tile = self.tile_bytes
+        if device.type == "cpu":
+            tile = min(tile, CPU_TILE_BYTES)
+        return max(1, tile // max(1, workers))
+
+    def rows_of(self, share_bytes: int, row_bytes: int) -> int:
+        """Rows of ``row_bytes`` that ``share_bytes`` hold, at least one."""
+        return max(1, share_bytes // max(1, row_bytes))
+
+    def row_block_rows(self, bytes_per_value: int = 16) -> int:
+        """Rows copied, normalised or audited at a time (``bytes_per_value``: the copies
+        each value of a row takes)."""
+        return self.rows_of(self.row_block_bytes, bytes_per_value * max(1, self.width))
 
 
 def bookkeeping_bytes(items: int) -> int:
@@ -53,27 +165,38 @@ def bookkeeping_bytes(items: int) -> int:
 
 
 def min_scratch_bytes(items: int) -> int:
-    """The least scratch of a ranking of ``items`` items: :data:`MIN_SCRATCH_BYTES`, or
-    :data:`MIN_SCRATCH_BYTES_PER_ITEM` an item if more."""
+    """The least scratch of a ranking of ``items`` items."""
     return max(MIN_SCRATCH_BYTES, MIN_SCRATCH_BYTES_PER_ITEM * max(0, items))
 
 
 def scratch_bytes(chunk_bytes: int, items: int) -> int:
-    """The scratch of a ranking of ``items`` items within ``chunk_bytes``: what the
-    bookkeeping leaves, at least :func:`min_scratch_bytes` (or ``chunk_bytes`` itself,
-    if smaller: such a ``chunk_bytes`` sizes the tiles as it says)."""
+    """What ``chunk_bytes`` leaves beside the bookkeeping of ``items`` items, at least
+    :func:`min_scratch_bytes` (or ``chunk_bytes`` itself, if smaller: such a
+    ``chunk_bytes`` sizes the tiles as it says)."""
     least = min(chunk_bytes, min_scratch_bytes(items))
     return max(chunk_bytes - bookkeeping_bytes(items), least)
 
 
-def block_bytes(scratch: int, width: int) -> int:
-    """The blocks of rows of ``width`` read by the ordered copy, the normalisation and
-    the audit: a share of ``scratch``, at least :data:`MIN_BLOCK_ROWS` rows."""
-    return max(1, scratch // BLOCK_SHARE, MIN_BLOCK_ROWS * 16 * width)
-
-
 def least_chunk_bytes(items: int, width: int) -> int:
     """The smallest ``chunk_bytes`` that holds the bookkeeping of ``items`` items and a
-    scratch whose blocks of rows of ``width`` are within their share."""
-    least_scratch = max(min_scratch_bytes(items), BLOCK_SHARE * MIN_BLOCK_ROWS * 16 * width)
+    scratch whose row blocks hold :data:`MIN_BLOCK_ROWS` rows of ``width``."""
+    least_scratch = max(min_scratch_bytes(items), ROW_BLOCK_SHARE * MIN_BLOCK_ROWS * 16 * width)
     return bookkeeping_bytes(items) + least_scratch
+
+
+def budget(chunk_bytes: int, items: int, width: int) -> Budget:
+    """The sizes of a ranking of ``items`` items of width ``width``."""
+    scratch = scratch_bytes(chunk_bytes, items)
+    canonical = min(CANONICAL_BATCH_BYTES, scratch // CANONICAL_SHARE)
+    row_block = max(1, scratch // ROW_BLOCK_SHARE, MIN_BLOCK_ROWS * 16 * width)
+    return Budget(
+        chunk_bytes,
+        items,
+        width,
+        scratch,
+        max(1, scratch // TILE_SHARE),
+        max(1, scratch // PENDING_SHARE),
+        max(1, canonical),
+        max(1, scratch // RUN_SHARE),
+        row_block,
+    )

@@ -54,7 +54,7 @@ products) the bound adds ``2 u_in + u_in^2`` per product for the inputs' unit ro
 the same. Where float32 products could overflow (``"dot"``/``"euclidean"`` on huge
 values), or would all come close to the subnormal range (tiny values, where ``eta``
 would put most items in the band), the fast path runs in float64
-(:func:`float64_products`); the canonical scores do not change. The bound assumes
+(:func:`fast_dtype`); the canonical scores do not change. The bound assumes
 IEEE gradual underflow (no flush-to-zero mode, which ``torch.set_flush_denormal(True)``
 would set).
 """
@@ -68,55 +68,26 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-
-CANONICAL_BATCH_BYTES = 4 * 2**20
-"""Pairs are re-scored canonically in batches whose gathered float64 rows (each side)
-take about this many bytes."""
-
-CANONICAL_DIM_BLOCK = 64
-"""The canonical re-scoring gathers its pairs' rows this many dimensions at a time: a
-batch of ``batch_bytes`` then holds ``batch_bytes / (8 x 64)`` pairs whatever ``D``
-(at ``D = 2,048`` and a 32 KiB batch, 64 pairs instead of 2; each batch costs a Python
-step per dimension)."""
-
-PREPARE_CHUNK_BYTES = 2**20
-"""Rows are normalised in float64 this many bytes at a time (one reused buffer)."""
+from recall_at_k.ranking.budget import CANONICAL_BATCH_BYTES, CANONICAL_DIM_BLOCK
 
 SAFETY = 2.0
 """Factor on the certified rounding bound (covers the float64 norms' own rounding)."""
 
 
-def prepare(embeddings: Tensor, similarity: Similarity) -> Tensor:
-    """Embeddings in a float dtype of at least 32 bits; L2-normalised for ``"cosine"``.
-
-    The cosine normalisation is computed once per row, elementwise and in a fixed order
-    (the float64 sum of squares over ``d = 0 .. D-1``), so a row's normalised value is
-    the same in every batch, process and device. Always a copy of its own (callers may
-    write into it), made :data:`PREPARE_CHUNK_BYTES` of float64 rows at a time.
-    """
-    dtype = torch.promote_types(embeddings.dtype, torch.float32)
-    out = torch.empty(embeddings.shape, dtype=dtype, device=embeddings.device)
-    step = max(1, PREPARE_CHUNK_BYTES // (8 * max(1, embeddings.shape[1])))
-    for start in range(0, embeddings.shape[0], step):
-        out[start : start + step] = prepare_rows(
-            embeddings[start : start + step], similarity, dtype
-        )
-    return out
-
-
 def prepare_rows(rows: Tensor, similarity: Similarity, dtype: torch.dtype) -> Tensor:
-    """:func:`prepare` of a few rows ``[m, D]`` (a new tensor of ``dtype``): each row's
-    value depends on that row alone."""
+    """Rows ``[m, D]`` as the ranking scores them: a new tensor of ``dtype`` (at least
+    float32), L2-normalised for ``"cosine"``. Each row's value depends on that row alone
+    (the float64 sum of squares over ``d = 0 .. D-1``), so it is the same in every batch,
+    process and device."""
     if similarity != "cosine":
         return rows.to(dtype, copy=True)
     return normalised(rows, cosine_norms(rows), dtype)
 
 
 def cosine_norms(rows: Tensor) -> Tensor:
-    """float64 ``[m]``: the norm each row of ``rows`` is divided by for ``"cosine"``
-    (the float64 sum of squares in the order ``d = 0 .. D-1``, its square root clamped
-    to at least 1e-12): a row's depends on that row alone. Pass a few rows at a time
-    (a float64 copy of them is made)."""
+    """float64 ``[m]``: the norm each row is divided by for ``"cosine"`` (the float64 sum
+    of squares in the order ``d = 0 .. D-1``, its square root clamped to at least 1e-12).
+    Pass a few rows at a time (a float64 copy of them is made)."""
     wide = rows.to(torch.float64)  # exact
     total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     term = torch.empty_like(total)
@@ -126,31 +97,11 @@ def cosine_norms(rows: Tensor) -> Tensor:
 
 
 def normalised(rows: Tensor, norms: Tensor, dtype: torch.dtype) -> Tensor:
-    """``rows`` divided by their :func:`cosine_norms` ``norms`` in float64, then rounded to
-    ``dtype`` (a new tensor): :func:`prepare_rows` for ``"cosine"``."""
+    """``rows`` divided by their :func:`cosine_norms` in float64, rounded to ``dtype``."""
     return rows.to(torch.float64, copy=True).div_(norms.unsqueeze(1)).to(dtype)
 
 
 def canonical_scores(
-    embeddings: Tensor,
-    query_rows: Tensor,
-    gallery_rows: Tensor,
-    similarity: Similarity,
-    workspace: Workspace | None = None,
-    batch_bytes: int = CANONICAL_BATCH_BYTES,
-) -> Tensor:
-    """The canonical float64 score of each pair ``(query_rows[i], gallery_rows[i])``.
-
-    The sum over ``d = 0 .. D-1`` in that order, one elementwise multiply (or difference
-    and square) and one add per ``d``: never a BLAS product or a reduction whose order
-    could depend on shapes, threads or the device.
-    """
-    return canonical_pair_scores(
-        embeddings, embeddings, query_rows, gallery_rows, similarity, workspace, batch_bytes
-    )
-
-
-def canonical_pair_scores(
     queries: Tensor,
     gallery: Tensor,
     query_rows: Tensor,
@@ -159,21 +110,22 @@ def canonical_pair_scores(
     workspace: Workspace | None = None,
     batch_bytes: int = CANONICAL_BATCH_BYTES,
 ) -> Tensor:
-    """:func:`canonical_scores` of the pairs ``(queries[query_rows[i]],
-    gallery[gallery_rows[i]])``, the two sides' prepared rows in two tensors of one
-    dtype (a process's own queries and a block of the gallery passing by): the same
-    numbers, computed the same way."""
+    """The canonical float64 score of each pair ``(queries[query_rows[i]],
+    gallery[gallery_rows[i]])`` (prepared rows of one dtype; the two may be one tensor).
+
+    The sum over ``d = 0 .. D-1`` in that order, one elementwise multiply (or difference
+    and square) and one add per ``d``: never a BLAS product or a reduction whose order
+    could depend on shapes, threads or the device. Rows are gathered
+    :data:`~recall_at_k.ranking.budget.CANONICAL_DIM_BLOCK` dimensions at a time,
+    ``batch_bytes`` of float64 rows a side.
+    """
     if queries.dtype != gallery.dtype:
         raise TypeError(f"rows of one dtype expected, got {queries.dtype} and {gallery.dtype}")
-    embeddings = queries
-    num, dim = query_rows.shape[0], embeddings.shape[1]
-    device, wide = embeddings.device, torch.float64
+    num, dim = query_rows.shape[0], queries.shape[1]
+    device, wide = queries.device, torch.float64
     workspace = Workspace() if workspace is None else workspace
     out = torch.empty(num, dtype=wide, device=device)
-    exact_products = torch.finfo(embeddings.dtype).bits <= 32
-    # The rows go a block of dimensions at a time (the sum's order stays d = 0 .. D-1),
-    # so a batch holds many pairs even where D is large and batch_bytes small: each
-    # batch costs a Python step per dimension.
+    exact_products = torch.finfo(queries.dtype).bits <= 32
     width = max(1, min(dim, CANONICAL_DIM_BLOCK))
     step = max(1, min(num, batch_bytes // (8 * width)))
     for start in range(0, num, step):
@@ -184,11 +136,11 @@ def canonical_pair_scores(
         term = torch.empty_like(total)
         for first in range(0, dim, width):
             last = min(first + width, dim)
-            pair = workspace.get("canonical_rows", (count, last - first), embeddings.dtype, device)
+            pair = workspace.get("canonical_rows", (count, last - first), queries.dtype, device)
             q = workspace.get("canonical_q", (last - first, count), wide, device)
             g = workspace.get("canonical_g", (last - first, count), wide, device)
-            torch.index_select(embeddings[:, first:last], 0, query_batch, out=pair)
-            q.copy_(pair.T)  # [width, m], exact
+            torch.index_select(queries[:, first:last], 0, query_batch, out=pair)
+            q.copy_(pair.T)  # exact
             torch.index_select(gallery[:, first:last], 0, gallery_batch, out=pair)
             g.copy_(pair.T)
             for d in range(last - first):
@@ -240,66 +192,56 @@ def bound_coefficient(
 
 
 def subnormal_step(dtype: torch.dtype) -> float:
-    """The spacing of ``dtype``'s subnormal numbers (2**-149 for float32, 2**-1074 for
-    float64): a rounding below the smallest normal number errs by up to half of it."""
+    """The spacing of ``dtype``'s subnormal numbers (2**-149 for float32)."""
     info = torch.finfo(dtype)
     return float(info.smallest_normal) * float(info.eps)
 
 
 def bound_absolute(similarity: Similarity, dim: int, dtype: torch.dtype) -> float:
-    """``B``'s absolute part: the rounding of products (and fused multiply-adds) whose
-    result falls below the smallest normal number, where rounding is absolute (up to
-    ``eta``, half the subnormal step), not relative. A dot product of length D rounds
-    at most D results that way (additions whose result is subnormal are exact), so
-    ``|fl(q.g) - q.g| <= gamma_D sum_d |q_d g_d| + D eta (1 + gamma_D)``; for
-    ``"euclidean"`` four such sums (``2 q'.g'`` counts twice, ``|q'|^2``, ``|g'|^2``).
-    The canonical sum adds ``D`` such roundings only for float64 embeddings (float32
-    products are exact in float64, never below 2**-298). For ordinary data this is
-    far below the relative part's last bit: the band does not change."""
+    """``B``'s absolute part: products (and fused multiply-adds) whose result falls
+    below the smallest normal number round absolutely (up to ``eta``, half the subnormal
+    step), not relatively: ``|fl(q.g) - q.g| <= gamma_D sum_d |q_d g_d| + D eta (1 +
+    gamma_D)``; for ``"euclidean"`` four such sums (``2 q'.g'`` counts twice, both
+    squared norms). The canonical sum adds ``D`` such roundings only for float64
+    embeddings (float32 products are exact in float64)."""
     if callable(similarity):
         return 0.0
     sums = 4 if similarity == "euclidean" else 1
-    roundings = sums * dim * subnormal_step(dtype) / 2  # the fast product's
-    if torch.finfo(dtype).bits > 32:  # the canonical sum's own inexact products
+    roundings = sums * dim * subnormal_step(dtype) / 2
+    if torch.finfo(dtype).bits > 32:
         roundings += dim * subnormal_step(torch.float64) / 2
-    # Each rounded result is carried through at most D + 2 more roundings.
     unit = float(torch.finfo(dtype).eps) / 2
     return SAFETY * roundings * (1 + gamma(dim + 3, unit))
 
 
-def norm_slack(dim: int, dtype: torch.dtype) -> float:
-    """What a norm computed in ``dtype`` may lose to squares below the smallest normal
-    number: ``sqrt(D * step)`` (a sum of D squares errs by at most ``D step / 2``
-    beyond its relative error; ``sqrt(a + b) <= sqrt(a) + sqrt(b)``)."""
-    return math.sqrt(dim * subnormal_step(dtype))
-
-
 def norm_upper(norms: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
     """Upper bounds of the exact norms of vectors of length ``dim`` whose norms were
-    computed in ``dtype`` as ``norms`` (float64; modified in place): raised past their
-    relative rounding (``gamma_{D+2}``) and the squares' underflow."""
+    computed in ``dtype`` as ``norms`` (float64, modified in place): raised past their
+    relative rounding (``gamma_{D+2}``) and what squares below the smallest normal
+    number may lose (``sqrt(D * step)``)."""
     unit = float(torch.finfo(dtype).eps) / 2
-    return norms.mul_(1 + 2 * gamma(dim + 2, unit)).add_(norm_slack(dim, dtype))
+    slack = math.sqrt(dim * subnormal_step(dtype))
+    return norms.mul_(1 + 2 * gamma(dim + 2, unit)).add_(slack)
 
 
 UNDERFLOW_SCALE = 2.0**-100
 """The fast path runs in float64 when the largest ``|x_d|^2`` is below this (every float32
-product is then within 2**26 of the subnormal range): :func:`bound_absolute` would
-widen the band of most queries."""
+product is then within 2**26 of the subnormal range, where :func:`bound_absolute` would
+widen most bands)."""
 
 
-def float64_products(embeddings: Tensor, similarity: Similarity) -> bool:
-    """Whether the fast path should run in float64 for float32 ``embeddings`` (prepared
-    rows; reads one value): float32 products could overflow (``"dot"``/``"euclidean"`` on
-    huge values), or all of them come close to float32's subnormal range (tiny values;
-    ``"cosine"`` rows of norm below 1e-12 stay unnormalised). Either way the canonical
-    scores, hence the result, are the same; only the band is narrower in float64."""
-    if callable(similarity) or embeddings.dtype != torch.float32 or embeddings.numel() == 0:
-        return False
-    largest = largest_magnitude(embeddings)
+def fast_dtype(largest: float, dim: int, dtype: torch.dtype, similarity: Similarity) -> torch.dtype:
+    """The dtype of the fast products of prepared rows of ``dtype`` whose largest
+    magnitude is ``largest``: float64 where float32 products could overflow (``"dot"`` /
+    ``"euclidean"`` on huge values) or all come close to the subnormal range. The
+    canonical scores, hence the result, are the same either way."""
+    if callable(similarity) or dtype != torch.float32:
+        return dtype
     if 0 < largest * largest < UNDERFLOW_SCALE:
-        return True
-    return similarity != "cosine" and overflows(largest, embeddings.shape[1], embeddings.dtype)
+        return torch.float64
+    if similarity != "cosine" and overflows(largest, dim, dtype):
+        return torch.float64
+    return dtype
 
 
 def overflows(largest: float, dim: int, dtype: torch.dtype) -> bool:
@@ -308,18 +250,18 @@ def overflows(largest: float, dim: int, dtype: torch.dtype) -> bool:
     return 4.0 * dim * largest * largest >= torch.finfo(dtype).max / 4
 
 
-def may_produce_nan(embeddings: Tensor, similarity: Similarity) -> bool:
-    """Whether scores could be NaN although the embeddings are finite (reads one value)."""
+def may_produce_nan(largest: float, dim: int, dtype: torch.dtype, similarity: Similarity) -> bool:
+    """Whether scores could be NaN although the embeddings (in ``dtype``, the fast
+    products') are finite: a callable's may; dot / euclidean overflow to inf (and
+    ``inf - inf``) only for huge values."""
     if callable(similarity):
         return True
-    if similarity == "cosine" or embeddings.numel() == 0:
-        return False
-    # dot / euclidean overflow to inf (and inf - inf = NaN) only for huge values.
-    largest = largest_magnitude(embeddings)
-    return overflows(largest, embeddings.shape[1], embeddings.dtype)
+    return similarity != "cosine" and overflows(largest, dim, dtype)
 
 
-def largest_magnitude(embeddings: Tensor) -> float:
-    """``max |x|`` of non-empty ``embeddings``, without a copy of them (``aminmax``)."""
-    low, high = torch.aminmax(embeddings)
+def largest_magnitude(rows: Tensor) -> float:
+    """``max |x|`` of ``rows`` (0 when empty), without a copy (``aminmax``)."""
+    if rows.numel() == 0:
+        return 0.0
+    low, high = torch.aminmax(rows)
     return max(-float(low), float(high))

@@ -1,0 +1,450 @@
+"""Where the engine's blocks come from: this process's queries and the gallery in blocks.
+
+The engine (:mod:`~recall_at_k.ranking.engine`) ranks a block of queries against a block
+of gallery items at a time. A source gives it:
+
+- :attr:`~LocalSource.queries`: this process's queries, in label order, and their rows as
+  the fast product reads them (:meth:`~LocalSource.query_rows`);
+- :attr:`~LocalSource.stats`: what every block shares -- the fast products' dtype, the
+  ``"euclidean"`` centre, the largest gallery norm that bounds every query's rounding;
+- :meth:`~LocalSource.galleries`: the gallery in blocks, each sorted by label
+  (:class:`Gallery`), so that a query's items of its label in a block are one run of
+  columns;
+- :meth:`~LocalSource.canonical`: the canonical scores of pairs of a block.
+
+:class:`LocalSource` serves the one ordered copy (one process, or every process holding
+the gathered items, with its share of the queries): one block, the whole gallery, a view
+of the copy. :class:`ShardedSource` serves a gallery sharded across processes: every
+process's gallery items pass by every process in runs, broadcast and prepared by their
+owner, and each process ranks the queries it holds; the processes agree on the
+statistics with collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from recall_at_k._kernel import Workspace
+from recall_at_k._types import Similarity
+from recall_at_k.ranking.budget import STATS_CHUNK_BYTES, Budget
+from recall_at_k.ranking.plan import Direction, Plan
+from recall_at_k.ranking.score import (
+    bound_absolute,
+    bound_coefficient,
+    canonical_scores,
+    fast_dtype,
+    largest_magnitude,
+    may_produce_nan,
+    norm_upper,
+    prepare_rows,
+)
+from recall_at_k.ranking.stored import BroadcastRows
+
+
+class Stats(NamedTuple):
+    """What every gallery block of a ranking shares."""
+
+    dtype: torch.dtype  # of the fast products
+    centre: Tensor | None  # [D], subtracted from every row for "euclidean"
+    max_norm: float  # bounds the norm of every gallery row as the product reads it
+    coefficient: float  # the bound's relative part (score.bound_coefficient)
+    absolute: float  # and its absolute part (score.bound_absolute)
+    check_nan: bool  # whether fast scores could be NaN
+
+
+class Queries(NamedTuple):
+    """This process's queries of a direction, in label order (stable)."""
+
+    rows: Tensor  # the source's row of each query
+    labels: Tensor
+    groups: Tensor
+    identity: Tensor
+    position: Tensor  # int64: each query's index among the direction's queries
+
+
+class Gallery(NamedTuple):
+    """A block of gallery items sorted by label."""
+
+    canonical: Tensor  # [G, D] prepared rows, for canonical scores
+    fast: Tensor  # [G, D] the same rows in the fast products' dtype (maybe one tensor)
+    labels: Tensor
+    groups: Tensor
+    block_labels: Tensor  # [C] the distinct labels, ascending
+    block_starts: Tensor  # [C] the first column of each label's run
+    block_counts: Tensor  # [C] its length
+    identity_sorted: Tensor  # [G] the items' sample identities, ascending
+    identity_column: Tensor  # [G] the column of each
+    centre: Tensor | None  # "euclidean": the stats' centre ...
+    neg_sq_norms: Tensor | None  # ... and -|g - centre|^2 of each column, [1, G]
+
+
+class Located(NamedTuple):
+    """Queries located in a gallery block: their label's run of columns (``count`` 0:
+    none) and their own column (-1: not in the block)."""
+
+    start: Tensor
+    count: Tensor
+    self_column: Tensor
+
+
+def gallery_block(
+    canonical: Tensor, fast: Tensor, labels: Tensor, groups: Tensor, identity: Tensor, stats: Stats
+) -> Gallery:
+    """A :class:`Gallery` of rows already sorted by label."""
+    block_labels, counts = torch.unique_consecutive(labels, return_counts=True)
+    starts = torch.cumsum(counts, dim=0) - counts
+    identity_sorted, identity_column = torch.sort(identity.to(torch.int64))
+    neg_sq_norms = None
+    if stats.centre is not None:
+        neg_sq_norms = torch.empty((1, fast.shape[0]), dtype=fast.dtype, device=fast.device)
+        for first, part in chunks(fast):
+            neg_sq_norms[0, first : first + part.shape[0]] = (
+                (part - stats.centre).square_().sum(dim=1).neg_()
+            )
+    return Gallery(
+        canonical,
+        fast,
+        labels,
+        groups,
+        block_labels,
+        starts,
+        counts,
+        identity_sorted,
+        identity_column,
+        stats.centre,
+        neg_sq_norms,
+    )
+
+
+def chunks(rows: Tensor) -> Iterator[tuple[int, Tensor]]:
+    """``(first, rows)`` of ``rows``, :data:`~recall_at_k.ranking.budget.STATS_CHUNK_BYTES`
+    at a time (views)."""
+    step = max(1, STATS_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+    for first in range(0, rows.shape[0], step):
+        yield first, rows[first : first + step]
+
+
+def locate(queries: Queries, gallery: Gallery) -> Located:
+    """Where each query's label run and own column lie in ``gallery``."""
+    device = queries.labels.device
+    if gallery.block_labels.numel() == 0:
+        none = torch.zeros(queries.labels.shape[0], dtype=torch.int64, device=device)
+        return Located(none, none, none - 1)
+    labels = queries.labels.to(gallery.block_labels.dtype)
+    block = torch.searchsorted(gallery.block_labels, labels)
+    block.clamp_(max=gallery.block_labels.shape[0] - 1)
+    found = gallery.block_labels[block] == labels
+    count = torch.where(found, gallery.block_counts[block], 0)
+    identity = queries.identity.to(torch.int64)
+    at = torch.searchsorted(gallery.identity_sorted, identity)
+    at.clamp_(max=gallery.identity_sorted.shape[0] - 1)
+    is_self = gallery.identity_sorted[at] == identity
+    self_column = torch.where(is_self, gallery.identity_column[at], -1)
+    return Located(gallery.block_starts[block], count, self_column)
+
+
+def bounds(rows: Tensor, stats: Stats) -> Tensor:
+    """``[T, 1]`` float64: each query's bound ``B`` on ``|fast - canonical|`` (``rows``:
+    the queries as the fast product reads them, centred for ``"euclidean"``)."""
+    norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True).to(torch.float64)
+    norms = norm_upper(norms, rows.shape[1], rows.dtype)
+    if stats.centre is not None:
+        norms = norms.add_(stats.max_norm).square_().mul_(stats.coefficient)
+    else:
+        norms.mul_(stats.max_norm * stats.coefficient)
+    return norms.add_(stats.absolute)
+
+
+def product(
+    queries: Tensor, gallery: Gallery, first: int, stop: int, workspace: Workspace
+) -> Tensor:
+    """Fast scores ``[T, stop - first]`` of queries (centred like the gallery for
+    ``"euclidean"``) against the gallery columns ``first:stop``, in the workspace's tile
+    buffer; ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2``, the gallery rows centred a
+    part at a time (a part no larger than the tile)."""
+    rows, width = queries.shape[0], stop - first
+    out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
+    if gallery.centre is None or gallery.neg_sq_norms is None:
+        return torch.matmul(queries, gallery.fast[first:stop].T, out=out)
+    dim = queries.shape[1]
+    step = max(1, rows * width // max(1, dim))
+    for part in range(first, stop, step):
+        end = min(stop, part + step)
+        centred = workspace.get("centred", (end - part, dim), queries.dtype, queries.device)
+        torch.sub(gallery.fast[part:end], gallery.centre, out=centred)
+        target = out[:, part - first : end - first]
+        norms = gallery.neg_sq_norms[:, part:end]
+        if step >= width:
+            torch.addmm(norms, queries, centred.T, alpha=2, out=target)
+        else:
+            buffer = workspace.get("centred_scores", tuple(target.shape), out.dtype, out.device)
+            target.copy_(torch.addmm(norms, queries, centred.T, alpha=2, out=buffer))
+    return out.sub_(queries.square().sum(dim=1, keepdim=True))
+
+
+def scores_of(
+    queries: Tensor, gallery: Gallery, similarity: Similarity, workspace: Workspace
+) -> Tensor:
+    """Scores ``[T, G]`` of a tile against a whole block, ours to write into: the fast
+    product, or a callable's scores (checked, copied)."""
+    if not callable(similarity):
+        return product(queries, gallery, 0, gallery.fast.shape[0], workspace)
+    scores = similarity(queries, gallery.fast)
+    shape = (queries.shape[0], gallery.fast.shape[0])
+    if not isinstance(scores, Tensor) or tuple(scores.shape) != shape or not scores.is_floating_point():
+        got = list(scores.shape) if isinstance(scores, Tensor) else type(scores)
+        raise ValueError(
+            f"`similarity` must return floating point scores of shape [{shape[0]},"
+            f" {shape[1]}] for a tile of queries, got {got}"
+        )
+    return scores.detach().clone(memory_format=torch.contiguous_format)
+
+
+class Processes(NamedTuple):
+    """The processes a ranking is shared among: those of ``group`` (None: the default
+    group)."""
+
+    group: Any
+
+
+class Reduce(NamedTuple):
+    """How statistics are agreed: by one process (None) or by every process."""
+
+    processes: Processes | None
+
+    def max(self, value: float, device: torch.device) -> float:
+        if self.processes is None:
+            return value
+        out = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.processes.group)
+        return float(out[0])
+
+    def sum(self, value: Tensor) -> Tensor:
+        if self.processes is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.processes.group)
+        return value
+
+
+def statistics(
+    similarity: Similarity,
+    every_row: Callable[[], Iterator[Tensor]],
+    gallery_rows: Callable[[], Iterator[Tensor]],
+    gallery_count: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    reduce: Reduce,
+) -> Stats:
+    """The :class:`Stats` of a gallery: ``every_row()`` and ``gallery_rows()`` yield
+    prepared rows (this process's, under ``reduce``), read twice at most."""
+    if callable(similarity):
+        return Stats(dtype, None, 0.0, 0.0, 0.0, True)
+    largest = reduce.max(max((largest_magnitude(p) for p in every_row()), default=0.0), device)
+    fast = fast_dtype(largest, dim, dtype, similarity)
+    centre = None
+    if similarity == "euclidean":
+        total = torch.zeros(dim, dtype=torch.float64, device=device)
+        for part in gallery_rows():
+            total += part.to(torch.float64).sum(dim=0)
+        centre = reduce.sum(total).div_(max(1, gallery_count)).to(fast)
+    largest_norm = 0.0
+    for part in gallery_rows():
+        rows = part.to(fast) if centre is None else part.to(fast) - centre
+        if rows.numel():
+            largest_norm = max(largest_norm, float(torch.linalg.vector_norm(rows, dim=1).max()))
+    largest_norm = reduce.max(largest_norm, device)
+    max_norm = float(norm_upper(torch.tensor([largest_norm], dtype=torch.float64), dim, fast))
+    return Stats(
+        fast,
+        centre,
+        max_norm,
+        bound_coefficient(similarity, dim, fast, device),
+        bound_absolute(similarity, dim, fast),
+        may_produce_nan(largest, dim, fast, similarity),
+    )
+
+
+def run_of(rows: Tensor) -> slice | None:
+    """The slice ``rows`` are, where they are one ascending run, else None."""
+    if rows.numel() == 0:
+        return None
+    first = int(rows[0])
+    if int(rows[-1]) != first + rows.shape[0] - 1:
+        return None
+    run = torch.arange(first, first + rows.shape[0], dtype=rows.dtype, device=rows.device)
+    return slice(first, first + rows.shape[0]) if torch.equal(rows, run) else None
+
+
+def label_order(rows: Tensor, labels: Tensor) -> Tensor:
+    """The order that sorts ``rows`` by ``labels[rows]`` (stable)."""
+    return torch.sort(labels[rows.long()], stable=True)[1]
+
+
+class LocalSource:
+    """The ordered copy of a plan: the gallery one block (a view), this process's share
+    ``[lo, hi)`` of the direction's queries."""
+
+    single = True
+
+    def __init__(
+        self, plan: Plan, sides: Direction, share: tuple[int, int], similarity: Similarity
+    ) -> None:
+        embeddings = plan.embeddings
+        assert embeddings is not None
+        self.embeddings, self.similarity = embeddings, similarity
+        queries, items = sides
+        order = label_order(items.rows, plan.labels)
+        rows, identity = items.rows[order], items.identity[order]
+        run = run_of(rows)
+        index: slice | Tensor = rows.long() if run is None else run
+        canonical = embeddings[index]
+        device = embeddings.device
+        self.stats = statistics(
+            similarity,
+            lambda: (part for _, part in chunks(embeddings)),
+            lambda: (part for _, part in chunks(canonical)),
+            canonical.shape[0],
+            embeddings.shape[1],
+            embeddings.dtype,
+            device,
+            Reduce(None),
+        )
+        self.fast = embeddings if self.stats.dtype == embeddings.dtype else embeddings.to(self.stats.dtype)
+        self.gallery = gallery_block(
+            canonical, self.fast[index], plan.labels[index], plan.groups[index], identity, self.stats
+        )
+        lo, hi = share
+        query_rows = queries.rows[lo:hi]
+        by_label = label_order(query_rows, plan.labels)
+        query_rows = query_rows[by_label]
+        position = torch.arange(lo, hi, device=device)[by_label]
+        same = query_rows.shape == rows.shape and torch.equal(query_rows, rows)
+        query_run = run_of(query_rows)
+        query_index: slice | Tensor = query_rows.long() if query_run is None else query_run
+        self.queries = Queries(
+            rows if same else query_rows,
+            self.gallery.labels if same else plan.labels[query_index],
+            self.gallery.groups if same else plan.groups[query_index],
+            queries.identity[lo:hi][by_label],
+            position,
+        )
+        self.located = locate(self.queries, self.gallery)
+        # Leave-one-out: the queries are the gallery's items in its order, each ignoring
+        # only itself by identity.
+        own = torch.arange(query_rows.shape[0], device=device)
+        self.leave_one_out = same and torch.equal(self.located.self_column, own)
+
+    def galleries(self) -> Iterator[Gallery]:
+        yield self.gallery
+
+    def query_rows(self, first: int, stop: int) -> Tensor:
+        """The fast rows of queries ``first:stop`` (a new tensor, centred for
+        ``"euclidean"``)."""
+        rows = self.fast.index_select(0, self.queries.rows[first:stop].long())
+        return rows if self.stats.centre is None else rows.sub_(self.stats.centre)
+
+    def canonical(
+        self, gallery: Gallery, queries: Tensor, columns: Tensor, workspace: Workspace, batch: int
+    ) -> Tensor:
+        """Canonical scores of the pairs (query ``queries[i]``, column ``columns[i]``)."""
+        rows = self.queries.rows.long()[queries]
+        return canonical_scores(
+            self.embeddings, gallery.canonical, rows, columns, self.similarity, workspace, batch
+        )
+
+
+class ShardedSource:
+    """A gallery sharded across the processes of ``plan.rows`` (a
+    :class:`~recall_at_k.ranking.stored.BroadcastRows`): this process ranks the queries
+    whose rows it holds; the gallery passes by in runs of ``budget.run_bytes``, each
+    process's gallery rows sorted by label and prepared by their owner."""
+
+    single = False
+    leave_one_out = False
+
+    def __init__(
+        self, plan: Plan, sides: Direction, similarity: Similarity, processes: Processes
+    ) -> None:
+        rows = plan.rows
+        assert isinstance(rows, BroadcastRows)
+        self.rows, self.similarity, self.plan = rows, similarity, plan
+        local, device = rows.local, rows.device
+        self.dtype = rows.dtype
+        starts = [sum(rows.counts[:r]) for r in range(len(rows.counts) + 1)]
+        self.starts = starts
+        queries, items = sides
+        query_rows = queries.rows.long()
+        here = ((query_rows >= rows.offset) & (query_rows < rows.offset + rows.counts[rows.rank])).nonzero().view(-1)
+        here = here[label_order(query_rows[here], plan.labels)]
+        mine = query_rows[here]
+        self.queries = Queries(
+            mine - rows.offset, plan.labels[mine], plan.groups[mine], queries.identity[here], here
+        )
+        # Each process's gallery rows sorted by label: the order its runs pass by in.
+        gallery_rows = items.rows.long()
+        self.orders: list[Tensor] = []
+        self.identities: list[Tensor] = []
+        for rank in range(len(rows.counts)):
+            owned = ((gallery_rows >= starts[rank]) & (gallery_rows < starts[rank + 1])).nonzero().view(-1)
+            owned = owned[label_order(gallery_rows[owned], plan.labels)]
+            self.orders.append(gallery_rows[owned] - starts[rank])
+            self.identities.append(items.identity[owned])
+        own_order = self.orders[rows.rank]
+        width = rows.shape[1]
+        step = max(1, STATS_CHUNK_BYTES // (8 * max(1, width)))
+
+        def every_row() -> Iterator[Tensor]:
+            for _, part in local.runs(step):
+                yield self.prepare(part)
+
+        def own_gallery() -> Iterator[Tensor]:
+            for first in range(0, own_order.shape[0], step):
+                yield self.prepare(local.take(own_order[first : first + step]))
+
+        count = int(gallery_rows.shape[0])
+        self.stats = statistics(
+            similarity, every_row, own_gallery, count, width, rows.dtype, device, Reduce(processes)
+        )
+        self.run_rows = max(1, plan.budget.run_bytes // (width * self.dtype.itemsize))
+
+    def prepare(self, rows: Tensor) -> Tensor:
+        """Stored rows as the ranking scores them (a new tensor)."""
+        return prepare_rows(rows, self.similarity, self.dtype)
+
+    def galleries(self) -> Iterator[Gallery]:
+        """Every process's gallery, a run at a time (a collective)."""
+        labels, groups = self.plan.labels, self.plan.groups
+        for owner, first, part in self.rows.broadcast(self.run_rows, self.orders, self.prepare):
+            order = self.orders[owner][first : first + part.shape[0]]
+            stored = order + self.starts[owner]
+            fast = part if self.stats.dtype == part.dtype else part.to(self.stats.dtype)
+            identity = self.identities[owner][first : first + part.shape[0]]
+            yield gallery_block(part, fast, labels[stored], groups[stored], identity, self.stats)
+
+    def query_rows(self, first: int, stop: int) -> Tensor:
+        rows = self.prepare(self.rows.local.take(self.queries.rows[first:stop]))
+        rows = rows.to(self.stats.dtype)
+        return rows if self.stats.centre is None else rows.sub_(self.stats.centre)
+
+    def canonical(
+        self, gallery: Gallery, queries: Tensor, columns: Tensor, workspace: Workspace, batch: int
+    ) -> Tensor:
+        distinct, inverse = torch.unique(queries, return_inverse=True)
+        rows = self.prepare(self.rows.local.take(self.queries.rows[distinct]))
+        return canonical_scores(
+            rows, gallery.canonical, inverse, columns, self.similarity, workspace, batch
+        )
+
+
+Source = LocalSource | ShardedSource
+"""A source of blocks (see the module)."""
+
+
+def tile_budget(budget: Budget, device: torch.device, workers: int) -> int:
+    """The bytes of one worker's tile."""
+    return budget.tile_for(device, workers)

@@ -1,0 +1,894 @@
+"""The ranking engine: a block of queries against a block of gallery items, scanned
+(:mod:`~recall_at_k.ranking.scan`) and decided (:mod:`~recall_at_k.ranking.decide`),
+over the blocks a source yields (:mod:`~recall_at_k.ranking.blocks`).
+
+Per query it finds ``s*_f`` and its band from the query's positives, then counts the
+negatives surely above the band and hands every pair inside it to the decider, which
+decides ``s*``, the ties and the order at ``s*`` on canonical scores. How the blocks are
+walked depends only on the source:
+
+- one block holding the whole gallery, leave-one-out on CPU: the product in square
+  blocks, each computed once for the queries of its rows and of its columns
+  (:func:`_squares`) -- first each query's band from its label's block, then the
+  squares;
+- one block otherwise: tiles of queries, each tile's label run first (its positives,
+  then its negatives there), then -- on CPU -- the other columns in panels that never
+  leave the cache, or the tile's whole row of scores (:func:`_tiles`);
+- a gallery sharded across processes: two passes over the blocks passing by, the
+  positives first, then the negatives (:func:`_passes`).
+
+Tiles and squares run on the CPU's worker threads (:mod:`~recall_at_k.ranking.workers`);
+their results are merged in order. :func:`rank` ranks every direction, shares the
+queries among processes when every process holds every item, and sums the counts.
+Counts are integers; ``ties="expected"`` rounds each query's probabilities to a grid on
+which float64 sums are exact. So the result is the same for every tiling, thread count
+and process count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from recall_at_k import _kernel
+from recall_at_k._embedding_checks import nan_scores_error
+from recall_at_k._kernel import TieCounts, Workspace, count_dtype
+from recall_at_k._types import Similarity
+from recall_at_k.ranking.blocks import (
+    Gallery,
+    LocalSource,
+    Processes,
+    ShardedSource,
+    Source,
+    bounds,
+    locate,
+    product,
+    scores_of,
+)
+from recall_at_k.ranking.budget import (
+    CPU_PANEL_BYTES,
+    CPU_PANEL_COLUMNS,
+    CPU_SQUARE_BYTES,
+    SQUARE_MIN_ROWS,
+    Budget,
+)
+from recall_at_k.ranking.decide import NEAR, NEGATIVE, POSITIVE, Decider
+from recall_at_k.ranking.plan import Plan
+from recall_at_k.ranking.progress import Progress
+from recall_at_k.ranking.scan import (
+    Found,
+    Near,
+    Stack,
+    band_edges,
+    hide_ignored,
+    hide_own_labels,
+    joined,
+    near,
+    near_scan,
+    positives,
+    saturate,
+    scan,
+)
+from recall_at_k.ranking.workers import Workers, caller_on_one_thread, worker_count
+
+Mode = Literal["auto", "squares", "panels", "tiles"]
+"""How one block's queries are walked: chosen (``"auto"``), or forced by tests --
+``"squares"`` (leave-one-out on CPU, any block size), ``"panels"`` (CPU tiles with
+panels), ``"tiles"`` (whole rows of scores, as on a GPU). Every mode gives the same
+counts."""
+
+WIDE_LABELS = 0.25
+"""Leave-one-out takes squares (``"auto"``) while every label has at most this share of
+the items."""
+
+NEAR_COUNTS = (
+    "near_positive",
+    "near_negative_with_positive",
+    "near_negative_without_positive",
+    "near_hits_at_1",
+)
+"""What :attr:`Ranked.near` counts, in order."""
+
+
+class RankOptions(NamedTuple):
+    """What a ranking needs besides the items."""
+
+    similarity: Similarity
+    exclude: str
+    ties: str
+    max_k: int
+    validate: bool  # look for NaN scores where they could occur
+    near_duplicate: float | None = None
+    progress: bool = False
+    mode: Mode = "auto"
+
+
+class QueryCounts(NamedTuple):
+    """One direction's counts on this process, per query of its share (in the source's
+    order), and what the ranking did."""
+
+    counts: TieCounts
+    position: Tensor  # each query's index among the direction's queries
+    near: Tensor  # int64 [4] (NEAR_COUNTS)
+    nan: Tensor  # int64: queries whose scores held NaN
+    rescored: int
+
+
+class _State:
+    """What the scans add up per query of this process's share."""
+
+    def __init__(self, source: Source, options: RankOptions, gallery_size: int) -> None:
+        queries = source.queries
+        count, device = queries.labels.shape[0], queries.labels.device
+        self.has_positive = torch.zeros(count, dtype=torch.bool, device=device)
+        self.greater = torch.zeros(count, dtype=count_dtype(gallery_size), device=device)
+        self.nan = torch.zeros(count, dtype=torch.bool, device=device)
+        self.near = torch.zeros(count, dtype=torch.int64, device=device)
+        self.hole = math.nan if callable(options.similarity) else -math.inf
+
+
+class _Result(NamedTuple):
+    """A tile's or a square's contribution, its rows counted from ``first``."""
+
+    first: int
+    stop: int
+    has_positive: Tensor | None
+    greater: Tensor | None
+    near: Tensor | None
+    nan: Tensor | None
+    found: list[tuple[int, Found]]  # (kind, pairs), positives first
+
+
+def _merge(result: _Result, state: _State, decider: Decider, offset: int = 0) -> None:
+    part = slice(result.first, result.stop)
+    if result.has_positive is not None:
+        state.has_positive[part] |= result.has_positive
+    if result.greater is not None:
+        state.greater[part] += result.greater
+    if result.near is not None:
+        state.near[part] += result.near
+    if result.nan is not None:
+        state.nan[part] |= result.nan
+    for kind, found in result.found:
+        decider.add(kind, found, result.first + offset)
+
+
+def rank_direction(
+    source: Source,
+    options: RankOptions,
+    budget: Budget,
+    workspace: Workspace,
+    known: Tensor | None = None,
+) -> QueryCounts:
+    """Rank the source's queries against its gallery (a collective for a sharded one).
+    ``known``: bool ``[2, Q]`` (the direction's queries) known to have a near positive /
+    negative whatever their scores (the audit's copies)."""
+    queries = source.queries
+    state = _State(source, options, budget.items)
+    decider = Decider(queries.labels.shape[0], source, options.near_duplicate, budget, workspace)
+    if isinstance(source, LocalSource):
+        gallery = source.gallery
+        device = gallery.fast.device
+        workers = 1 if callable(options.similarity) else worker_count(device)
+        progress = Progress(queries.labels.shape[0], options.progress)
+        done = False
+        if _squares_possible(source, options, device):
+            done = _squares(source, state, decider, options, budget, workers, progress)
+        if not done:
+            _tiles(source, state, decider, options, budget, workers, progress)
+        decider.flush(gallery)
+        progress.close()
+    else:
+        _passes(source, state, decider, options, budget)
+    return _counts(source, state, decider, options, known)
+
+
+def _counts(
+    source: Source, state: _State, decider: Decider, options: RankOptions, known: Tensor | None
+) -> QueryCounts:
+    decided = decider.result()
+    greater = state.greater.to(torch.int64) + decided.above
+    at_or_above = greater + decided.equal
+    counts = TieCounts(greater, at_or_above, decided.tied, state.has_positive)
+    device = greater.device
+    near = torch.zeros(len(NEAR_COUNTS), dtype=torch.int64, device=device)
+    if options.near_duplicate is not None:
+        has = state.has_positive
+        reaches = has & (decided.best >= options.near_duplicate)
+        near_positive, near_negative = reaches, (state.near > 0) | decided.near
+        if known is not None:
+            flags = known[:, source.queries.position]
+            near_positive, near_negative = near_positive | flags[0], near_negative | flags[1]
+        beaten = greater if options.ties == "optimistic" else at_or_above
+        hits = reaches & (beaten == 0)
+        near = torch.stack([near_positive, near_negative & has, near_negative & ~has, hits])
+        near = near.sum(dim=1)
+    nan = state.nan.sum()
+    return QueryCounts(counts, source.queries.position, near, nan, decider.rescored)
+
+
+# ---------------------------------------------------------------- tiles of one block
+
+
+def _tiles(
+    source: LocalSource,
+    state: _State,
+    decider: Decider,
+    options: RankOptions,
+    budget: Budget,
+    workers: int,
+    progress: Progress,
+) -> None:
+    """Every query in tiles against the one block (see the module)."""
+    gallery, located, queries = source.gallery, source.located, source.queries
+    stats, similarity = source.stats, options.similarity
+    num_gallery, dim = gallery.fast.shape
+    device, itemsize = gallery.fast.device, gallery.fast.element_size()
+    count = queries.labels.shape[0]
+    tile_bytes = budget.tile_for(device, workers)
+    check_nan = options.validate and stats.check_nan
+    panels = device.type == "cpu" and not callable(similarity) and not check_nan
+    panels = panels and options.mode != "tiles"
+    keep = callable(similarity)
+    junk = options.exclude == "same_label_and_group"
+    same_group = options.exclude == "same_group"
+    if panels:
+        panel_bytes = min(CPU_PANEL_BYTES, max(1, tile_bytes // 2))
+        columns = max(1, min(CPU_PANEL_COLUMNS, panel_bytes // itemsize))
+        rows = max(1, tile_bytes // ((dim + 3 * columns) * itemsize))
+        rows = min(rows, max(1, panel_bytes // (columns * itemsize)))
+    else:
+        rows = max(1, tile_bytes // ((num_gallery + dim) * itemsize))
+    tiles = _cut(located.start, located.count, count, rows, tile_bytes // itemsize)
+
+    def task(tile: tuple[int, int], workspace: Workspace) -> _Result:
+        first_query, stop_query = tile
+        part = slice(first_query, stop_query)
+        rows_fast = source.query_rows(first_query, stop_query)
+        bound = bounds(rows_fast, stats)
+        start, length = located.start[part], located.count[part]
+        own = located.self_column[part]
+        groups = queries.groups[part]
+        size = stop_query - first_query
+        nan = None
+        if panels:
+            present = length > 0
+            first = int(torch.where(present, start, num_gallery).min())
+            stop = int(torch.where(present, start + length, 0).max())
+            first, stop = (first, stop) if first < stop else (0, 0)
+            scores = product(rows_fast, gallery, first, stop, workspace)
+        else:
+            first, stop = 0, num_gallery
+            scores = scores_of(rows_fast, gallery, similarity, workspace)
+            if check_nan:
+                nan = torch.isnan(scores).any(dim=1)
+        column_groups = gallery.groups[first:stop]
+        hide_ignored(scores, own - first, groups if same_group else None, column_groups, state.hole)
+        found = positives(
+            scores,
+            start - first,
+            length,
+            (groups, column_groups) if junk else None,
+            bound,
+            state.hole,
+            keep,
+            workspace,
+        )
+        lo, hi = band_edges(found.best, bound, found.has_positive)
+        hide_own_labels(scores, start - first, length, state.hole)
+        greater = torch.zeros(size, dtype=state.greater.dtype, device=device)
+        pairs: list[Found] = []
+        near_state = near_scan(options.near_duplicate, bound, scores.dtype)
+        _scan_rows(scores, lo, hi, first, greater, pairs, near_state, keep, workspace, tile_bytes)
+        if panels:
+            saturate(lo, greater, options.max_k)
+            outside = (own >= 0) & ((own < first) | (own >= stop))
+            ignore_outside = same_group or bool(outside.any())
+            width = max(1, panel_bytes // (rows * itemsize))
+            spans = [(a, min(a + width, first)) for a in range(0, first, width)]
+            spans += [(a, min(a + width, num_gallery)) for a in range(stop, num_gallery, width)]
+            stack = Stack(lo, hi, greater, pairs, width, workspace, tile_bytes)
+            for a, b in spans:
+                panel = product(rows_fast, gallery, a, b, workspace)
+                if ignore_outside:
+                    row_groups = groups if same_group else None
+                    hide_ignored(panel, own - a, row_groups, gallery.groups[a:b], state.hole)
+                peak = panel.amax(dim=1, keepdim=True)
+                if near_state is not None:
+                    near(panel, 0, peak, near_state, a, False, workspace, tile_bytes)
+                if stack.add(panel, peak, a):
+                    saturate(lo, greater, options.max_k)
+            stack.flush()
+        return _Result(
+            first_query,
+            stop_query,
+            found.has_positive,
+            greater,
+            None if near_state is None else near_state.sure,
+            nan,
+            _kinds(Found(found.found.rows, found.found.columns + first, found.found.values), pairs, near_state, device),
+        )
+
+    with Workers(task, min(workers, len(tiles)), decider.workspace) as pool:
+        for result in pool.map(tiles):
+            _merge(result, state, decider)
+            progress.update(result.stop - result.first)
+            if decider.full():
+                decider.flush(gallery)
+
+
+def _kinds(
+    positive: Found | None, negatives: list[Found], near_state: Near | None, device: torch.device
+) -> list[tuple[int, Found]]:
+    """A result's pairs by kind, positives first."""
+    out: list[tuple[int, Found]] = [] if positive is None else [(POSITIVE, positive)]
+    out.append((NEGATIVE, joined(negatives, device)))
+    if near_state is not None:
+        out.append((NEAR, joined(near_state.found, device)))
+    return out
+
+
+def _scan_rows(
+    scores: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    first: int,
+    greater: Tensor,
+    pairs: list[Found],
+    near_state: Near | None,
+    keep: bool,
+    workspace: Workspace,
+    buffer_bytes: int,
+) -> None:
+    """Scan a block's rows (each a query) for its band and the near threshold."""
+    if scores.numel() == 0:
+        return
+    peak = scores.amax(dim=1, keepdim=True)
+    if near_state is not None:
+        near(scores, 0, peak, near_state, first, keep, workspace, buffer_bytes)
+    scan(scores, 0, peak, lo, hi, first, greater, pairs, workspace, buffer_bytes, keep)
+
+
+def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list[tuple[int, int]]:
+    """Tiles of ``rows`` queries, cut smaller where a tile's label run times its rows
+    exceeds ``most`` scores (queries in label order: a tile's runs are one run)."""
+    if total == 0:
+        return []
+    ends = (start + count).tolist()
+    starts = start.tolist()
+    present = count.gt(0).tolist()
+    tiles = []
+    first = 0
+    while first < total:
+        stop = min(total, first + rows)
+        while stop - first > 1:
+            lows = [s for s, p in zip(starts[first:stop], present[first:stop], strict=True) if p]
+            if not lows:
+                break
+            width = max(e for e, p in zip(ends[first:stop], present[first:stop], strict=True) if p) - min(lows)
+            if (stop - first) * width <= most:
+                break
+            stop = first + max(1, (stop - first) // 2)
+        tiles.append((first, stop))
+        first = stop
+    return tiles
+
+
+def _band(found_best: Tensor, bound: Tensor, has_positive: Tensor, hole: float) -> tuple[Tensor, Tensor]:
+    """The band's edges, ``lo`` kept above a ``-inf`` hole (a band reaching ``-inf``
+    would count the holes)."""
+    lo, hi = band_edges(found_best, bound, has_positive)
+    if hole == -math.inf:
+        lo.clamp_(min=torch.finfo(lo.dtype).min)
+    return lo, hi
+
+
+# ---------------------------------------------------------------- squares: leave-one-out
+
+
+def _squares_possible(source: LocalSource, options: RankOptions, device: torch.device) -> bool:
+    """Whether leave-one-out takes the squares: on CPU, a built-in similarity without NaN
+    checks, every label at most :data:`WIDE_LABELS` of the items (``"auto"``)."""
+    if not source.leave_one_out or device.type != "cpu" or callable(options.similarity):
+        return False
+    if options.validate and source.stats.check_nan:
+        return False
+    if options.mode != "auto":
+        return options.mode == "squares"
+    count = source.located.count
+    return int(count.max()) <= WIDE_LABELS * count.shape[0]
+
+
+def _squares(
+    source: LocalSource,
+    state: _State,
+    decider: Decider,
+    options: RankOptions,
+    budget: Budget,
+    workers: int,
+    progress: Progress,
+) -> bool:
+    """Leave-one-out in square blocks ``(I, J)``, ``J >= I``, whose rows are the queries
+    of span I and whose columns, read down, the queries of span J: every score computed
+    once for both of its items. First each query's band from its label's run; the squares
+    then hide every item of a query's own label and see negatives only. Whether the
+    squares were taken (not when their blocks would be too small, ``"auto"``)."""
+    gallery, located, stats = source.gallery, source.located, source.stats
+    num, dim = gallery.fast.shape
+    device, itemsize = gallery.fast.device, gallery.fast.element_size()
+    tile_bytes = budget.tile_for(device, workers)
+    size = math.isqrt(max(1, min(CPU_SQUARE_BYTES, tile_bytes) // itemsize))
+    if options.mode == "auto" and size < min(SQUARE_MIN_ROWS, num):
+        return False
+    size = max(1, size)
+    hole, threshold, max_k = state.hole, options.near_duplicate, options.max_k
+    junk = options.exclude == "same_label_and_group"
+    same_group = options.exclude == "same_group"
+
+    def centred(first: int, stop: int) -> Tensor:
+        rows = gallery.fast[first:stop]
+        return rows if stats.centre is None else rows - stats.centre
+
+    bound = torch.cat(
+        [bounds(centred(a, min(num, a + size)), stats) for a in range(0, num, size)]
+        or [torch.zeros((0, 1), dtype=torch.float64, device=device)]
+    )
+    widest = int(located.count.max()) if num else 0
+    most = max(size, math.isqrt(max(1, tile_bytes // itemsize)))
+    spans = _label_spans(gallery, size, most) if 0 < widest <= size else None
+    aligned = spans is not None
+    if spans is None:
+        spans = [slice(a, min(a + size, num)) for a in range(0, num, size)]
+    lo = torch.full((num, 1), math.inf, dtype=gallery.fast.dtype, device=device)
+    hi = torch.full_like(lo, math.inf)
+    if aligned:
+        parts = [(span.start, span.stop) for span in spans]
+    else:  # label runs of ``step`` rows lie within ``step + 2 widest`` columns
+        step = size
+        while step > 1 and step * (step + 2 * widest) * itemsize > tile_bytes:
+            step = (step + 1) // 2
+        parts = [(a, min(a + step, span.stop)) for span in spans for a in range(span.start, span.stop, step)]
+
+    def label_task(part: tuple[int, int], workspace: Workspace) -> tuple[_Result, Tensor, Tensor]:
+        a, b = part
+        start, length = located.start[a:b], located.count[a:b]
+        first, stop = (a, b) if aligned else (int(start.min()), int((start + length).max()))
+        scores = product(centred(a, b), gallery, first, stop, workspace)
+        groups, column_groups = gallery.groups[a:b], gallery.groups[first:stop]
+        own = located.self_column[a:b] - first
+        hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
+        found = positives(
+            scores,
+            start - first,
+            length,
+            (groups, column_groups) if junk else None,
+            bound[a:b],
+            hole,
+            False,
+            workspace,
+        )
+        kept = Found(found.found.rows, found.found.columns + first, None)
+        band_lo, band_hi = _band(found.best, bound[a:b], found.has_positive, hole)
+        if not aligned:
+            return _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)]), band_lo, band_hi
+        # A span of whole labels: its diagonal square holds its queries' labels; its
+        # negatives there are scanned now.
+        hide_own_labels(scores, start - first, length, hole)
+        greater = torch.zeros(b - a, dtype=state.greater.dtype, device=device)
+        pairs: list[Found] = []
+        near_state = near_scan(threshold, bound[a:b], scores.dtype)
+        _scan_rows(scores, band_lo, band_hi, first, greater, pairs, near_state, False, workspace, tile_bytes)
+        sure = None if near_state is None else near_state.sure
+        kinds = _kinds(kept, pairs, near_state, device)
+        return _Result(a, b, found.has_positive, greater, sure, None, kinds), band_lo, band_hi
+
+    with Workers(label_task, min(workers, len(parts)), decider.workspace) as pool:
+        for result, band_lo, band_hi in pool.map(parts):
+            lo[result.first : result.stop], hi[result.first : result.stop] = band_lo, band_hi
+            _merge(result, state, decider)
+            if decider.full():
+                decider.flush(gallery)
+    if aligned:
+        saturate(lo, state.greater, max_k)
+    junk_runs = None if aligned else _junk(gallery, spans)
+
+    def squares() -> Iterator[tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None]]:
+        """Each square with copies of its queries' band edges as they are when it is
+        taken (their ``lo`` rises as queries saturate)."""
+        for index, rows in enumerate(spans):
+            for later in range(index + int(aligned), len(spans)):
+                columns = spans[later]
+                rectangle = None
+                if junk_runs is not None and later > index:
+                    run_start, run_stop = junk_runs[index]
+                    if run_stop > columns.start:  # one label on both sides: its rectangle
+                        top = max(run_start, rows.start) - rows.start
+                        rectangle = top, min(run_stop, columns.stop) - columns.start
+                yield (
+                    index,
+                    later,
+                    lo[rows].clone(),
+                    hi[rows],
+                    lo[columns].clone(),
+                    hi[columns],
+                    rectangle,
+                )
+
+    def square_task(
+        square: tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None],
+        workspace: Workspace,
+    ) -> list[_Result]:
+        index, later, row_lo, row_hi, column_lo, column_hi, rectangle = square
+        rows, columns = spans[index], spans[later]
+        scores = product(centred(rows.start, rows.stop), gallery, columns.start, columns.stop, workspace)
+        if index == later:  # a diagonal square of spans cut anywhere: its own labels
+            labels = gallery.labels
+            same = labels[rows].unsqueeze(1) == labels[columns].unsqueeze(0)
+            scores.masked_fill_(same, hole)
+        elif rectangle is not None:
+            scores[rectangle[0] :, : rectangle[1]] = hole
+        if same_group:
+            same = gallery.groups[rows].unsqueeze(1) == gallery.groups[columns].unsqueeze(0)
+            scores.masked_fill_(same, hole)
+        sides = [(0, rows, columns, row_lo, row_hi)]
+        if later > index:  # read down: the columns' queries against the rows' items
+            sides.append((1, columns, rows, column_lo, column_hi))
+        results = []
+        for axis, queries, items, band_lo, band_hi in sides:
+            peak = scores.amax(dim=1 - axis).unsqueeze(1)
+            greater = torch.zeros(queries.stop - queries.start, dtype=state.greater.dtype, device=device)
+            pairs: list[Found] = []
+            near_state = None
+            if threshold is not None:
+                near_state = near_scan(threshold, bound[queries], scores.dtype)
+                assert near_state is not None
+                near(scores, axis, peak, near_state, items.start, False, workspace, tile_bytes)
+            scan(scores, axis, peak, band_lo, band_hi, items.start, greater, pairs, workspace, tile_bytes)
+            sure = None if near_state is None else near_state.sure
+            results.append(
+                _Result(queries.start, queries.stop, None, greater, sure, None, _kinds(None, pairs, near_state, device))
+            )
+        return results
+
+    total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
+    with Workers(square_task, max(1, min(workers, total)), decider.workspace) as pool:
+        for results in pool.map(squares()):
+            for result in results:
+                _merge(result, state, decider)
+                part = slice(result.first, result.stop)
+                saturate(lo[part], state.greater[part], max_k)
+            if decider.full():
+                decider.flush(gallery)
+    progress.update(num)
+    return True
+
+
+def _label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
+    """Spans of about ``size`` rows, never more than ``most``, made of whole labels
+    (every label's run at most ``size`` long): a span ends at the label boundary nearest
+    ``size`` rows on."""
+    num = gallery.fast.shape[0]
+    starts = gallery.block_starts.tolist()
+    cuts = [0]
+    while cuts[-1] + size < num:
+        target = cuts[-1] + size
+        index = bisect.bisect_right(starts, target) - 1
+        cut = starts[index]
+        after = starts[index + 1] if index + 1 < len(starts) else num
+        if after - target < target - cut and after - cuts[-1] <= most:
+            cut = after
+        cuts.append(cut)
+    if cuts[-1] < num:
+        cuts.append(num)
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
+    """Per span, the run of columns of its last row's label: the one label whose items a
+    square off the diagonal may hold on both sides."""
+    last = torch.tensor([span.stop - 1 for span in spans], device=gallery.labels.device)
+    run = torch.searchsorted(gallery.block_labels, gallery.labels[last])
+    starts = gallery.block_starts[run]
+    stops = starts + gallery.block_counts[run]
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
+
+
+# ---------------------------------------------------------------- passes: a sharded gallery
+
+
+class _Guard:
+    """Runs this process's own work; after a failure skips it, so that the process still
+    takes part in every collective, and keeps the error to raise once all have
+    reduced."""
+
+    def __init__(self) -> None:
+        self.failure: Exception | None = None
+
+    def run(self, work: Any, *args: Any) -> None:
+        if self.failure is None:
+            try:
+                work(*args)
+            except Exception as err:
+                self.failure = err
+
+
+def _passes(
+    source: ShardedSource, state: _State, decider: Decider, options: RankOptions, budget: Budget
+) -> None:
+    """The source's gallery passes by twice: the positives first (``s*_f`` and the
+    positives in band of every query), then every item (the negatives)."""
+    queries, stats = source.queries, source.stats
+    count, device = queries.labels.shape[0], queries.labels.device
+    dim = source.rows.shape[1]
+    itemsize = torch.finfo(stats.dtype).bits // 8
+    tile_bytes = budget.tile_for(device)
+    step = max(1, tile_bytes // ((source.run_rows + dim) * itemsize))
+    tiles = [(a, min(count, a + step)) for a in range(0, count, step)]
+    hole, workspace = state.hole, decider.workspace
+    check_nan = options.validate and stats.check_nan
+    junk = options.exclude == "same_label_and_group"
+    same_group = options.exclude == "same_group"
+    guard = _Guard()
+    bound = torch.zeros((count, 1), dtype=torch.float64, device=device)
+    best = torch.full((count, 1), -math.inf, dtype=stats.dtype, device=device)
+    runs = sum(-(-order.shape[0] // source.run_rows) for order in source.orders)
+    me = dist.get_rank(source.rows.group)
+    progress = Progress(2 * runs, options.progress and me == 0, "sharded gallery", "block")
+
+    def bounds_of() -> None:
+        for a, b in tiles:
+            bound[a:b] = bounds(source.query_rows(a, b), stats)
+
+    def positives_of(gallery: Gallery) -> None:
+        located = locate(queries, gallery)
+        for a, b in tiles:
+            start, length = located.start[a:b], located.count[a:b]
+            present = length > 0
+            if not bool(present.any()):
+                continue
+            first = int(torch.where(present, start, gallery.fast.shape[0]).min())
+            stop = int(torch.where(present, start + length, 0).max())
+            scores = product(source.query_rows(a, b), gallery, first, stop, workspace)
+            groups, column_groups = queries.groups[a:b], gallery.groups[first:stop]
+            own = located.self_column[a:b] - first
+            hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
+            junk_groups = (groups, column_groups) if junk else None
+            found = positives(scores, start - first, length, junk_groups, bound[a:b], hole, False, workspace)
+            torch.maximum(best[a:b], found.best, out=best[a:b])
+            state.has_positive[a:b] |= found.has_positive
+            decider.add(POSITIVE, Found(found.found.rows, found.found.columns + first, None), a)
+        decider.flush(gallery)
+
+    guard.run(bounds_of)
+    for gallery in source.galleries():
+        guard.run(positives_of, gallery)
+        progress.update(1)
+    lo, hi = _band(best, bound, state.has_positive, hole)
+
+    def negatives_of(gallery: Gallery) -> None:
+        located = locate(queries, gallery)
+        width = gallery.fast.shape[0]
+        for a, b in tiles:
+            if options.near_duplicate is None and bool(torch.isinf(lo[a:b]).all()):
+                continue  # no query of the tile has a band left to reach
+            scores = product(source.query_rows(a, b), gallery, 0, width, workspace)
+            if check_nan:
+                state.nan[a:b] |= torch.isnan(scores).any(dim=1)
+            groups = queries.groups[a:b] if same_group else None
+            hide_ignored(scores, located.self_column[a:b], groups, gallery.groups, hole)
+            hide_own_labels(scores, located.start[a:b], located.count[a:b], hole)
+            greater = torch.zeros(b - a, dtype=state.greater.dtype, device=device)
+            pairs: list[Found] = []
+            near_state = near_scan(options.near_duplicate, bound[a:b], scores.dtype)
+            _scan_rows(scores, lo[a:b], hi[a:b], 0, greater, pairs, near_state, False, workspace, tile_bytes)
+            state.greater[a:b] += greater
+            saturate(lo[a:b], state.greater[a:b], options.max_k)
+            if near_state is not None:
+                state.near[a:b] += near_state.sure
+            for kind, found in _kinds(None, pairs, near_state, device):
+                decider.add(kind, found, a)
+        decider.flush(gallery)
+
+    for gallery in source.galleries():
+        guard.run(negatives_of, gallery)
+        progress.update(1)
+    progress.close()
+    if guard.failure is not None:
+        raise guard.failure
+
+
+# ---------------------------------------------------------------- directions and processes
+
+
+class Ranked(NamedTuple):
+    """One direction's ranking, summed over the processes."""
+
+    hist: Tensor  # [max K] first hits at each rank (expected numbers for "expected")
+    queries: Tensor  # int64 [2]: queries with, without a valid positive
+    near: Tensor  # int64 [4] (NEAR_COUNTS)
+    ranked: int  # the queries this process ranked
+    rescored: int  # the pairs this process re-scored canonically
+    records: Tensor | None  # with ``outcomes``: every query's record, in side order
+
+
+def probability_grid(num_items: int) -> float:
+    """``2**k`` such that sums of up to ``num_items`` probabilities, each a multiple of
+    ``2**-k``, are exact in float64 in any order (tiles, threads, processes)."""
+    return 2.0 ** max(0, 52 - num_items.bit_length())
+
+
+def records_of(counts: TieCounts, ties: str, max_k: int, grid: float) -> Tensor:
+    """Each query's outcome record (:func:`recall_at_k._kernel.query_outcomes`), the
+    ``"expected"`` probabilities rounded to multiples of ``1 / grid`` (an error below
+    ``N * 2**-53`` a query), so that their sums do not depend on how they are grouped."""
+    records = _kernel.query_outcomes(counts, ties, max_k)
+    if records.is_floating_point():
+        records = records.mul(grid).round_().div_(grid)
+    return records
+
+
+def _same_sides(previous: Any, current: Any) -> bool:
+    return previous is not None and all(
+        a.rows.shape == b.rows.shape and torch.equal(a.rows, b.rows)
+        for a, b in zip(previous, current, strict=True)
+    )
+
+
+def rank(
+    plan: Plan,
+    options: RankOptions,
+    processes: Processes | None = None,
+    sharded: bool = False,
+    known: Sequence[Tensor | None] | None = None,
+    outcomes: bool = False,
+) -> list[Ranked | None]:
+    """Rank every direction of ``plan``; None for a direction without sides.
+
+    With ``processes`` (every process of them calls this) the counts are summed over
+    them: each ranks a contiguous share of the queries against the whole gallery
+    (every process holds every item), or with ``sharded`` the queries it holds against a
+    gallery passing by. A direction with the same sides as the one before it is ranked
+    once. ``known``: per direction, bool ``[2, Q]`` queries known to have a near positive /
+    negative (the audit's copies). ``outcomes``: also every query's record on every
+    process. A failure on any process raises on every process, after the others finish.
+    """
+    world, me, group = 1, 0, None
+    if processes is not None and dist.is_available() and dist.is_initialized():
+        group = processes.group
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+    else:
+        processes = None
+    if options.progress and dist.is_available() and dist.is_initialized() and dist.get_rank():
+        options = options._replace(progress=False)  # one bar: the process of rank 0's
+    threaded = plan.embeddings is not None and plan.embeddings.device.type == "cpu"
+    threaded = threaded and not callable(options.similarity)
+    grid = probability_grid(plan.rows.shape[0])
+    workspace = Workspace()
+    failure: Exception | None = None
+    counted: list[QueryCounts | None] = []
+    with caller_on_one_thread(threaded):
+        for index, sides in enumerate(plan.directions):
+            if sides is None:
+                counted.append(None)
+                continue
+            if index and _same_sides(plan.directions[index - 1], sides):
+                counted.append(counted[-1])
+                continue
+            try:
+                if sharded:
+                    assert processes is not None
+                    source: Source = ShardedSource(plan, sides, options.similarity, processes)
+                else:
+                    total = sides[0].rows.shape[0]
+                    share = (total * me // world, total * (me + 1) // world)
+                    source = LocalSource(plan, sides, share, options.similarity)
+                flags = None if known is None else known[index]
+                counted.append(rank_direction(source, options, plan.budget, workspace, flags))
+            except Exception as err:
+                if world == 1:
+                    raise
+                failure = err  # take part in the reductions below, then raise everywhere
+                counted.append(None)
+            workspace.clear()
+    return _reduce(plan, options, counted, known, outcomes, group, world, failure, grid)
+
+
+def _reduce(
+    plan: Plan,
+    options: RankOptions,
+    counted: list[QueryCounts | None],
+    known: Sequence[Tensor | None] | None,
+    outcomes: bool,
+    group: Any,
+    world: int,
+    failure: Exception | None,
+    grid: float,
+) -> list[Ranked | None]:
+    """Sum each direction's counts over the processes; gather the records."""
+    device = plan.labels.device
+    expected = options.ties == "expected"
+    hist_dtype = torch.float64 if expected else torch.int64
+    hists, numbers, records = [], [], []
+    for index, sides in enumerate(plan.directions):
+        counts = counted[index]
+        hist = torch.zeros(options.max_k, dtype=hist_dtype, device=device)
+        number = torch.zeros(8, dtype=torch.int64, device=device)  # queries[2], nan, near[4], failed
+        record = None
+        if sides is not None and counts is not None:
+            record = records_of(counts.counts, options.ties, options.max_k, grid)
+            hist, queries = _kernel.histogram_of(record, options.max_k)
+            number = torch.cat([queries, counts.nan.view(1), counts.near, number[:1]])
+        hists.append(hist)
+        numbers.append(number)
+        records.append(record)
+    every = torch.stack(numbers)
+    every[:, 7] = int(failure is not None)
+    hist_all = torch.stack(hists)
+    if world > 1:
+        dist.all_reduce(hist_all, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(every, op=dist.ReduceOp.SUM, group=group)
+    if failure is not None:
+        raise failure
+    if int(every[:, 7].sum()):
+        raise RuntimeError("EmbeddingRecallAtK ranking failed on another process; see its error")
+    nan = int(every[:, 2].sum())
+    if nan:
+        raise nan_scores_error(nan)
+    out: list[Ranked | None] = []
+    for index, sides in enumerate(plan.directions):
+        counts = counted[index]
+        if sides is None:
+            out.append(None)
+            continue
+        gathered = None
+        if outcomes:
+            gathered = _gather_records(records[index], counts, sides[0].rows.shape[0], options, group, world, device)
+        ranked = 0 if counts is None else int(counts.position.shape[0])
+        rescored = 0 if counts is None else counts.rescored
+        out.append(Ranked(hist_all[index], every[index, :2], every[index, 3:7], ranked, rescored, gathered))
+    return out
+
+
+def _gather_records(
+    record: Tensor | None,
+    counts: QueryCounts | None,
+    total: int,
+    options: RankOptions,
+    group: Any,
+    world: int,
+    device: torch.device,
+) -> Tensor:
+    """Every query's record in side order, on every process: each process's records of
+    the queries it ranked (their positions with them), gathered."""
+    width = (options.max_k + 1,) if options.ties == "expected" else ()
+    dtype = torch.float64 if width else torch.int64
+    out = torch.zeros((total, *width), dtype=dtype, device=device)
+    if record is None or counts is None:
+        record = out[:0]
+        position = torch.zeros(0, dtype=torch.int64, device=device)
+    else:
+        position = counts.position.to(torch.int64)
+    if world == 1:
+        out[position] = record
+        return out
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([position.shape[0]], device=device), group=group)
+    widest = max(int(size) for size in sizes)
+    padded = out.new_zeros((widest, *width))
+    padded[: record.shape[0]] = record
+    places = torch.full((widest,), -1, dtype=torch.int64, device=device)
+    places[: position.shape[0]] = position
+    records = [torch.empty_like(padded) for _ in range(world)]
+    positions = [torch.empty_like(places) for _ in range(world)]
+    dist.all_gather(records, padded, group=group)
+    dist.all_gather(positions, places, group=group)
+    for part, place, size in zip(records, positions, sizes, strict=True):
+        out[place[: int(size)]] = part[: int(size)]
+    return out

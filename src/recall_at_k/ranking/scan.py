@@ -1,0 +1,338 @@
+"""A block of queries' fast scores against a block of gallery items: what each query's
+band needs, without a Python loop over queries.
+
+A query's band is ``[s*_f - 2B, s*_f + 2B]`` around ``s*_f``, the best fast score of its
+valid positives (:mod:`~recall_at_k.ranking.score`: ``|fast - canonical| <= B``). So:
+
+- :func:`positives` reads each query's positives -- its label's run of columns, a
+  gather -- and gives ``s*_f``, whether it has a valid positive, and its positives in
+  the band (the best always among them), to re-score canonically;
+- :func:`hide_own_labels` and :func:`hide_ignored` then write a *hole* over the items no
+  count may see: the query's own label (its positives, label-and-group junk, itself),
+  the query itself, its group under ``exclude="same_group"``. The hole is ``-inf`` for
+  the built-in similarities (their fast scores are finite), NaN for a callable's;
+- :func:`scan` counts each query's items surely above the band (its negatives surely
+  above ``s*``) and finds the pairs inside it, reading each row once (its largest score)
+  and comparing only the rows that reach the band; :class:`Stack` gathers the reaching
+  rows of many CPU panels to compare them together;
+- :func:`near` does the same for the near-duplicate threshold ``t``: items above
+  ``t + B`` are surely at or above it, those within ``B`` of it are re-scored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from recall_at_k._kernel import Workspace
+from recall_at_k.ranking.budget import CPU_STACK_BYTES
+
+
+class Found(NamedTuple):
+    """Pairs a scan found: rows of the block (queries), gallery columns, and their fast
+    scores where a callable's are kept (None otherwise)."""
+
+    rows: Tensor
+    columns: Tensor
+    values: Tensor | None
+
+
+def joined(parts: list[Found], device: torch.device) -> Found:
+    """The pairs of several scans in one :class:`Found`."""
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return Found(empty, empty, None)
+    values = None
+    if parts[0].values is not None:
+        values = torch.cat([p.values for p in parts if p.values is not None])
+    return Found(torch.cat([p.rows for p in parts]), torch.cat([p.columns for p in parts]), values)
+
+
+def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``lo <= centre - half`` and ``hi >= centre + half`` (float64 ``[T, 1]``) in
+    ``dtype``, rounded outwards."""
+    lo_wide, hi_wide = centre - half, centre + half
+    lo, hi = lo_wide.to(dtype), hi_wide.to(dtype)
+    lo = torch.where(lo.to(torch.float64) > lo_wide, torch.nextafter(lo, lo.new_tensor(-math.inf)), lo)
+    hi = torch.where(hi.to(torch.float64) < hi_wide, torch.nextafter(hi, hi.new_tensor(math.inf)), hi)
+    return lo, hi
+
+
+def band_edges(best: Tensor, bound: Tensor, has_positive: Tensor) -> tuple[Tensor, Tensor]:
+    """``[T, 1]`` edges ``lo <= s*_f - 2B``, ``hi >= s*_f + 2B`` in the scores' dtype;
+    +inf for a query without a valid positive (nothing reaches its band)."""
+    lo, hi = edges(best.to(torch.float64), 2 * bound, best.dtype)
+    missing = ~has_positive.view(-1, 1)
+    return lo.masked_fill_(missing, math.inf), hi.masked_fill_(missing, math.inf)
+
+
+class Positives(NamedTuple):
+    """What a block's label runs tell of its queries."""
+
+    best: Tensor  # [T, 1] s*_f (-inf: no valid positive)
+    has_positive: Tensor  # [T] bool
+    found: Found  # the valid positives within 2B of s*_f
+
+
+def positives(
+    scores: Tensor,
+    start: Tensor,
+    count: Tensor,
+    groups: tuple[Tensor, Tensor] | None,
+    bound: Tensor,
+    hole: float,
+    keep_values: bool,
+    workspace: Workspace,
+) -> Positives:
+    """Each row's positives in ``scores``: the ``count`` columns from ``start`` (counted in
+    ``scores``' columns; the caller already holed the ignored items). ``groups``: the
+    rows' and the columns' groups under ``exclude="same_label_and_group"`` (items of the
+    row's group are junk, not positives), else None. Found columns are ``scores``'."""
+    rows, device = scores.shape[0], scores.device
+    widest = int(count.max()) if count.numel() else 0
+    if widest == 0:
+        best = torch.full((rows, 1), -math.inf, dtype=scores.dtype, device=device)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        none = torch.zeros(rows, dtype=torch.bool, device=device)
+        return Positives(best, none, Found(empty, empty, None))
+    steps = torch.arange(widest, device=device)
+    in_block = steps.unsqueeze(0) < count.unsqueeze(1)
+    columns = workspace.get("block_columns", (rows, widest), torch.int64, device)
+    torch.add(start.unsqueeze(1), steps.unsqueeze(0), out=columns)
+    columns.clamp_(min=0, max=max(scores.shape[1] - 1, 0))
+    values = torch.gather(scores, 1, columns, out=workspace.get("block", (rows, widest), scores.dtype, device))
+    valid = in_block & (values == values) & (values != hole)
+    if groups is not None:
+        valid &= groups[1][columns] != groups[0].unsqueeze(1)
+    best = torch.where(valid, values, -math.inf).amax(dim=1, keepdim=True)
+    has_positive = valid.any(dim=1)
+    lo, _ = band_edges(best, bound, has_positive)
+    row, step = (valid & (values >= lo)).nonzero(as_tuple=True)
+    kept = values[row, step] if keep_values else None
+    return Positives(best, has_positive, Found(row, columns[row, step], kept))
+
+
+def hide_own_labels(scores: Tensor, start: Tensor, count: Tensor, hole: float) -> None:
+    """Write ``hole`` over each row's own label run: the ``count`` columns from ``start``
+    (counted in ``scores``' columns, inside them)."""
+    widest = int(count.max()) if count.numel() else 0
+    if widest == 0:
+        return
+    steps = torch.arange(widest, device=scores.device)
+    in_block = steps.unsqueeze(0) < count.unsqueeze(1)
+    rows = torch.arange(scores.shape[0], device=scores.device).unsqueeze(1)
+    flat = (rows * scores.shape[1] + start.unsqueeze(1) + steps.unsqueeze(0))[in_block]
+    scores.view(-1).index_fill_(0, flat, hole)
+
+
+def hide_ignored(
+    scores: Tensor,
+    self_column: Tensor,
+    row_groups: Tensor | None,
+    column_groups: Tensor | None,
+    hole: float,
+) -> None:
+    """Write ``hole`` at each row's own column (``self_column``, counted in ``scores``'
+    columns; outside them: nothing) and, with groups (``exclude="same_group"``), over
+    the columns of the row's group."""
+    width = scores.shape[1]
+    inside = (self_column >= 0) & (self_column < width)
+    if bool(inside.any()):
+        rows = inside.nonzero().view(-1)
+        scores[rows, self_column[rows]] = hole
+    if row_groups is not None and column_groups is not None:
+        same = row_groups.unsqueeze(1) == column_groups.unsqueeze(0)
+        scores.masked_fill_(same, hole)
+
+
+def pooled(workspace: Workspace, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat buffer of at least ``numel`` elements of ``workspace``, of a power-of-two
+    size, so that a slot is allocated a few times a ranking, not once a block (fresh
+    temporaries of varying sizes fragment the C heap)."""
+    capacity = 1 << max(0, numel - 1).bit_length()
+    return workspace.get(slot, (capacity,), dtype, device)[:numel]
+
+
+def scan(
+    scores: Tensor,
+    axis: int,
+    peak: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    first: int,
+    greater: Tensor,
+    found: list[Found],
+    workspace: Workspace,
+    buffer_bytes: int,
+    keep_values: bool = False,
+) -> None:
+    """Count each query's items above ``hi`` into ``greater`` and add those within
+    ``[lo, hi]`` to ``found`` (with their scores where ``keep_values``): queries along ``axis`` (0: a row a query, its columns items
+    ``first:``; 1: a column a query, its rows items ``first:``), whose largest scores are
+    ``peak`` (NaN counts as reaching; a NaN score is never counted or found). Only the
+    queries reaching ``lo`` are gathered, into pooled buffers of at most about
+    ``buffer_bytes``; ``scores`` is kept."""
+    reaching = (peak < lo).logical_not_().view(-1).nonzero().view(-1)
+    if reaching.numel() == 0:
+        return
+    size, other = scores.shape[axis], scores.shape[1 - axis]
+    shape = (-1, 1) if axis == 0 else (1, -1)
+    step = rows_within(buffer_bytes, other * (scores.element_size() + 2), size)
+    device, counts = scores.device, greater.dtype
+    values = pooled(workspace, "scan_values", step * other, scores.dtype, device)
+    above_marks = pooled(workspace, "scan_above", step * other, torch.bool, device)
+    inside_marks = pooled(workspace, "scan_inside", step * other, torch.bool, device)
+    for picked in torch.split(reaching, step):
+        held = picked.shape[0] * other
+        picked_shape = (picked.shape[0], other) if axis == 0 else (other, picked.shape[0])
+        candidates = values[:held].view(picked_shape)
+        torch.index_select(scores, axis, picked, out=candidates)
+        above = above_marks[:held].view(picked_shape)
+        torch.gt(candidates, hi.index_select(0, picked).view(shape), out=above)
+        greater.index_add_(0, picked, above.sum(dim=1 - axis, dtype=counts))
+        inside = inside_marks[:held].view(picked_shape)
+        torch.ge(candidates, lo.index_select(0, picked).view(shape), out=inside)
+        row, column = inside.logical_xor_(above).nonzero(as_tuple=True)  # lo <= s <= hi
+        if row.numel():
+            query, item = (row, column) if axis == 0 else (column, row)
+            value = candidates[row, column] if keep_values else None
+            found.append(Found(picked[query], item + first, value))
+
+
+class Near(NamedTuple):
+    """A near-duplicate scan: the threshold's edges ``[T, 1]`` (``t - B``, ``t + B``,
+    rounded outwards), the count of items surely at or above it, the pairs within."""
+
+    lo: Tensor
+    hi: Tensor
+    sure: Tensor
+    found: list[Found]
+
+
+def near_scan(threshold: float | None, bound: Tensor, dtype: torch.dtype) -> Near | None:
+    """An empty near-duplicate scan of queries with bounds ``bound`` (None without a
+    threshold)."""
+    if threshold is None:
+        return None
+    lo, hi = edges(torch.full_like(bound, threshold), bound, dtype)
+    sure = torch.zeros(bound.shape[0], dtype=torch.int64, device=bound.device)
+    return Near(lo, hi, sure, [])
+
+
+def near(
+    scores: Tensor,
+    axis: int,
+    peak: Tensor,
+    scan_state: Near,
+    first: int,
+    keep_values: bool,
+    workspace: Workspace,
+    buffer_bytes: int,
+) -> None:
+    """Add a block of scores (queries along ``axis`` as in :func:`scan`; their own labels
+    and ignored items already holed) to a near-duplicate scan: items above its ``hi`` to
+    ``sure``, those within its edges to ``found``."""
+    reaching = (peak < scan_state.lo).logical_not_().view(-1).nonzero().view(-1)
+    if reaching.numel() == 0:
+        return
+    other, device = scores.shape[1 - axis], scores.device
+    step = rows_within(buffer_bytes, other * (scores.element_size() + 2), reaching.shape[0])
+    edge = (-1, 1) if axis == 0 else (1, -1)
+    for picked in torch.split(reaching, step):
+        count = picked.shape[0]
+        shape = (count, other) if axis == 0 else (other, count)
+        held = count * other
+        candidates = pooled(workspace, "near_values", held, scores.dtype, device).view(shape)
+        torch.index_select(scores, axis, picked, out=candidates)
+        lo = scan_state.lo.index_select(0, picked).view(edge)
+        hi = scan_state.hi.index_select(0, picked).view(edge)
+        above = pooled(workspace, "near_above", held, torch.bool, device).view(shape)
+        torch.gt(candidates, hi, out=above)
+        scan_state.sure.index_add_(0, picked, above.sum(dim=1 - axis))
+        inside = pooled(workspace, "near_inside", held, torch.bool, device).view(shape)
+        torch.ge(candidates, lo, out=inside).logical_xor_(above)
+        row, column = inside.nonzero(as_tuple=True)
+        if row.numel():
+            query, item = (row, column) if axis == 0 else (column, row)
+            value = candidates[row, column] if keep_values else None
+            scan_state.found.append(Found(picked[query], item + first, value))
+
+
+def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
+    """How many rows of ``row_bytes`` to take at a time within ``buffer_bytes`` (at
+    least one, at most ``rows``)."""
+    return max(1, min(rows, buffer_bytes // max(1, row_bytes)))
+
+
+def saturate(lo: Tensor, greater: Tensor, max_k: int) -> None:
+    """Stop scanning the queries with at least ``max_k`` items surely above ``s*`` (a
+    miss at every K whatever else is found): their ``lo`` becomes +inf."""
+    lo.masked_fill_(greater.view(-1, 1) >= max_k, math.inf)
+
+
+class Stack:
+    """The rows of successive CPU panels that reach their band, copied aside and compared
+    together (fewer, larger operations than per panel)."""
+
+    def __init__(
+        self,
+        lo: Tensor,
+        hi: Tensor,
+        greater: Tensor,
+        found: list[Found],
+        width: int,
+        workspace: Workspace,
+        buffer_bytes: int,
+    ) -> None:
+        self.lo, self.hi, self.greater, self.found = lo, hi, greater, found
+        self.workspace = workspace
+        stack_bytes = min(CPU_STACK_BYTES, buffer_bytes)
+        capacity = max(lo.shape[0], stack_bytes // max(1, width * (lo.element_size() + 2)))
+        self.buffer = workspace.get("stack", (capacity, width), lo.dtype, lo.device)
+        self.used = 0
+        self.rows: list[Tensor] = []
+        self.firsts: list[int] = []
+
+    def add(self, scores: Tensor, peak: Tensor, first: int) -> bool:
+        """Copy the rows of a panel (columns ``first:``) that reach their band (a
+        narrower panel padded with -inf); whether the rows before were compared first."""
+        rows = (peak < self.lo).logical_not_().view(-1).nonzero().view(-1)
+        count = rows.shape[0]
+        if count == 0:
+            return False
+        flushed = self.used + count > self.buffer.shape[0]
+        if flushed:
+            self.flush()
+        target = self.buffer[self.used : self.used + count]
+        if scores.shape[1] == target.shape[1]:
+            torch.index_select(scores, 0, rows, out=target)
+        else:
+            target[:, : scores.shape[1]] = scores.index_select(0, rows)
+            target[:, scores.shape[1] :] = -math.inf
+        self.used += count
+        self.rows.append(rows)
+        self.firsts.append(first)
+        return flushed
+
+    def flush(self) -> None:
+        """Compare every row copied so far with its band."""
+        if not self.rows:
+            return
+        rows = torch.cat(self.rows)
+        lengths = torch.tensor([r.shape[0] for r in self.rows], device=rows.device)
+        firsts = torch.tensor(self.firsts, device=rows.device).repeat_interleave(lengths)
+        candidates = self.buffer[: self.used]
+        lo, hi = self.lo.index_select(0, rows), self.hi.index_select(0, rows)
+        above = self.workspace.get("stack_above", tuple(candidates.shape), torch.bool, lo.device)
+        torch.gt(candidates, hi, out=above)
+        self.greater.index_add_(0, rows, above.sum(dim=1, dtype=self.greater.dtype))
+        inside = self.workspace.get("stack_inside", tuple(candidates.shape), torch.bool, lo.device)
+        torch.ge(candidates, lo, out=inside).logical_xor_(above)
+        row, column = inside.nonzero(as_tuple=True)
+        if row.numel():
+            self.found.append(Found(rows[row], firsts[row] + column, None))
+        self.used = 0
+        self.rows, self.firsts = [], []

@@ -1,0 +1,171 @@
+"""The stored embeddings, read without a whole copy: this process's blocks
+(:class:`StoredRows`), or every process's rows read together (:class:`BroadcastRows`).
+
+A metric keeps its embeddings as a list of ``[b, D]`` blocks (each in the wider of
+float32 and its own dtype). A ranking reads them in runs of rows -- to write its one
+ordered copy, to prepare a tile of queries, to pass a sharded gallery around -- and never
+concatenates them. Under DDP, process ``r``'s rows are broadcast from ``r`` a run at a
+time, in process order (a collective: every process reads them together), so that every
+process sees the gathered state's rows, in its order, holding one run at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+FLOAT_FLOOR = torch.float32
+"""The narrowest dtype embeddings are stored and ranked in."""
+
+
+def widest_float(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype float blocks of ``dtypes`` are ranked in together: the promotion of them
+    all and :data:`FLOAT_FLOOR`."""
+    widest = FLOAT_FLOOR
+    for dtype in dtypes:
+        widest = torch.promote_types(widest, dtype)
+    return widest
+
+
+class StoredRows:
+    """Rows ``[N, D]`` stored as a list of blocks (flat or ``[b, D]``, any strides), read
+    in runs or gathered by index, in :attr:`dtype` (the widest stored, at least float32;
+    widening is exact)."""
+
+    def __init__(
+        self, blocks: Sequence[Tensor], width: int, device: torch.device | None = None
+    ) -> None:
+        self.blocks = [block.reshape(-1, width) for block in blocks if block.numel()]
+        self.starts = [0]
+        for block in self.blocks:
+            self.starts.append(self.starts[-1] + block.shape[0])
+        self.shape = (self.starts[-1], width)
+        self.dtype = widest_float([block.dtype for block in self.blocks])
+        first = self.blocks[0].device if self.blocks else torch.device("cpu")
+        self.device = first if device is None else device
+        self._ends = torch.tensor(self.starts[1:], dtype=torch.int64, device=self.device)
+
+    def runs(self, rows: int) -> Iterator[tuple[int, Tensor]]:
+        """``(first row, rows)`` of every row in order, at most ``rows`` a part (views, in
+        their stored dtype)."""
+        for start, block in zip(self.starts, self.blocks, strict=False):
+            for first in range(0, block.shape[0], rows):
+                yield start + first, block[first : first + rows]
+
+    def take(self, index: Tensor, out: Tensor | None = None) -> Tensor:
+        """The rows ``index`` (any order) in :attr:`dtype` (or ``out``'s, wider), a new
+        ``[len(index), D]`` tensor or ``out``."""
+        if out is None:
+            out = torch.empty((index.shape[0], self.shape[1]), dtype=self.dtype, device=self.device)
+        if len(self.blocks) == 1:
+            block = self.blocks[0]
+            if block.dtype == out.dtype and block.is_contiguous():
+                return torch.index_select(block, 0, index, out=out)
+            return out.copy_(block.index_select(0, index))
+        which = torch.searchsorted(self._ends, index, right=True)
+        for part in torch.unique(which).tolist():
+            chosen = (which == part).nonzero().view(-1)
+            rows = index.index_select(0, chosen) - self.starts[part]
+            out.index_copy_(0, chosen, self.blocks[part].index_select(0, rows).to(out.dtype))
+        return out
+
+
+class BroadcastRows:
+    """Every process's :class:`StoredRows`, read together: process ``r``'s rows are
+    broadcast from ``r`` a run at a time, in process order. ``counts`` (rows per process)
+    and ``dtype`` (the widest any process stores) come from :func:`process_rows`."""
+
+    def __init__(self, local: StoredRows, counts: list[int], dtype: torch.dtype, group: Any):
+        self.local = local
+        self.counts = counts
+        self.shape = (sum(counts), local.shape[1])
+        self.dtype = dtype
+        self.device = local.device
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.offset = sum(counts[: self.rank])
+
+    def runs(self, rows: int) -> Iterator[tuple[int, Tensor]]:
+        """``(first row, rows)`` of every process's rows in process order, at most
+        ``rows`` a part (one buffer reused from part to part)."""
+        starts = [sum(self.counts[:rank]) for rank in range(len(self.counts))]
+        for rank, first, part in self.broadcast(rows, [None] * len(self.counts)):
+            yield starts[rank] + first, part
+
+    def broadcast(
+        self, rows: int, orders: Sequence[Tensor | None], prepare: Any = None
+    ) -> Iterator[tuple[int, int, Tensor]]:
+        """``(owner, first position among the owner's, rows)``: every process's rows in
+        process order, each
+        process's in the order ``orders[r]`` gives (its local row indices; None: stored
+        order, all of them), at most ``rows`` a part; ``prepare(rows)`` (on the owner,
+        before the broadcast) turns a part into what is sent, of :attr:`dtype`."""
+        width = self.shape[1]
+        buffer = torch.empty((rows, width), dtype=self.dtype, device=self.device)
+        for rank, count in enumerate(self.counts):
+            order = orders[rank]
+            total = count if order is None else order.shape[0]
+            for first in range(0, total, rows):
+                part = buffer[: min(rows, total - first)]
+                if rank == self.rank:
+                    stop = first + part.shape[0]
+                    if order is None:
+                        index = torch.arange(first, stop, device=self.device)
+                    else:
+                        index = order[first:stop].to(torch.int64)
+                    self.local.take(index, out=part)
+                    if prepare is not None:
+                        part.copy_(prepare(part))
+                source = rank if self.group is None else dist.get_global_rank(self.group, rank)
+                dist.broadcast(part, src=source, group=self.group)
+                yield rank, first, part
+
+
+_BITS = {torch.float32: 32, torch.float64: 64}
+_FLOAT_OF_BITS = {bits: dtype for dtype, bits in _BITS.items()}
+
+
+def process_rows(
+    rows: int, held: int, dtype: torch.dtype, group: Any, device: torch.device
+) -> tuple[list[int], list[int], torch.dtype]:
+    """The rows and values each process of ``group`` holds, and the widest float dtype any
+    holds them in (``dtype``: this process's): one all-gather of three integers."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([rows, held, _BITS[dtype]], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    widest = max(int(row[2]) for row in every)
+    return [int(row[0]) for row in every], [int(row[1]) for row in every], _FLOAT_OF_BITS[widest]
+
+
+def dtype_bits(dtype: torch.dtype) -> int:
+    """The bits of a stored float dtype (32 or 64), for agreeing on one across processes."""
+    return _BITS[dtype]
+
+
+def dtype_of_bits(bits: int) -> torch.dtype:
+    """The stored float dtype of ``bits`` (:func:`dtype_bits`)."""
+    return _FLOAT_OF_BITS[bits]
+
+
+def broadcast_blocks(
+    local: Sequence[Tensor], counts: list[int], width: int, device: torch.device, group: Any
+) -> Tensor:
+    """Every process's int64 ``[rows, width]`` blocks (``counts`` rows each) in one new
+    tensor, in process order, each process's rows broadcast from it into their place."""
+    out = torch.empty((sum(counts), width), dtype=torch.int64, device=device)
+    me, start = dist.get_rank(group), 0
+    mine = torch.cat([b.reshape(-1, width) for b in local]) if local else out[:0]
+    for rank, count in enumerate(counts):
+        part = out[start : start + count]
+        if count:
+            if rank == me:
+                part.copy_(mine)
+            source = rank if group is None else dist.get_global_rank(group, rank)
+            dist.broadcast(part, src=source, group=group)
+        start += count
+    return out
