@@ -24,7 +24,9 @@ from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
 from recall_at_k._kernel import recall_from_histogram
-from recall_at_k.ranking import engine, plan
+from recall_at_k._kernel import Workspace
+from recall_at_k.ranking import blocks, engine, plan
+from recall_at_k.ranking import score as ranking_score
 from recall_at_k.ranking.stored import StoredRows
 
 Route = tuple[engine.Mode, int]
@@ -466,3 +468,41 @@ def engine_recall(
         prefix = f"{directions[index]}/" if bidirectional else ""
         out.update({f"{prefix}recall@{k}": float(v) for k, v in zip(ks, values)})
     return out
+
+
+def fast_and_canonical(
+    embeddings: Tensor, similarity: str, queries: int, width: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """|fast - canonical| per pair (fast scores from tiles of ``queries`` rows and
+    panels of ``width`` columns), and each query's bound, ``[Q, G]`` and ``[Q, 1]``."""
+    prepared = ranking_score.prepare_rows(embeddings, similarity, torch.float32)  # type: ignore[arg-type]
+    num, dim = prepared.shape
+    stats = blocks.statistics(
+        similarity,  # type: ignore[arg-type]
+        lambda: iter([prepared]),
+        lambda: iter([prepared]),
+        num,
+        dim,
+        prepared.dtype,
+        prepared.device,
+        blocks.Reduce(None),
+    )
+    fast_rows = prepared.to(stats.dtype)
+    labels = torch.zeros(num, dtype=torch.int64)
+    gallery = blocks.gallery_block(prepared, fast_rows, labels, labels, torch.arange(num), stats)
+    centred = fast_rows if stats.centre is None else fast_rows - stats.centre
+    bound = blocks.bounds(centred, stats)
+    fast = torch.empty(num, num, dtype=fast_rows.dtype)
+    workspace = Workspace()
+    for start in range(0, num, queries):
+        block = centred[start : start + queries]
+        for first in range(0, num, width):
+            stop = min(first + width, num)
+            part = blocks.product(block, gallery, first, stop, workspace)
+            fast[start : start + queries, first:stop] = part
+    rows = torch.arange(num)
+    pairs = torch.cartesian_prod(rows, rows)
+    canonical = ranking_score.canonical_scores(
+        prepared, prepared, pairs[:, 0], pairs[:, 1], similarity  # type: ignore[arg-type]
+    ).view(num, num)
+    return (fast.double() - canonical).abs(), bound, canonical

@@ -7,16 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recall_at_k import EmbeddingRecallAtK, _items
-from recall_at_k.ranking import ordered as _ordered
-from recall_at_k.ranking.gallery import (
-    Side,
-    gallery_of,
-    identities,
-    index_dtype,
-    queries_of,
-    select,
-)
+from recall_at_k import EmbeddingRecallAtK
+from recall_at_k.ranking import plan
+from recall_at_k.ranking.blocks import LocalSource
+from recall_at_k.ranking.stored import StoredRows
 
 PROTOCOLS = ["loo", "qg", "bidirectional"]
 EXCLUDES = ["none", "same_group", "same_label_and_group"]
@@ -86,75 +80,48 @@ def _flatten(result: object) -> list[torch.Tensor]:
     return [t for key in sorted(result) for t in _flatten(result[key])]
 
 
-def test_label_columns_are_int32_where_they_fit() -> None:
-    meta = torch.tensor([[5, 7, 0, 0, 3], [-3, 2**31 - 1, 0, 0, 3]])
-    columns = _items.label_columns(meta, True)
-    assert columns.dtype == torch.int32 and columns.tolist() == [[5, -3], [7, 2**31 - 1]]
-    alone = _items.label_columns(meta, False)  # the groups a view of the labels
-    assert alone.dtype == torch.int32 and alone.stride(0) == 0
-    assert alone.tolist() == [[5, -3], [5, -3]]
-    order = torch.tensor([1, 0], dtype=torch.int32)
-    assert _items.take_columns(columns, order).tolist() == [[-3, 5], [2**31 - 1, 7]]
-    assert _items.take_columns(alone, order).stride(0) == 0
+def test_labels_and_groups_are_int32_where_they_fit() -> None:
+    labels, groups = torch.tensor([5, -3]), torch.tensor([7, 2**31 - 1])
+    narrow_labels, narrow_groups = plan.narrow_columns(labels, groups)
+    assert narrow_labels.dtype == narrow_groups.dtype == torch.int32
+    assert narrow_labels.tolist() == [5, -3] and narrow_groups.tolist() == [7, 2**31 - 1]
+    alone, same = plan.narrow_columns(labels, None)  # the groups: the labels (not read)
+    assert alone.data_ptr() == same.data_ptr() and alone.dtype == torch.int32
     for wide in (2**31, -(2**31) - 1):
-        meta[1, 1] = wide
-        assert _items.label_columns(meta, True).dtype == torch.int64
-        assert _items.label_columns(meta, False).dtype == torch.int32  # groups not read
-    assert index_dtype(2**31 - 1) == torch.int32 and index_dtype(2**31) == torch.int64
-
-
-def _ordered_sides(
-    labels: torch.Tensor, flags: torch.Tensor, ids: torch.Tensor, has_id: torch.Tensor
-) -> tuple[list[tuple[Side, Side] | None], torch.Tensor, torch.Tensor]:
-    """Each direction's sides renumbered to the ranking's order, the items in that
-    order, and ``order``."""
-    identity = identities(ids, has_id)
-    directions: list[tuple[Side, Side] | None] = [
-        (select(flags & 1 != 0, identity), select(flags & 2 != 0, identity)),
-        (select(flags & 2 != 0, identity), select(flags & 1 != 0, identity)),
-    ]
-    directions = _items.narrow_sides(directions, labels.shape[0])
-    embeddings = torch.randn(labels.shape[0], 4)
-    source = _ordered.RowSource([embeddings[:7], embeddings[7:]], *embeddings.shape, torch.float32)
-    ordered = _ordered.ordered_items(source, labels, directions, None)
-    return ordered.directions, ordered.embeddings, ordered.order
+        groups[1] = wide
+        assert plan.narrow_columns(labels, groups)[0].dtype == torch.int64
+        assert plan.narrow_columns(labels, None)[0].dtype == torch.int32  # groups not read
 
 
 @pytest.mark.parametrize("protocol", ["loo", "qg"])
 def test_sides_read_the_ordered_items_as_views(protocol: str) -> None:
     """In the ranking's order each gallery, and the queries in label order, are one run
-    of the items: their labels and groups are views of the items', the leave-one-out
-    queries the gallery's own, and every index int32."""
+    of the items: the gallery's rows, labels and groups are views of the plan's, the
+    leave-one-out queries the gallery's own, and the sides int32."""
     gen = torch.Generator().manual_seed(1)
     num = 40
     labels = torch.randint(0, 6, (num,), generator=gen)
-    flags = torch.full((num,), 3) if protocol == "loo" else 1 + (torch.arange(num) % 2)
+    roles = torch.full((num,), 3) if protocol == "loo" else 1 + (torch.arange(num) % 2)
     ids = torch.arange(num)
     has_id = torch.zeros(num, dtype=torch.bool) if protocol == "loo" else ids < num
-    directions, embeddings, order = _ordered_sides(labels, flags, ids, has_id)
-    meta = torch.stack([labels, labels % 3], dim=1)
-    columns = _items.take_columns(_items.label_columns(meta, True), order)
-    items_labels, items_groups = columns[0], columns[1]
-    storage = columns.untyped_storage().data_ptr()
-    for sides in directions:
+    items = plan.Items(labels, labels % 3, ids, has_id, roles)
+    embeddings = torch.randn(num, 4)
+    rows = StoredRows([embeddings[:7], embeddings[7:]], 4)
+    planned = plan.make_plan(rows, items, plan.directions(items, 2), "same_group", 2**20)  # type: ignore[arg-type]
+    assert planned.embeddings is not None and planned.order is not None
+    assert torch.equal(planned.embeddings, embeddings[planned.order.long()])
+    for sides in planned.directions:
         assert sides is not None
         assert all(side.rows.dtype == torch.int32 for side in sides)
-        gallery = gallery_of(embeddings, items_labels, items_groups, sides[1], "cosine")
-        share = queries_of(items_labels, items_groups, sides[0], gallery)
-        for tensor in (gallery.labels, gallery.groups, share.labels, share.groups):
-            assert tensor.untyped_storage().data_ptr() == storage
-        assert gallery.embeddings.untyped_storage().data_ptr() == embeddings.data_ptr()
-        for tensor in (share.rows, share.block_start, share.block_count, share.self_column):
-            assert tensor.dtype == torch.int32
-        assert share.position.dtype == torch.int32
-        assert gallery.block_counts.dtype == torch.int32
-        assert gallery.block_labels.untyped_storage().nbytes() == gallery.block_labels.nbytes
-        if protocol == "loo":
-            assert share.rows is gallery.rows
-            assert torch.equal(share.self_column, torch.arange(num, dtype=torch.int32))
-        # The same queries, labels and runs as read from the items directly.
-        rows = share.rows.long()
-        assert torch.equal(share.labels, items_labels[rows])
-        assert torch.equal(gallery.labels, items_labels[gallery.rows.long()])
-        positions = sides[0].rows.long()[share.position.long()]
-        assert torch.equal(positions, rows)
+        source = LocalSource(planned, sides, (0, sides[0].rows.shape[0]), "cosine")
+        gallery, queries = source.gallery, source.queries
+        for tensor in (gallery.labels, gallery.groups, queries.labels, queries.groups):
+            assert tensor.untyped_storage().data_ptr() in (
+                planned.labels.untyped_storage().data_ptr(),
+                planned.groups.untyped_storage().data_ptr(),
+            )
+        assert gallery.canonical.untyped_storage().data_ptr() == planned.embeddings.data_ptr()
+        assert source.leave_one_out == (protocol == "loo")
+        # The same queries and labels as read from the plan directly.
+        assert torch.equal(queries.labels, planned.labels[queries.rows.long()])
+        assert torch.equal(sides[0].rows.long()[queries.position], queries.rows.long())

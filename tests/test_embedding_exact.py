@@ -19,6 +19,7 @@ import pytest
 import torch
 from embedding_reference import (
     ROUTES,
+    fast_and_canonical,
     Batch,
     Route,
     engine_recall,
@@ -289,44 +290,6 @@ def test_continuous_data_equals_the_float64_brute_force(similarity: str) -> None
 # ------------------------------------------------------------------ the certificate
 
 
-def _fast_and_canonical(
-    embeddings: Tensor, similarity: str, queries: int, width: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """|fast - canonical| per pair (fast scores from tiles of ``queries`` rows and
-    panels of ``width`` columns), and each query's bound, ``[Q, G]`` and ``[Q, 1]``."""
-    prepared = _score.prepare_rows(embeddings, similarity, torch.float32)  # type: ignore[arg-type]
-    num, dim = prepared.shape
-    stats = _blocks.statistics(
-        similarity,  # type: ignore[arg-type]
-        lambda: iter([prepared]),
-        lambda: iter([prepared]),
-        num,
-        dim,
-        prepared.dtype,
-        prepared.device,
-        _blocks.Reduce(None),
-    )
-    fast_rows = prepared.to(stats.dtype)
-    labels = torch.zeros(num, dtype=torch.int64)
-    gallery = _blocks.gallery_block(prepared, fast_rows, labels, labels, torch.arange(num), stats)
-    centred = fast_rows if stats.centre is None else fast_rows - stats.centre
-    bound = _blocks.bounds(centred, stats)
-    fast = torch.empty(num, num, dtype=fast_rows.dtype)
-    workspace = Workspace()
-    for start in range(0, num, queries):
-        block = centred[start : start + queries]
-        for first in range(0, num, width):
-            stop = min(first + width, num)
-            part = _blocks.product(block, gallery, first, stop, workspace)
-            fast[start : start + queries, first:stop] = part
-    rows = torch.arange(num)
-    pairs = torch.cartesian_prod(rows, rows)
-    canonical = _score.canonical_scores(
-        prepared, prepared, pairs[:, 0], pairs[:, 1], similarity  # type: ignore[arg-type]
-    ).view(num, num)
-    return (fast.double() - canonical).abs(), bound, canonical
-
-
 def _adversarial() -> Iterator[tuple[str, Tensor, str]]:
     g = _gen(41)
     yield "random", torch.randn(90, 64, generator=g), "cosine"
@@ -352,7 +315,7 @@ def _adversarial() -> Iterator[tuple[str, Tensor, str]]:
 @pytest.mark.parametrize("shape", [(1, 1), (7, 13), (64, 4096)])
 def test_fast_scores_stay_within_the_certified_bound(shape: tuple[int, int]) -> None:
     for name, embeddings, similarity in _adversarial():
-        error, bound, _ = _fast_and_canonical(embeddings, similarity, *shape)
+        error, bound, _ = fast_and_canonical(embeddings, similarity, *shape)
         worst = float((error / bound.clamp_min(1e-300)).max())
         assert bool((error <= bound).all()), (name, similarity, worst)
 

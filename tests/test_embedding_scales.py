@@ -16,17 +16,19 @@ from typing import Any
 
 import pytest
 import torch
-from embedding_reference import Batch, canonical_embedding_recall, run_metric
+from embedding_reference import (
+    ROUTES,
+    Batch,
+    canonical_embedding_recall,
+    fast_and_canonical,
+    run_metric,
+)
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k._kernel import Workspace
 from recall_at_k.functional import embedding_recall_at_k
-from recall_at_k.ranking import gallery as _gallery
-from recall_at_k.ranking import rank as _rank
+from recall_at_k.ranking import blocks as _blocks
 from recall_at_k.ranking import score as _score
-from recall_at_k.ranking.bands import Route
-from recall_at_k.ranking.gallery import Side
 
 KS = (1, 2, 5, 10)
 SIMILARITIES = ("cosine", "dot", "euclidean")
@@ -36,15 +38,6 @@ LAYOUTS = ("leave-one-out", "query-gallery")
 # subnormal again, and some stored values are subnormal themselves; 2**40: products
 # near 2**80; 2**62: float32 products could overflow (the float64 fallback).
 EXPONENTS = (0, 40, 62, -74, -100, -115)
-ROUTES = (
-    Route(),
-    Route("panels"),
-    Route("panels", 2**10),
-    Route("tiles"),
-    Route("dense"),
-    Route("symmetric", block_bytes=2**10),
-    Route("symmetric", block_bytes=2**12, pending_pairs=0),
-)
 
 
 def _data() -> tuple[Tensor, Tensor]:
@@ -124,15 +117,12 @@ def test_scaling_by_a_power_of_two_keeps_the_canonical_ranking(
             )
 
 
-def _float32_products_only(embeddings: Tensor, similarity: Any) -> bool:
-    """``float64_products`` without its underflow rule: the float32 fast path on tiny
-    values, where only the bound's absolute part keeps the ranking exact."""
-    if callable(similarity) or embeddings.dtype != torch.float32 or embeddings.numel() == 0:
-        return False
-    if similarity == "cosine":
-        return False
-    largest = float(embeddings.abs().amax())
-    return _score.overflows(largest, embeddings.shape[1], embeddings.dtype)
+def _float32_products_only(largest: float, dim: int, dtype: torch.dtype, similarity: Any) -> torch.dtype:
+    """``fast_dtype`` without its underflow rule: the float32 fast path on tiny values,
+    where only the bound's absolute part keeps the ranking exact."""
+    if callable(similarity) or dtype != torch.float32 or similarity == "cosine":
+        return dtype
+    return torch.float64 if _score.overflows(largest, dim, dtype) else dtype
 
 
 @pytest.mark.parametrize("exponent", [-74, -115])
@@ -142,7 +132,7 @@ def test_tiny_values_on_the_float32_fast_path(
 ) -> None:
     """The float64 fast path is only faster on tiny values: in float32 the bound's
     absolute part (subnormal products) gives the same ranking."""
-    monkeypatch.setattr(_rank, "float64_products", _float32_products_only)
+    monkeypatch.setattr(_blocks, "fast_dtype", _float32_products_only)
     _check_every_route(similarity, exponent, "leave-one-out")
 
 
@@ -185,23 +175,7 @@ def test_fast_scores_stay_within_the_bound_at_every_scale(similarity: str, scale
     """|fast - canonical| <= B for every pair, on the fast path the ranking takes
     (float32, or float64 where float32 could overflow or underflow), queries of every
     norm against a gallery of every norm."""
-    prepared = _score.prepare(_rows_of_every_scale() * scale, similarity)  # type: ignore[arg-type]
-    if _score.float64_products(prepared, similarity):  # type: ignore[arg-type]
-        prepared = prepared.to(torch.float64)
-    num = prepared.shape[0]
-    rows = torch.arange(num)
-    labels = torch.zeros(num, dtype=torch.int64)
-    gallery = _gallery.gallery_of(prepared, labels, labels, Side(rows, rows), similarity)  # type: ignore[arg-type]
-    centred = prepared if gallery.centre is None else prepared - gallery.centre
-    bound = _gallery.bounds(centred, gallery, similarity)  # type: ignore[arg-type]
-    fast = _gallery.product(centred, gallery, 0, num, similarity, Workspace())  # type: ignore[arg-type]
-    pairs = torch.cartesian_prod(rows, rows)
-    canonical = _score.canonical_scores(
-        prepared,
-        pairs[:, 0],
-        gallery.rows[pairs[:, 1]],
-        similarity,  # type: ignore[arg-type]
-    ).view(num, num)
-    error = (fast.double() - canonical).abs()
+    rows = _rows_of_every_scale() * scale
+    error, bound, _ = fast_and_canonical(rows, similarity, rows.shape[0], rows.shape[0])
     worst = (error - bound).max()
     assert bool((error <= bound).all()), float(worst)

@@ -38,8 +38,9 @@ from helpers import TIES, assert_recall_close, run_distributed
 from memory_probe import ENV
 from torch import Tensor
 
-from recall_at_k import EmbeddingRecallAtK, _audit_sharded, _sync
-from recall_at_k.ranking import sharded as sharded_ranking
+from recall_at_k import EmbeddingRecallAtK
+from recall_at_k.ranking import engine as _engine
+from recall_at_k.ranking.stored import BroadcastRows
 
 NEAR = {"cosine": 0.75, "dot": 3.0, "euclidean": -2.0}
 """A near-duplicate threshold per similarity that some pairs of the scenarios reach."""
@@ -225,13 +226,13 @@ def _extras(rank: int, world: int) -> dict[str, Any]:
     out["progress"] = stderr.getvalue()
     # The gallery passes by twice, in blocks of at most a tile.
     blocks: list[tuple[int, int]] = []
-    plain = _sync.BroadcastRows.runs
+    plain = BroadcastRows.broadcast
 
-    def runs(self: _sync.BroadcastRows, rows_per_chunk: int) -> Any:
-        blocks.append((rows_per_chunk, self.shape[1] * self.dtype.itemsize))
-        return plain(self, rows_per_chunk)
+    def broadcast(self: BroadcastRows, rows: int, *args: Any) -> Any:
+        blocks.append((rows, self.shape[1] * self.dtype.itemsize))
+        return plain(self, rows, *args)
 
-    _sync.BroadcastRows.runs = runs  # type: ignore[method-assign]
+    BroadcastRows.broadcast = broadcast  # type: ignore[method-assign]
     try:
         batches, options = _options("leave_one_out_tied_dot", "pessimistic", 256)
         shares = _shares(batches, world, "even", seed=7)
@@ -239,23 +240,23 @@ def _extras(rank: int, world: int) -> dict[str, Any]:
             warnings.simplefilter("ignore", UserWarning)
             _metric(shares[rank], options, sharded=True).compute()
     finally:
-        _sync.BroadcastRows.runs = plain  # type: ignore[method-assign]
+        BroadcastRows.broadcast = plain  # type: ignore[method-assign]
     out["blocks"] = blocks
     # A failure on one process: every process raises, none waits forever.
     failing = _metric(shares[rank], options, sharded=True)
-    scan = sharded_ranking._Scan.run
+    positives = _engine.positives
 
     def broken(*args: Any) -> None:
         raise RuntimeError("a failure on process 1")
 
     if rank == 1:
-        sharded_ranking._Scan.run = broken  # type: ignore[method-assign]
+        _engine.positives = broken  # type: ignore[assignment]
     try:
         failing.compute()
     except RuntimeError as err:
         out["failure"] = str(err)
     finally:
-        sharded_ranking._Scan.run = scan  # type: ignore[method-assign]
+        _engine.positives = positives
     # The audit's warning points at the line that called compute().
     batches, options = _options("planted_copies", "pessimistic", 128)
     warned = _metric(_shares(batches, world, "even", seed=8)[rank], options, sharded=True)
@@ -366,7 +367,7 @@ def test_the_gallery_passes_by_twice_in_blocks_of_at_most_a_tile(
     three_processes: list[dict[str, Any]],
 ) -> None:
     for result in three_processes:
-        assert len(result["blocks"]) == 2  # pass A, pass B: the only reads of the rows
+        assert len(result["blocks"]) == 2  # positives, negatives: the only reads of the rows
         for rows, row_bytes in result["blocks"]:
             assert rows * row_bytes <= 256  # the chunk_bytes of that metric
 
@@ -548,11 +549,6 @@ def test_the_sharded_ranking_adds_under_0_6x_the_gathered_bytes(
         assert result["report"] == report
 
 
-@pytest.mark.xfail(
-    getattr(_audit_sharded, "PLACEHOLDER", False),
-    reason="the audit's codes still gather every row (placeholder)",
-    strict=True,
-)
 def test_sharded_compute_adds_under_0_6x_the_gathered_bytes(
     memory: list[dict[str, Any]],
 ) -> None:

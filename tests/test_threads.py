@@ -1,6 +1,6 @@
 """The CPU ranking on worker threads: with torch.get_num_threads() > 1 the tiles and the
-symmetric blocks run on that many threads, each running torch on one thread; the
-result, the protocol report and the caller's thread count are the same as with one."""
+squares run on that many threads, each running torch on one thread; the result, the
+protocol report and the caller's thread count are the same as with one."""
 
 from __future__ import annotations
 
@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from embedding_reference import Batch, gen
+from embedding_reference import ROUTES, Batch, Route, engine_recall, gen
 
 from recall_at_k import EmbeddingRecallAtK
 from recall_at_k._kernel import Workspace
-from recall_at_k.ranking import panels as _panels
-from recall_at_k.ranking import rank as _rank
-from recall_at_k.ranking import symmetric as _symmetric
-from recall_at_k.ranking.bands import Route
+from recall_at_k.ranking import blocks as _blocks
+from recall_at_k.ranking import engine as _engine
 from recall_at_k.ranking.workers import Workers, caller_on_one_thread, worker_count
 
 KS = (1, 2, 5)
@@ -49,9 +47,8 @@ def _batches(layout: str) -> list[Batch]:
     ]
 
 
-def _run(batches: list[Batch], route: Route, **kwargs: Any) -> tuple[Any, Any, Any]:
+def _run(batches: list[Batch], **kwargs: Any) -> tuple[Any, Any, Any]:
     metric = EmbeddingRecallAtK(KS, near_duplicate=0.9, **kwargs)
-    metric._route = route
     for batch in batches:
         metric.update(batch.embeddings, batch.labels, **batch.kwargs())
     values = {key: float(value) for key, value in metric.compute().items()}
@@ -62,21 +59,17 @@ def _run(batches: list[Batch], route: Route, **kwargs: Any) -> tuple[Any, Any, A
 @pytest.mark.parametrize("ties", ["pessimistic", "expected"])
 def test_bit_identical_for_one_two_and_three_threads(layout: str, ties: str) -> None:
     batches = _batches(layout)
-    routes = (
-        Route(),
-        Route("symmetric", block_bytes=2**10),  # blocks narrower than a label
-        Route("symmetric", block_bytes=2**12),  # spans of whole labels
-        Route("tiles"),
-        Route("dense"),
-    )
-    first = None
+    first = values = None
     for threads in (1, 2, 3):
         with _threads(threads):
             for chunk in (1, 4 * 240 * 9, 256 * 2**20):
-                for route in routes:
-                    got = _run(batches, route, ties=ties, chunk_bytes=chunk)
-                    first = got if first is None else first
-                    assert str(got) == str(first), (threads, chunk, route)
+                got = _run(batches, ties=ties, chunk_bytes=chunk)
+                first = got if first is None else first
+                assert str(got) == str(first), (threads, chunk)
+            for route in ROUTES:
+                found = engine_recall(batches, KS, route, ties=ties, near_duplicate=0.9)
+                values = found if values is None else values
+                assert found == values == first[0], (threads, route)
 
 
 @pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
@@ -86,9 +79,9 @@ def test_compute_under_inference_mode_on_worker_threads(layout: str) -> None:
     arrays the caller made there) gives the 1-thread result outside it."""
     batches = _batches(layout)
     with _threads(1):
-        want = _run(batches, Route())
+        want = _run(batches)
     with _threads(2), torch.inference_mode():
-        got = _run(batches, Route())
+        got = _run(batches)
     assert str(got) == str(want)
 
 
@@ -103,36 +96,33 @@ def test_workers_run_tasks_in_the_callers_inference_mode() -> None:
 
 
 @pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
-def test_tiles_and_blocks_run_on_worker_threads(
+def test_tiles_and_squares_run_on_worker_threads(
     layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At 2 threads each tile (query/gallery) or block (leave-one-out) runs on a worker
-    thread whose torch runs on one thread; the caller's count is unchanged after."""
+    """At 2 threads each tile (query/gallery) or square (leave-one-out) computes its
+    product on a worker thread whose torch runs on one thread; the caller's count is
+    unchanged after."""
     seen: list[tuple[str, int]] = []
-    name = "_scan_block" if layout == "leave-one-out" else "panel_band"
-    module: Any = _symmetric if layout == "leave-one-out" else _panels
-    original = getattr(module, name)
+    original = _blocks.product
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append((threading.current_thread().name, torch.get_num_threads()))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(module, name, spy)
-    if layout == "query-gallery":
-        monkeypatch.setattr(_rank, "panel_band", spy)
+    monkeypatch.setattr(_engine, "product", spy)
     batches = _batches(layout)
-    # Blocks of 60 rows (leave-one-out), tiles of 10 queries (query/gallery).
-    route = Route("symmetric", block_bytes=4 * 60 * 60) if layout == "leave-one-out" else Route()
+    # Squares of 60 rows (leave-one-out), tiles of a few queries (query/gallery).
+    route: Route = ("squares", 4 * 4 * 60 * 60) if layout == "leave-one-out" else ("panels", 4 * 4 * 160 * 20)
     with _threads(1):
-        one = _run(batches, route, chunk_bytes=4 * 160 * 20)
+        one = engine_recall(batches, KS, route)
     assert seen and all(thread == threading.current_thread().name for thread, _ in seen)
     seen.clear()
     with _threads(2):
-        two = _run(batches, route, chunk_bytes=4 * 160 * 20)
+        two = engine_recall(batches, KS, route)
         assert torch.get_num_threads() == 2
         with ThreadPoolExecutor(1) as fresh:  # threads started later keep the count too
             assert fresh.submit(torch.get_num_threads).result() == 2
-    assert str(one) == str(two)
+    assert one == two
     workers = {thread for thread, _ in seen}
     assert len(workers) == 2 and all(t.startswith("recall-at-k") for t in workers), seen
     assert all(count == 1 for _, count in seen)
@@ -184,43 +174,35 @@ def test_the_caller_runs_torch_on_one_thread_while_its_workers_run() -> None:
         with caller_on_one_thread(hold=False):
             assert torch.get_num_threads() == 2
         seen: list[int] = []
-        original = _rank.rank
+        original = _engine.rank_direction
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             seen.append(torch.get_num_threads())
             return original(*args, **kwargs)
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(_rank, "rank", spy)
-            _run(_batches("query-gallery"), Route())
+            patch.setattr(_engine, "rank_direction", spy)
+            _run(_batches("query-gallery"))
         assert seen and all(count == 1 for count in seen)
         assert torch.get_num_threads() == 2
 
 
-def test_leave_one_out_spans_are_whole_labels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where every label fits a block, the symmetric route's spans are whole labels (each
-    span's diagonal block gives its bands and its negatives at once), of about a block's
-    rows and at most a tile's, covering every item in order; the counts are those of the
-    dense route."""
-    seen: set[tuple[int, int]] = set()  # (a report may rank again)
-    original = _symmetric._diagonal
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.add((args[4].start, args[4].stop))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_symmetric, "_diagonal", spy)
+def test_leave_one_out_spans_are_whole_labels() -> None:
+    """Where every label fits a square, the squares' spans are whole labels (each span's
+    diagonal square gives its bands and its negatives at once), of about ``size`` rows
+    and at most ``most``, covering every item in order."""
+    labels = torch.sort(_batches("leave-one-out")[0].labels).values
+    num = labels.shape[0]
+    rows = torch.zeros(num, 2)
+    stats = _blocks.Stats(torch.float32, None, 1.0, 0.0, 0.0, False)
+    gallery = _blocks.gallery_block(rows, rows, labels, labels, torch.arange(num), stats)
+    spans = _engine.label_spans(gallery, 32, 48)
+    assert [span.start for span in spans[1:]] == [span.stop for span in spans[:-1]]
+    assert spans[0].start == 0 and spans[-1].stop == num and len(spans) > 2
+    assert all(0 < span.stop - span.start <= 48 for span in spans)
+    assert all(labels[span.start - 1] != labels[span.start] for span in spans[1:])
     batches = _batches("leave-one-out")
+    want = engine_recall(batches, KS, ("tiles", 2**20), near_duplicate=0.9)
     for threads in (1, 2):
-        seen.clear()
         with _threads(threads):
-            # blocks of about 32 rows, at most a tile's 48 (a tile: a share of chunk_bytes)
-            chunk = _rank.SCRATCH_SHARE * 4 * 48 * 48
-            aligned = _run(batches, Route("symmetric", block_bytes=4 * 32 * 32), chunk_bytes=chunk)
-            assert str(aligned) == str(_run(batches, Route("dense")))
-        ordered = torch.sort(batches[0].labels).values
-        spans = sorted(seen)  # (the worker threads' order may vary)
-        assert [start for start, _ in spans[1:]] == [stop for _, stop in spans[:-1]]
-        assert spans[0][0] == 0 and spans[-1][1] == ordered.shape[0] and len(spans) > 2
-        assert all(0 < stop - start <= 48 for start, stop in spans)
-        assert all(ordered[start - 1] != ordered[start] for start, _ in spans[1:])
+            assert engine_recall(batches, KS, ("squares", 4 * 4 * 48 * 48), near_duplicate=0.9) == want

@@ -434,6 +434,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 sides.append(None)
             else:
                 sides.append(cast(plan.Direction | None, entry))
+        del entry
         _items.check_groups(meta, self.exclude)
         sharded = self.sharded and isinstance(rows, BroadcastRows)
         planned = plan.make_plan(rows, items, sides, self.exclude, self.chunk_bytes, sharded)

@@ -98,7 +98,8 @@ def gallery_block(
     """A :class:`Gallery` of rows already sorted by label."""
     block_labels, counts = torch.unique_consecutive(labels, return_counts=True)
     starts = torch.cumsum(counts, dim=0) - counts
-    identity_sorted, identity_column = torch.sort(identity.to(torch.int64))
+    identity_sorted, identity_column = torch.sort(identity)
+    identity_column = identity_column.to(index_dtype(identity.shape[0]))
     neg_sq_norms = None
     if stats.centre is not None:
         neg_sq_norms = torch.empty((1, fast.shape[0]), dtype=fast.dtype, device=fast.device)
@@ -129,23 +130,31 @@ def chunks(rows: Tensor) -> Iterator[tuple[int, Tensor]]:
         yield first, rows[first : first + step]
 
 
+def index_dtype(count: int) -> torch.dtype:
+    """The dtype of positions among ``count`` items: int32 where they fit (half the
+    bytes of every item's bookkeeping)."""
+    return torch.int32 if count < 2**31 else torch.int64
+
+
 def locate(queries: Queries, gallery: Gallery) -> Located:
-    """Where each query's label run and own column lie in ``gallery``."""
+    """Where each query's label run and own column lie in ``gallery`` (int32 where the
+    gallery allows)."""
     device = queries.labels.device
+    narrow = index_dtype(gallery.labels.shape[0])
     if gallery.block_labels.numel() == 0:
-        none = torch.zeros(queries.labels.shape[0], dtype=torch.int64, device=device)
+        none = torch.zeros(queries.labels.shape[0], dtype=narrow, device=device)
         return Located(none, none, none - 1)
     labels = queries.labels.to(gallery.block_labels.dtype)
     block = torch.searchsorted(gallery.block_labels, labels)
     block.clamp_(max=gallery.block_labels.shape[0] - 1)
     found = gallery.block_labels[block] == labels
     count = torch.where(found, gallery.block_counts[block], 0)
-    identity = queries.identity.to(torch.int64)
+    identity = queries.identity.to(gallery.identity_sorted.dtype)
     at = torch.searchsorted(gallery.identity_sorted, identity)
     at.clamp_(max=gallery.identity_sorted.shape[0] - 1)
     is_self = gallery.identity_sorted[at] == identity
-    self_column = torch.where(is_self, gallery.identity_column[at], -1)
-    return Located(gallery.block_starts[block], count, self_column)
+    self_column = torch.where(is_self, gallery.identity_column[at], -1).to(narrow)
+    return Located(gallery.block_starts[block].to(narrow), count.to(narrow), self_column)
 
 
 def bounds(rows: Tensor, stats: Stats) -> Tensor:
@@ -322,7 +331,7 @@ class LocalSource:
         query_rows = queries.rows[lo:hi]
         by_label = label_order(query_rows, plan.labels)
         query_rows = query_rows[by_label]
-        position = torch.arange(lo, hi, device=device)[by_label]
+        position = torch.arange(lo, hi, dtype=index_dtype(hi), device=device)[by_label]
         same = query_rows.shape == rows.shape and torch.equal(query_rows, rows)
         query_run = run_of(query_rows)
         query_index: slice | Tensor = query_rows.long() if query_run is None else query_run
@@ -334,6 +343,9 @@ class LocalSource:
             position,
         )
         self.located = locate(self.queries, self.gallery)
+        # The identities served to find each query's own column: not kept.
+        nothing = identity[:0]
+        self.gallery = self.gallery._replace(identity_sorted=nothing, identity_column=nothing)
         # Leave-one-out: the queries are the gallery's items in its order, each ignoring
         # only itself by identity.
         own = torch.arange(query_rows.shape[0], device=device)

@@ -54,9 +54,10 @@ class Decider:
         device = source.queries.labels.device
         self.source, self.threshold, self.workspace = source, near_threshold, workspace
         self.best = torch.full((count,), -math.inf, dtype=torch.float64, device=device)
-        self.tied = torch.zeros(count, dtype=torch.int64, device=device)
-        self.above = torch.zeros(count, dtype=torch.int64, device=device)
-        self.equal = torch.zeros(count, dtype=torch.int64, device=device)
+        counts = torch.int32 if budget.items < 2**31 else torch.int64  # exact: at most N
+        self.tied = torch.zeros(count, dtype=counts, device=device)
+        self.above = torch.zeros(count, dtype=counts, device=device)
+        self.equal = torch.zeros(count, dtype=counts, device=device)
         self.near = torch.zeros(count, dtype=torch.bool, device=device)
         self.rescored = 0
         self.batch_bytes = budget.canonical_bytes
@@ -98,20 +99,23 @@ class Decider:
                 self._positives(rows, scores)
             elif kind == NEGATIVE:
                 at = self.best[rows]
-                self.above.index_add_(0, rows, (scores > at).to(torch.int64))
-                self.equal.index_add_(0, rows, (scores == at).to(torch.int64))
+                self.above.index_add_(0, rows, (scores > at).to(self.above.dtype))
+                self.equal.index_add_(0, rows, (scores == at).to(self.equal.dtype))
             elif self.threshold is not None:
                 self.near[rows[scores >= self.threshold]] = True
 
     def _positives(self, rows: Tensor, scores: Tensor) -> None:
-        """Merge positives' canonical scores into each query's best and its count."""
-        best = torch.full_like(self.best, -math.inf)
-        best.scatter_reduce_(0, rows, scores, reduce="amax")
-        merged = torch.maximum(self.best, best)
-        count = torch.zeros_like(self.tied)
-        count.index_add_(0, rows, (scores == merged[rows]).to(torch.int64))
-        self.tied.masked_fill_(merged > self.best, 0).add_(count)
-        self.best = merged
+        """Merge positives' canonical scores into each query's best and its count (in
+        arrays of the queries touched only)."""
+        touched, inverse = torch.unique(rows, return_inverse=True)
+        before = self.best[touched]
+        best = torch.full_like(before, -math.inf).scatter_reduce_(0, inverse, scores, "amax")
+        merged = torch.maximum(before, best)
+        count = torch.zeros(touched.shape[0], dtype=self.tied.dtype, device=rows.device)
+        count.index_add_(0, inverse, (scores == merged[inverse]).to(count.dtype))
+        tied = self.tied[touched].masked_fill_(merged > before, 0).add_(count)
+        self.tied[touched] = tied
+        self.best[touched] = merged
 
     def result(self) -> Decided:
         return Decided(self.best, self.tied, self.above, self.equal, self.near)

@@ -130,7 +130,7 @@ class _State:
         self.has_positive = torch.zeros(count, dtype=torch.bool, device=device)
         self.greater = torch.zeros(count, dtype=count_dtype(gallery_size), device=device)
         self.nan = torch.zeros(count, dtype=torch.bool, device=device)
-        self.near = torch.zeros(count, dtype=torch.int64, device=device)
+        self.near = torch.zeros(count, dtype=torch.int32, device=device)
         self.hole = math.nan if callable(options.similarity) else -math.inf
 
 
@@ -194,7 +194,7 @@ def _counts(
     source: Source, state: _State, decider: Decider, options: RankOptions, known: Tensor | None
 ) -> QueryCounts:
     decided = decider.result()
-    greater = state.greater.to(torch.int64) + decided.above
+    greater = decided.above.add_(state.greater.to(decided.above.dtype))
     at_or_above = greater + decided.equal
     counts = TieCounts(greater, at_or_above, decided.tied, state.has_positive)
     device = greater.device
@@ -442,7 +442,7 @@ def _squares(
     )
     widest = int(located.count.max()) if num else 0
     most = max(size, math.isqrt(max(1, tile_bytes // itemsize)))
-    spans = _label_spans(gallery, size, most) if 0 < widest <= size else None
+    spans = label_spans(gallery, size, most) if 0 < widest <= size else None
     aligned = spans is not None
     if spans is None:
         spans = [slice(a, min(a + size, num)) for a in range(0, num, size)]
@@ -570,7 +570,7 @@ def _squares(
     return True
 
 
-def _label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
+def label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
     """Spans of about ``size`` rows, never more than ``most``, made of whole labels
     (every label's run at most ``size`` long): a span ends at the label boundary nearest
     ``size`` rows on."""
@@ -730,8 +730,8 @@ def records_of(counts: TieCounts, ties: str, max_k: int, grid: float) -> Tensor:
     ``N * 2**-53`` a query), so that their sums do not depend on how they are grouped."""
     records = _kernel.query_outcomes(counts, ties, max_k)
     if records.is_floating_point():
-        records = records.mul(grid).round_().div_(grid)
-    return records
+        return records.mul(grid).round_().div_(grid)
+    return records.to(torch.int64)
 
 
 def _same_sides(previous: Any, current: Any) -> bool:

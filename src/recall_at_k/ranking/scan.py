@@ -142,7 +142,7 @@ def hide_ignored(
     inside = (self_column >= 0) & (self_column < width)
     if bool(inside.any()):
         rows = inside.nonzero().view(-1)
-        scores[rows, self_column[rows]] = hole
+        scores[rows, self_column[rows].long()] = hole
     if row_groups is not None and column_groups is not None:
         same = row_groups.unsqueeze(1) == column_groups.unsqueeze(0)
         scores.masked_fill_(same, hole)
