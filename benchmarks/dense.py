@@ -50,7 +50,9 @@ def random_block(rows: int, gallery: int, gen: torch.Generator) -> tuple[torch.T
     scores = torch.randn(rows, gallery, generator=gen)
     true = torch.randint(0, gallery, (rows,), generator=gen)
     scores[torch.arange(rows), true] += 2.0  # a model that is right often enough to matter
-    return scores, true, torch.nn.functional.one_hot(true, gallery).bool()
+    mask = torch.zeros(rows, gallery, dtype=torch.bool)
+    mask[torch.arange(rows), true] = True
+    return scores, true, mask
 
 
 def make_data(num_queries: int, gallery: int, device: str, seed: int = 0) -> tuple[Batches, ...]:
@@ -137,9 +139,10 @@ def torchmetrics_hit_rate(scores: Batches, index: Batches) -> Callable[[], objec
         offset = 0
         for s, t in zip(scores, index, strict=True):
             rows, gallery = s.shape
-            target = torch.nn.functional.one_hot(t, gallery).bool().flatten()
+            target = torch.zeros_like(s, dtype=torch.bool)
+            target[torch.arange(rows, device=device), t] = True
             ids = torch.arange(offset, offset + rows, device=device).repeat_interleave(gallery)
-            collection.update(s.flatten(), target, indexes=ids)
+            collection.update(s.flatten(), target.flatten(), indexes=ids)
             offset += rows
         return collection.compute()
 

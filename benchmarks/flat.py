@@ -45,8 +45,17 @@ def flat_batches(
 ) -> Iterator[Batch]:
     """The workload's flat batches, made one at a time (the same data for every seed)."""
     gen, shuffler = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
-    halves = (slice(0, gallery // 2), slice(gallery // 2, gallery))  # a block's two batches
-    pending: list[Batch] = []  # the second half of the block before
+    first, second = slice(0, gallery // 2), slice(gallery // 2, gallery)  # a block's halves
+    previous: Batch | None = None
+
+    def half(block: Batch, columns: slice) -> Batch:
+        scores, mask, ids = block
+        width = len(range(gallery)[columns])
+        return (
+            scores[:, columns].reshape(-1),
+            mask[:, columns].reshape(-1),
+            ids.repeat_interleave(width),
+        )
 
     def join(*parts: Batch) -> Batch:
         preds, target, indexes = (torch.cat([p[i] for p in parts]) for i in range(3))
@@ -57,15 +66,12 @@ def flat_batches(
 
     for start in range(0, num_queries, BATCH):
         scores, _, mask = random_block(min(BATCH, num_queries - start), gallery, gen)
-        ids = torch.arange(start, start + scores.shape[0])
-        first, second = (
-            (scores[:, c].reshape(-1), mask[:, c].reshape(-1), ids.repeat_interleave(width))
-            for c, width in zip(halves, (gallery // 2, gallery - gallery // 2), strict=True)
-        )
-        yield join(*pending, first)
-        pending = [second]
-    if pending:
-        yield join(*pending)
+        block = (scores, mask, torch.arange(start, start + scores.shape[0]))
+        head = half(block, first)
+        yield join(half(previous, second), head) if previous else join(head)
+        previous = block
+    if previous is not None:
+        yield join(half(previous, second))
 
 
 def _metric(name: str, gallery: int, device: str) -> tuple[Callable[[Batch], None], Callable]:

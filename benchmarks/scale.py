@@ -322,10 +322,8 @@ def run(
         " calls receive during `compute()`; same result: every process returns the"
         " one-process values."
     )
-    if (os.cpu_count() or 1) < PROCESSES:
-        text += (
-            f" The {PROCESSES} processes share {os.cpu_count()} cores: their times include waiting."
-        )
+    if (cores := os.cpu_count() or 1) < PROCESSES:
+        text += f" The {PROCESSES} processes share {cores} cores: their times include waiting."
     text += f"\n\n{table(rows)}"
     if figure is not None:
         plot(rows, figure)
@@ -351,13 +349,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     begin = time.perf_counter()
     figure = args.results.with_name("scale.png") if args.results else None
     section, _ = run(args.sizes, figure, args.configs, args.repeats)
-    command = shlex.join(
-        ["python", "benchmarks/scale.py", *(sys.argv[1:] if argv is None else argv)]
-    )
+    command = shlex.join(["python", "benchmarks/scale.py", *argv])
     seconds = time.perf_counter() - begin
     body = f"## Large galleries\n\n{section}\n\nCommand: `{command}`\n\n(scale: {seconds:.0f} s)"
     print(body)
