@@ -1,45 +1,27 @@
 """Dense workload: RetrievalRecallAtK against its peers and the floor.
 
-Q queries x G gallery items, float32 scores, in batches of 256 rows, K = (1, 5, 10), for
-a ``[Q]`` index target (one true item a query) and for the same positives as a
-``[Q, G]`` bool mask. Contestants, each fed the same batches:
+Q queries x G items, float32 scores, in batches of 256 rows, K = (1, 5, 10), for a
+``[Q]`` index target (one true item a query) and the same positives as a ``[Q, G]`` mask.
+Contestants, each fed the same batches, update + compute end to end:
 
 - ``amax floor``: ``scores.amax(dim=1)`` over every batch (one read of the scores);
-- ``RetrievalRecallAtK`` (``validate_args=False``, then ``True``), update + compute;
+- ``RetrievalRecallAtK`` (``validate_args=False``, then ``True``);
 - ``argsort per query``: the re-ID scripts' way (torchreid's ``eval_market1501``): a numpy
   ``argsort`` of each batch, then a Python loop over the queries building each CMC row;
-- ``CLIP-benchmark topk``: clip_benchmark's ``recall_at_k``: the full ``[Q, G]`` score
-  matrix and positive mask (the batches concatenated), then per K, in batches of 64
-  queries, ``topk`` + ``one_hot`` + a product with the mask (ties broken by sort order);
+- ``CLIP-benchmark topk``: clip_benchmark's ``recall_at_k``: the full score matrix and
+  mask, then per K, in batches of 64 queries, ``topk`` + ``one_hot`` + a product with
+  the mask (ties broken by sort order);
 - ``torchmetrics RetrievalHitRate x 3``: ``top_k`` = 1, 5, 10 in a ``MetricCollection``
-  (its default compute groups: the three share one stored copy), fed the flat
-  ``(preds, target, indexes)`` form of the same batches. It runs in a child process,
-  stopped at a time bound, and is not started when its estimated memory exceeds the
-  memory bound; its row then says so.
+  (one stored copy), fed the flat form of the same batches, in a child process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
-from typing import Any
 
+import measure
 import numpy as np
 import torch
-from measure import (
-    TIME_COLUMN,
-    Contestant,
-    Section,
-    Setup,
-    bounded_peer,
-    by_name,
-    contestant_table,
-    measure_bounded,
-    measure_interleaved,
-    memory_ratio_column,
-    peak_column,
-    time_ratio_column,
-)
 
 from recall_at_k import RetrievalRecallAtK
 
@@ -55,18 +37,15 @@ OURS_MASK_CHECKED = "... mask target, validate_args=True"
 ARGSORT = "argsort per query (re-ID scripts)"
 CLIP = "CLIP-benchmark topk over the full matrix"
 TORCHMETRICS = "torchmetrics RetrievalHitRate x 3 (flat form)"
-
-# Peak bytes per (query, item) pair of the torchmetrics peer (stored int64 indexes and
-# targets, float32 scores, their concatenation and sort at compute), used to decide
-# whether it can run within the memory bound.
+HERE = (FLOOR, OURS_INDEX, OURS_MASK, OURS_INDEX_CHECKED, OURS_MASK_CHECKED, ARGSORT, CLIP)
+# The torchmetrics peer's peak bytes a (query, item) pair: stored int64 indexes and
+# targets, float32 scores, their concatenation and sort at compute.
 TORCHMETRICS_BYTES_PER_ITEM = 100
 
 Batches = list[torch.Tensor]
 
 
-def random_block(
-    rows: int, gallery: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_block(rows: int, gallery: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """``[rows, G]`` scores, each row's true column and the same positive as a bool mask."""
     scores = torch.randn(rows, gallery, generator=gen)
     true = torch.randint(0, gallery, (rows,), generator=gen)
@@ -76,18 +55,14 @@ def random_block(
     return scores, true, mask
 
 
-def make_data(
-    num_queries: int, gallery: int, device: str, seed: int = 0
-) -> tuple[Batches, Batches, Batches]:
+def make_data(num_queries: int, gallery: int, device: str, seed: int = 0) -> tuple[Batches, ...]:
     """Score batches, their ``[B]`` true columns and the same positives as ``[B, G]`` masks."""
     gen = torch.Generator().manual_seed(seed)
-    scores: Batches = []
-    index: Batches = []
-    mask: Batches = []
-    for start in range(0, num_queries, BATCH):
-        block = random_block(min(BATCH, num_queries - start), gallery, gen)
-        for into, part in zip((scores, index, mask), block, strict=True):
-            into.append(part.to(device))
+    blocks = [
+        random_block(min(BATCH, num_queries - i), gallery, gen)
+        for i in range(0, num_queries, BATCH)
+    ]
+    scores, index, mask = ([block[part].to(device) for block in blocks] for part in range(3))
     return scores, index, mask
 
 
@@ -111,7 +86,6 @@ def argsort_per_query(scores: Batches, index: Batches) -> Callable[[], object]:
     """torchreid's ``eval_market1501`` CMC: numpy argsort, then a loop over the queries."""
 
     def run() -> object:
-        max_rank = max(KS)
         all_cmc = []
         for s, t in zip(scores, index, strict=True):
             indices = np.argsort(-s.cpu().numpy(), axis=1)
@@ -119,9 +93,9 @@ def argsort_per_query(scores: Batches, index: Batches) -> Callable[[], object]:
             for q_idx in range(matches.shape[0]):
                 cmc = matches[q_idx].cumsum()
                 cmc[cmc > 1] = 1
-                all_cmc.append(cmc[:max_rank])
+                all_cmc.append(cmc[: max(KS)])
         mean_cmc = np.asarray(all_cmc, dtype=np.float32).mean(axis=0)
-        return {k: float(mean_cmc[k - 1]) for k in KS}
+        return {f"recall@{k}": float(mean_cmc[k - 1]) for k in KS}
 
     return run
 
@@ -145,12 +119,10 @@ def clip_topk(scores: Batches, mask: Batches) -> Callable[[], object]:
         out = {}
         for k in KS:
             parts = [
-                _clip_recall_at_k(
-                    full[start : start + CLIP_BATCH], positive_pairs[start : start + CLIP_BATCH], k
-                )
-                for start in range(0, full.shape[0], CLIP_BATCH)
+                _clip_recall_at_k(full[i : i + CLIP_BATCH], positive_pairs[i : i + CLIP_BATCH], k)
+                for i in range(0, full.shape[0], CLIP_BATCH)
             ]
-            out[k] = (torch.cat(parts) > 0).float().mean().item()
+            out[f"recall@{k}"] = (torch.cat(parts) > 0).float().mean().item()
         return out
 
     return run
@@ -162,9 +134,8 @@ def torchmetrics_hit_rate(scores: Batches, index: Batches) -> Callable[[], objec
 
     def run() -> object:
         device = scores[0].device
-        collection = MetricCollection({f"hit@{k}": RetrievalHitRate(top_k=k) for k in KS}).to(
-            device
-        )
+        hit_rates = {f"recall@{k}": RetrievalHitRate(top_k=k) for k in KS}
+        collection = MetricCollection(hit_rates).to(device)
         offset = 0
         for s, t in zip(scores, index, strict=True):
             rows, gallery = s.shape
@@ -178,57 +149,54 @@ def torchmetrics_hit_rate(scores: Batches, index: Batches) -> Callable[[], objec
     return run
 
 
-def torchmetrics_peer(
-    num_queries: int, gallery: int, device: str, time_limit: float | None
-) -> dict[str, Any]:
-    """The torchmetrics peer, in a child process: a small warm-up, then one bounded run."""
+def contestants(
+    names: list[str], *, size: list[int], device: str, repeats: int = 0, slow_repeats: int = 0
+) -> list[measure.Contestant]:
+    """The named contestants on the same batches; the torchmetrics peer (timed in its first
+    run) warms up on small batches of its own."""
+    scores, index, mask = make_data(*size, device)
+    runs = {
+        FLOOR: floor(scores),
+        OURS_INDEX: ours(scores, index, False),
+        OURS_MASK: ours(scores, mask, False),
+        OURS_INDEX_CHECKED: ours(scores, index, True),
+        OURS_MASK_CHECKED: ours(scores, mask, True),
+        ARGSORT: argsort_per_query(scores, index),
+        CLIP: clip_topk(scores, mask),
+        TORCHMETRICS: torchmetrics_hit_rate(scores, index),
+    }
     small, small_index, _ = make_data(64, 100, device, seed=1)
-    torchmetrics_hit_rate(small, small_index)()
-    scores, index, _ = make_data(num_queries, gallery, device)
-    run = torchmetrics_hit_rate(scores, index)
-    return asdict(measure_bounded(TORCHMETRICS, run, device=device, time_limit=time_limit))
+    made = [measure.Contestant(name, measure.whole(runs[name]), repeats) for name in names]
+    for c in made:
+        if c.name in (ARGSORT, CLIP):
+            c.repeats, c.note = slow_repeats, "ties broken by sort order" if c.name == CLIP else ""
+        if c.name == TORCHMETRICS:
+            c.repeats, c.warm = 0, measure.whole(torchmetrics_hit_rate(small, small_index))
+            c.need = TORCHMETRICS_BYTES_PER_ITEM * size[0] * size[1]
+    return made
 
 
-def run(size: tuple[int, int], *, repeats: int, slow_repeats: int, setup: Setup) -> Section:
-    """Every contestant on the same batches of ``size`` = (Q, G) queries x items.
-
-    ``repeats`` timed runs (after the warm-up) for this package and the floor,
-    ``slow_repeats`` for the argsort and topk peers; the torchmetrics peer runs in a
-    child process (:func:`measure.bounded_peer`), the others in this process.
-    """
-    num_queries, gallery = size
-    device = setup.device
-    scores, index, mask = make_data(num_queries, gallery, device)
-    rows = measure_interleaved(
-        [
-            Contestant(FLOOR, floor(scores), repeats),
-            Contestant(OURS_INDEX, ours(scores, index, False), repeats),
-            Contestant(OURS_MASK, ours(scores, mask, False), repeats),
-            Contestant(OURS_INDEX_CHECKED, ours(scores, index, True), repeats),
-            Contestant(OURS_MASK_CHECKED, ours(scores, mask, True), repeats),
-            Contestant(ARGSORT, argsort_per_query(scores, index), slow_repeats),
-            Contestant(CLIP, clip_topk(scores, mask), slow_repeats, "ties broken by sort order"),
-        ],
-        device,
+def run(
+    size: list[int], *, repeats: int, slow_repeats: int, setup: measure.Setup, **_: object
+) -> measure.Section:
+    """Every contestant on the same batches of ``size`` = (Q, G): ``repeats`` timed runs
+    of this package and the floor, ``slow_repeats`` of the argsort and topk peers."""
+    counts = {"repeats": repeats, "slow_repeats": slow_repeats}
+    rows = measure.compare(
+        contestants(list(HERE), size=size, device=setup.device, **counts), setup.device
     )
-    del scores, index, mask  # the child makes its own copy
-    need = TORCHMETRICS_BYTES_PER_ITEM * num_queries * gallery
-    kwargs = {"num_queries": num_queries, "gallery": gallery, "device": device}
-    rows.append(bounded_peer(TORCHMETRICS, need, torchmetrics_peer, kwargs, setup))
-    named = by_name(rows)
-    table = contestant_table(
-        rows,
-        [
-            TIME_COLUMN,
-            peak_column(),
-            time_ratio_column("time / this metric", named[OURS_INDEX]),
-            memory_ratio_column("memory / this metric", named[OURS_INDEX]),
-            time_ratio_column("time / floor", named[FLOOR]),
-            ("note", lambda row: row.note),
-        ],
-    )
+    rows += measure.isolated("dense", [TORCHMETRICS], {"size": size}, setup)  # its own batches
+    named = measure.by_name(rows)
+    columns = [
+        measure.TIME_COLUMN,
+        measure.peak_column(),
+        measure.time_ratio_column("time / this metric", named[OURS_INDEX]),
+        measure.memory_ratio_column("memory / this metric", named[OURS_INDEX]),
+        measure.time_ratio_column("time / floor", named[FLOOR]),
+        ("note", lambda row: row.note),
+    ]
     body = (
-        f"Q = {num_queries:,} x G = {gallery:,}, float32, batches of {BATCH}, K = {KS}."
-        f" update + compute, end to end, from the same batches.\n\n{table}"
+        f"Q = {size[0]:,} x G = {size[1]:,}, float32, batches of {BATCH}, K = {KS}."
+        " update + compute, end to end, from the same batches."
     )
-    return Section(body, named)
+    return f"{body}\n\n{measure.contestant_table(rows, columns)}", named

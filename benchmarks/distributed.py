@@ -6,154 +6,89 @@
   process's embeddings, then each process ranks only its share of the queries against the
   whole gallery and the hit counts are summed.
 
-The processes are spawned by the tests' gloo helper (``tests/helpers.py``). The same
-data in both cases, split evenly over the processes; each process runs one torch thread,
-so two processes use two cores. ``update`` is not timed: after a barrier each process
-times its ``compute()`` (sync included) on a fresh metric; a run's time is the slowest
-process's, the table shows the median over the runs.
+The same data, split evenly over the processes (:func:`measure.call`), one torch thread
+each. After a barrier each process times its ``compute()`` (sync included) of a fresh
+metric; a run's time is the slowest process's, the table shows the median run.
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import measure
 import torch
 import torch.distributed as dist
+from dense import random_block
 from embedding import DIM, make_data
-from measure import Section, fmt_seconds, markdown_table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from helpers import run_distributed
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 
 KS = (1, 5, 10)
 BATCH = 256
+HEAD = ("metric", "data (all processes)", "processes", "compute() time", "time / 1 process")
+HEAD += ("queries ranked per process", "same result on every process", "recall@1")
 
 
-def _shard(num: int, rank: int, world_size: int) -> range:
-    return range(num * rank // world_size, num * (rank + 1) // world_size)
-
-
-def _timed_computes(
-    make: Callable[[range, Any], Any], rows: range, group: Any, repeats: int
-) -> dict[str, Any]:
-    """Warm-up, then ``repeats`` timed ``compute()`` calls, each on a fresh metric."""
-    make(rows, group).compute()
-    times = []
-    result: Any = None
-    metric: Any = None
-    for _ in range(repeats):
-        metric = make(rows, group)
-        dist.barrier(group=metric.process_group)
-        begin = time.perf_counter()
-        result = metric.compute()
-        times.append(time.perf_counter() - begin)
-    ranked = getattr(metric, "last_compute_num_queries_ranked", None)
-    return {
-        "times": times,
-        "values": {key: float(value) for key, value in result.items()},
-        "ranked": sum(ranked.values()) if ranked is not None else None,
-    }
-
-
-def _maker(case: str, size: Any) -> Callable[[range, Any], Any]:
-    """Fresh metrics of ``case`` updated with the given rows of its data, in batches."""
-    from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
-
-    if case == "dense":
-        num_queries, gallery = size
-        gen = torch.Generator().manual_seed(0)
-        inputs = torch.randn(num_queries, gallery, generator=gen)
-        targets = torch.randint(0, gallery, (num_queries,), generator=gen)
-        inputs[torch.arange(num_queries), targets] += 2.0
-        new: Callable[..., Any] = functools.partial(RetrievalRecallAtK, KS, validate_args=False)
-    else:
-        inputs, targets = make_data(size)
-        new = functools.partial(EmbeddingRecallAtK, KS)
-
-    def make(rows: range, group: Any) -> Any:
-        metric = new(process_group=group)
-        for start in range(rows.start, rows.stop, BATCH):
-            stop = min(start + BATCH, rows.stop)
-            metric.update(inputs[start:stop], targets[start:stop])
-        return metric
-
-    return make
-
-
-def worker(rank: int, world_size: int, payload: dict[str, Any]) -> dict[str, Any]:
-    """Every case, first on a group of process 0 alone (all the data), then on all."""
-    alone = dist.new_group([0])
-    repeats = payload["repeats"]
+def worker(dense: list[int], embedding: int, repeats: int) -> dict[str, Any]:
+    """Each case on this process's share of its data: a warm-up, then ``repeats`` timed
+    ``compute()`` calls, each of a fresh metric after a barrier."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for case in ("dense", "embedding"):
-        size = payload[case]
-        make = _maker(case, size)
-        total = size[0] if isinstance(size, tuple) else size
-        single = None
-        if rank == 0:
-            single = _timed_computes(make, range(total), alone, repeats)
-        dist.barrier()
-        mine = _shard(total, rank, world_size)
-        shared = _timed_computes(make, mine, None, repeats)
-        dist.barrier()
-        out[case] = {1: single, world_size: shared}
+        if case == "dense":
+            inputs, targets, _ = random_block(*dense, torch.Generator().manual_seed(0))
+            new: Callable[[], Any] = functools.partial(RetrievalRecallAtK, KS, validate_args=False)
+        else:
+            inputs, targets = make_data(embedding)
+            new = functools.partial(EmbeddingRecallAtK, KS)
+        total = inputs.shape[0]
+        mine = range(total * rank // world, total * (rank + 1) // world)
+        probes = [measure.Probe("cpu") for _ in range(repeats + 1)]
+        for probe in probes:
+            metric = new()
+            for start in range(mine.start, mine.stop, BATCH):
+                stop = min(start + BATCH, mine.stop)
+                metric.update(inputs[start:stop], targets[start:stop])
+            dist.barrier()
+            with probe.timed():
+                result = metric.compute()
+        ranked = getattr(metric, "last_compute_num_queries_ranked", None)
+        out[case] = {
+            "times": [probe.seconds for probe in probes[1:]],
+            "values": {key: float(value) for key, value in result.items()},
+            "ranked": sum(ranked.values()) if ranked is not None else None,
+        }
     return out
 
 
-# ------------------------------------------------------------------------ report
-
-HEAD: tuple[str, ...] = ("metric", "data (all processes)", "processes", "compute() time")
-HEAD += ("time / 1 process", "queries ranked per process", "same result on every process")
-HEAD += ("recall@1",)
-
-
-def _table_row(name: str, data: str, parts: list[dict[str, Any]], single: float) -> list[str]:
-    """The row of one case on ``len(parts)`` processes (``parts``: each one's timings)."""
-    seconds = statistics.median(
-        max(runs) for runs in zip(*(p["times"] for p in parts), strict=True)
-    )
-    values = parts[0]["values"]
-    ranked = [p["ranked"] for p in parts]
-    return [
-        name,
-        data,
-        str(len(parts)),
-        fmt_seconds(seconds),
-        f"{seconds / single:.2f}x",
-        "—" if None in ranked else ", ".join(f"{r:,}" for r in ranked),
-        "yes" if all(p["values"] == values for p in parts) else "NO",
-        f"{values['recall@1']:.4f}",
-    ]
-
-
-def run(dense_size: tuple[int, int], embedding_num: int, *, repeats: int) -> Section:
+def run(*, dense_size: list[int], embedding_num: int, repeats: int, **_: object) -> measure.Section:
     """Both metrics with 1 and 2 processes: dense ``(Q, G)``, ``embedding_num`` embeddings."""
-    payload = {"dense": dense_size, "embedding": embedding_num, "repeats": repeats}
-    outs = run_distributed(worker, 2, payload)
+    kwargs = {"dense": dense_size, "embedding": embedding_num, "repeats": repeats}
+    outs = {world: measure.call(worker, kwargs, world=world) or [] for world in (1, 2)}
     cases = [
         ("dense", "RetrievalRecallAtK, dense", "Q = {:,} x G = {:,}".format(*dense_size)),
         ("embedding", "EmbeddingRecallAtK, leave-one-out", f"N = {embedding_num:,}, D = {DIM}"),
     ]
     body = []
     for case, name, data in cases:
-        single = statistics.median(outs[0][case][1]["times"])
-        body.append(_table_row(name, data, [outs[0][case][1]], single))
-        body.append(_table_row(name, data, [out[case][2] for out in outs], single))
-    same_single = all(
-        outs[0][case][1]["values"] == outs[0][case][2]["values"] for case, _, _ in cases
-    )
-    table = markdown_table(HEAD, body)
-    return Section(
+        single = statistics.median(outs[1][0][case]["times"])
+        for world, parts in ((world, [out[case] for out in outs[world]]) for world in (1, 2)):
+            seconds = statistics.median(map(max, zip(*(p["times"] for p in parts), strict=True)))
+            values, ranked = parts[0]["values"], [p["ranked"] for p in parts]
+            same = all(p["values"] == values for p in parts)
+            body.append(
+                [name, data, world, measure.fmt_seconds(seconds), f"{seconds / single:.2f}x"]
+            )
+            body[-1] += ["—" if None in ranked else ", ".join(f"{r:,}" for r in ranked)]
+            body[-1] += ["yes" if same else "NO", f"{values['recall@1']:.4f}"]
+    same = all(outs[1][0][case]["values"] == outs[2][0][case]["values"] for case, _, _ in cases)
+    text = (
         "Time of `compute()` (sync included), gloo on 127.0.0.1, one torch thread a"
-        f" process, median of {repeats} run(s) of the slowest process. The"
-        " 1-process rows run on a process group of process 0 alone, holding all the data."
-        f" 2-process results equal the 1-process ones: {'yes' if same_single else 'NO'}.\n\n"
-        f"{table}"
+        f" process, median of {repeats} run(s) of the slowest process. The 1-process rows"
+        " run on a process group of one process, holding all the data. 2-process results"
+        f" equal the 1-process ones: {'yes' if same else 'NO'}."
     )
+    return f"{text}\n\n{measure.table(HEAD, body)}", {}

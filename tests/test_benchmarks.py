@@ -9,7 +9,6 @@ git-ignored ``benchmarks/out/<mode>/`` unless ``--results`` says otherwise.
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import subprocess
 import sys
@@ -26,8 +25,6 @@ from memory_formula import (
     gathered_bytes_received,
     ring_bytes_received,
 )
-
-from recall_at_k import EmbeddingRecallAtK
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -168,39 +165,25 @@ def test_a_peer_past_its_time_bound_keeps_its_row(
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     paths = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
-    from measure import (
-        TIME_COLUMN,
-        Measurement,
-        Setup,
-        call,
-        contestant_table,
-        measure_bounded,
-        time_ratio_column,
-    )
+    import measure
 
     slow_peer = importlib.import_module("slow_peer")
     # The safety net kills a child process that runs past its timeout.
-    assert call(slow_peer.nap, {"seconds": 30}, Setup(), timeout=0.5) is None
-    slow = measure_bounded("slow peer", lambda: time.sleep(30), time_limit=0.5)
+    assert measure.call(slow_peer.nap, {"seconds": 30}, timeout=0.5) is None
+    # A slow peer (one that states the memory it needs) stops at the time bound.
+    nap = measure.Contestant("slow peer", lambda probe: time.sleep(30), need=0)
+    (slow,) = measure.compare([nap], "cpu", time_limit=0.5)
     assert slow.at_least and slow.seconds == 0.5
-    ours = Measurement("ours", 0.01, 1024)
-    columns = [TIME_COLUMN, time_ratio_column("time / this metric", ours)]
-    text = contestant_table([ours, slow], [*columns, ("note", lambda row: row.note)])
+    ours = measure.Measurement("ours", 0.01, 1024)
+    columns = [measure.TIME_COLUMN, measure.time_ratio_column("time / this metric", ours)]
+    text = measure.contestant_table([ours, slow], [*columns, ("note", lambda row: row.note)])
     line = next(line for line in text.splitlines() if line.startswith("| slow peer"))
     assert "> 500.0 ms" in line
     assert ">= 50.00x" in line
     assert "did not finish within the time bound of 500.0 ms" in line
-
-
-class ShardedFake(EmbeddingRecallAtK):
-    """Stands in for an ``EmbeddingRecallAtK`` that takes ``sharded=`` (the scale
-    benchmark's sharded configuration); it ranks as the gathered metric does."""
-
-    def __init__(self, *args: Any, sharded: bool = False, **kwargs: Any) -> None:
-        if not isinstance(sharded, bool):
-            raise TypeError(f"sharded must be a bool, got {sharded!r}")
-        self.sharded_option = sharded
-        super().__init__(*args, **kwargs)
+    # A peer that would need more than the memory bound is not started; its row says so.
+    (huge,) = measure.compare([measure.Contestant("huge", nap.run, need=2**60)], "cpu")
+    assert huge.seconds is None and huge.note.startswith("not run: needs about")
 
 
 def _scale() -> Any:
@@ -211,38 +194,18 @@ def _scale() -> Any:
         sys.path.remove(str(BENCHMARKS))
 
 
-def test_scale_reports_sharded_as_not_available_without_the_argument() -> None:
+def test_scale_says_why_a_configuration_is_not_projected() -> None:
     scale = _scale()
-    assert scale.accepts_sharded(ShardedFake)
-    assert scale.accepts_sharded(EmbeddingRecallAtK) == (
-        "sharded" in inspect.signature(EmbeddingRecallAtK).parameters
-    )
-
-    class Plain(EmbeddingRecallAtK):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-
-    assert not scale.accepts_sharded(Plain)
-    sys.modules[__name__].Plain = Plain  # type: ignore[attr-defined]
-    try:
-        rows = scale.measure([200], ["sharded"], metric=f"{__name__}:Plain")
-    finally:
-        del sys.modules[__name__].Plain  # type: ignore[attr-defined]
-    assert rows == [{"num": 200, "config": "sharded", "world": 4, "available": False}]
-    line = scale.table(rows).splitlines()[-1]
-    assert line.startswith("| 200 | 4 processes, sharded | not available (no `sharded` argument)")
+    rows = [{"num": 200, "config": "sharded", "peak": 1, "received": 1}]
     text = scale.projection_text(rows)
-    assert "Sharded: not projected (not available in this version)." in text
+    assert "Sharded: not projected (measured at one size)." in text
     assert "Gathered: not projected (not measured)." in text
 
 
 @pytest.mark.timeout(300)
-def test_scale_runs_every_configuration_with_a_sharded_metric(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_scale_runs_every_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny size through ``main``: the rows, the table, the figure, the results section;
-    the sharded configuration runs when the class takes ``sharded``, and each process
-    counts the embedding bytes it receives."""
+    each process counts the embedding bytes it receives."""
     scale = _scale()
     measured: list[list[dict[str, Any]]] = []
     original = scale.measure
@@ -253,8 +216,7 @@ def test_scale_runs_every_configuration_with_a_sharded_metric(
 
     monkeypatch.setattr(scale, "measure", measure)
     results = tmp_path / "RESULTS.md"
-    args = ["--sizes", "400", "--configs", "single,gathered,sharded"]
-    args += ["--metric", f"{__name__}:ShardedFake", "--results", str(results)]
+    args = ["--sizes", "400", "--configs", "single,gathered,sharded", "--results", str(results)]
     scale.main(args)
     (rows,) = measured
     assert [(r["config"], r["sharded"]) for r in rows] == [
