@@ -102,7 +102,10 @@ def test_query_gallery_per_class_and_per_camera_equal_each_group_on_its_own(
     metric = EmbeddingRecallAtK(KS, **options)
     for rows in torch.arange(30).split(11):  # queries over several updates
         metric.update(
-            p["queries"][rows], p["query_labels"][rows], role="query", groups=p["query_groups"][rows]
+            p["queries"][rows],
+            p["query_labels"][rows],
+            role="query",
+            groups=p["query_groups"][rows],
         )
     metric.update(p["gallery"], p["gallery_labels"], role="gallery", groups=p["gallery_groups"])
     outcomes = metric.query_outcomes()
@@ -289,7 +292,8 @@ def test_flat_groups_equal_a_metric_per_group() -> None:
 def test_int_k_keys_one_value_per_group_and_empty_outcomes_give_no_group() -> None:
     metric = RetrievalRecallAtK(k=2)
     scores = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.8, 0.3], [0.1, 0.2, 0.9]])
-    metric.update(scores, torch.tensor([0, 0, 2]), query_ids=torch.tensor([5, 6, 7]))  # ranks 1, 3, 1
+    # First-hit ranks 1, 3 and 1.
+    metric.update(scores, torch.tensor([0, 0, 2]), query_ids=torch.tensor([5, 6, 7]))
     outcomes = metric.query_outcomes()
     assert outcomes.keys is None  # compute() is one tensor for an int k
     per_group = outcomes.grouped(torch.tensor([1, 1, 0]))

@@ -67,9 +67,7 @@ def plot_curves(
             else:
                 name = label if len(steps) == 1 else f"{label} (step {step})".strip()
             # Unclipped, so that a marker at 0 or 1 (on the axis' edge) is drawn whole.
-            (line,) = ax.plot(
-                list(ks), list(values), marker="o", label=name or None, clip_on=False
-            )
+            (line,) = ax.plot(list(ks), list(values), marker="o", label=name or None, clip_on=False)
             if bands is not None and label in bands:
                 lows, highs = bands[label]
                 ax.fill_between(list(ks), lows, highs, color=line.get_color(), alpha=0.2)
