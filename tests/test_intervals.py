@@ -269,3 +269,61 @@ def test_plot_band_per_direction() -> None:
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+def test_plot_fits_the_y_axis_to_the_curve_and_its_band() -> None:
+    """R@1..R@10 of 0.972-0.989 on 1,000 queries: the y-axis spans the curve and its
+    band with a small margin (not 0-1, where the curve would be a flat line), and the
+    band's vertices are the interval's bounds."""
+    from matplotlib.collections import PolyCollection
+
+    ranks = [1] * 972 + [3] * 13 + [7] * 4 + [15] * 11  # R@1 .972, R@5 .985, R@10 .989
+    metric = RetrievalRecallAtK(k=(1, 5, 10))
+    metric.update(*ranks_to_scores(ranks))
+    result = metric.compute()
+    interval = metric.confidence_interval()
+    assert isinstance(result, dict) and isinstance(interval, dict)
+    assert [round(float(v), 3) for v in result.values()] == [0.972, 0.985, 0.989]
+    _, ax = metric.plot(result, interval=interval)
+    (band,) = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    vertices = band.get_paths()[0].vertices
+    for k, key in ((1, "recall@1"), (5, "recall@5"), (10, "recall@10")):
+        at_k = vertices[vertices[:, 0] == k][:, 1]
+        low, high = interval[key].tolist()
+        assert min(at_k) == pytest.approx(low) and max(at_k) == pytest.approx(high)
+    lowest = min(float(v[0]) for v in interval.values())
+    highest = max(float(v[1]) for v in interval.values())
+    bottom, top = ax.get_ylim()
+    assert lowest - 0.02 < bottom < lowest and highest < top <= min(1.0, highest + 0.02)
+    assert top - bottom < 0.1  # on 0-1 the whole curve would fit in a tenth of the axis
+    # Without the band the axis fits the curve alone.
+    _, plain = metric.plot(result)
+    bottom, top = plain.get_ylim()
+    assert 0.96 < bottom < 0.972 and 0.989 < top < 1.0
+    # A list of results: one axis for all of them.
+    other = {"recall@1": 0.5, "recall@5": 0.6, "recall@10": 0.7}
+    _, both = metric.plot([result, other])  # type: ignore[list-item]
+    bottom, top = both.get_ylim()
+    assert len(both.get_lines()) == 2 and 0.45 < bottom < 0.5 and top == 1.0  # clipped
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def test_plot_limits_stay_within_zero_and_one_and_keep_what_the_axis_held() -> None:
+    import matplotlib.pyplot as plt
+
+    metric = RetrievalRecallAtK(k=(1, 5))
+    _, ax = metric.plot({"recall@1": 0.0, "recall@5": 1.0})
+    assert ax.get_ylim() == (0.0, 1.0)
+    assert all(not line.get_clip_on() for line in ax.get_lines())  # markers at 0, 1 whole
+    _, nan = metric.plot({"recall@1": math.nan, "recall@5": math.nan})
+    assert nan.get_ylim() == (0.0, 1.0)  # nothing counted: NaN, drawn on 0-1
+    _, one = metric.plot({"recall@1": 0.5, "recall@5": 0.5})
+    assert one.get_ylim() == pytest.approx((0.49, 0.51))  # equal values: the least margin
+    # Drawn on an axis that already holds a curve: the limits keep it in view.
+    _, held = metric.plot({"recall@1": 0.3, "recall@5": 0.4})
+    _, held = metric.plot({"recall@1": 0.8, "recall@5": 0.9}, ax=held)
+    bottom, top = held.get_ylim()
+    assert bottom < 0.3 and top > 0.9
+    plt.close("all")

@@ -2,7 +2,7 @@
 process: dense rows with ``query_ids`` (uneven shares, padded repeats on the other
 process, a process without data), flat items of one query on both processes, and
 ``EmbeddingRecallAtK`` (each process ranks its share of the queries; the outcomes are
-gathered), under every tie policy. One spawn runs every scenario.
+gathered, with each query's label), under every tie policy. One spawn runs every scenario.
 """
 
 from __future__ import annotations
@@ -87,7 +87,13 @@ def _fill_embedding(
 
 def _plain(outcomes: Any) -> Any:
     if isinstance(outcomes, QueryOutcomes):
-        return (outcomes.ids.tolist(), outcomes.hits.tolist(), outcomes.first_hit_rank.tolist())
+        labels = None if outcomes.labels is None else outcomes.labels.tolist()
+        return (
+            outcomes.ids.tolist(),
+            outcomes.hits.tolist(),
+            outcomes.first_hit_rank.tolist(),
+            labels,
+        )
     return {key: _plain(value) for key, value in outcomes.items()}
 
 

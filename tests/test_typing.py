@@ -6,8 +6,9 @@ One ``mypy --strict`` run over a small user file: an int ``k`` types ``compute()
 ``compute()["recall@1"]`` type-checks; ``bidirectional=True`` always gives a dict.
 ``per_k()`` is a ``Mapping[str, Metric]`` that Lightning's ``self.log_dict`` accepts.
 ``paired_comparison`` of two metrics is typed the same way (one ``PairedComparison`` or
-a dict of them). Each ``reveal_type`` line names the type it must reveal in its trailing
-comment.
+a dict of them). ``QueryOutcomes.grouped`` returns ``dict[int, dict[str, Tensor]]`` for
+any outcomes and takes ``outcomes.labels`` (``Tensor | None``) as it is typed. Each
+``reveal_type`` line names the type it must reveal in its trailing comment.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ outcomes: QueryOutcomes = single.query_outcomes()
 reveal_type(paired_comparison(single, single))  # PairedComparison
 reveal_type(paired_comparison(e_several, e_several))  # dict of PairedComparison
 reveal_type(paired_comparison(outcomes, outcomes))  # either
+per_group = outcomes.grouped(torch.tensor([0]))
+log_value("g", per_group[0]["recall@5"].item())
+reveal_type(outcomes.grouped(outcomes.ids))  # grouped
+e_outcomes = e_several.query_outcomes()
+if isinstance(e_outcomes, QueryOutcomes):
+    for label, recall in e_outcomes.grouped(e_outcomes.labels).items():
+        log_value(f"class {label}", recall["recall@1"].item())
 
 
 class Model(LightningModule):
@@ -127,6 +135,7 @@ REVEALED = {
     "PairedComparison": PAIRED,
     "dict of PairedComparison": f"dict[str, {PAIRED}]",
     "either": f"{PAIRED} | dict[str, {PAIRED}]",
+    "grouped": "dict[int, dict[str, torch._tensor.Tensor]]",
 }
 EXPECTED_REVEALS = {
     number: REVEALED[line.rsplit("# ", 1)[1]]

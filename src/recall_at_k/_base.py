@@ -366,6 +366,10 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     ) -> tuple[Any, Any]:
         """Draw Recall@K against K (a CMC curve; one per direction when bidirectional).
 
+        The y-axis fits what the axis holds (the curves, and the band when ``interval``
+        is given) with a small margin, within [0, 1]: 0.972-0.989 is not drawn as a
+        flat line at the top of 0-1.
+
         Args:
             val: a result of :meth:`compute` (default: compute now), or a list of them
                 (for instance one per epoch; one curve each). Values logged by Lightning

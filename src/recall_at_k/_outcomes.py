@@ -4,7 +4,9 @@ Every input form ends in one outcome record a query (:func:`recall_at_k._kernel.
 an int64 histogram bin, or for ``"expected"`` float64 first-hit probabilities); this
 module turns the records of identified queries into :class:`QueryOutcomes`, following
 ``empty_target_action`` as ``compute()`` does, so that ``hits.mean(0)`` is ``compute()``'s
-value of each K.
+value of each K. :meth:`QueryOutcomes.grouped` averages the hits per group value (per
+class with the embedding form's ``labels``, per camera or domain with any ``[Q]`` integer
+tensor).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 
 from recall_at_k import _items
+from recall_at_k._checks import INTEGER_DTYPES, describe
 from recall_at_k._kernel import first_of_each_id
 from recall_at_k._result import no_positive_error
 from recall_at_k.ranking.plan import Side
@@ -39,6 +42,9 @@ class QueryOutcomes(NamedTuple):
         ks: the K of each column of ``hits``.
         keys: ``compute()``'s key of each column of ``hits``, or None when ``compute()``
             returns one tensor (an int ``k``).
+        labels: for ``EmbeddingRecallAtK``, int64 ``[Q]``: each query's label, in the
+            order of ``ids`` (``labels[i]`` is the label of query ``ids[i]``); None for
+            the score forms (``RetrievalRecallAtK``), whose queries have no label.
     """
 
     ids: Tensor
@@ -46,6 +52,95 @@ class QueryOutcomes(NamedTuple):
     first_hit_rank: Tensor
     ks: tuple[int, ...]
     keys: tuple[str, ...] | None
+    labels: Tensor | None = None
+
+    def grouped(self, groups: Tensor | None) -> dict[int, dict[str, Tensor]]:
+        """Recall@K of each group of queries: per class with ``outcomes.labels``, per
+        camera, domain or any other partition with an integer tensor ``[Q]``.
+
+        Each group's value is the mean of its queries' ``hits``, which is what
+        ``compute()`` returns for those queries evaluated on their own against the same
+        gallery (the same tie policy, ``ignore`` and ``exclude`` rules, and
+        ``empty_target_action``: a query without a valid positive is a miss under
+        ``"neg"``, a hit under ``"pos"``, and under ``"skip"`` not among the outcomes,
+        so a group whose queries were all skipped does not appear). Under
+        ``ties="expected"`` the values are expected recalls.
+
+        Args:
+            groups: integer ``[Q]``, one group value per query in the order of ``ids``
+                (``outcomes.labels`` for per-class Recall@K; for a value stored per
+                sample, look it up by id, e.g. ``camera_of_id[outcomes.ids]``).
+
+        Returns:
+            One entry per distinct group value, ascending (a Python ``int``), each a dict
+            of Recall@K keyed as ``compute()``'s dict (``keys``; ``"recall@{k}"`` for an
+            int ``k``), float tensors of the default dtype on the device of ``hits``.
+            Every group listed has at least one query, so no value is NaN; no queries
+            give an empty dict.
+
+        Example:
+            Per class: class 0 is found less often than class 1.
+
+            >>> import torch
+            >>> from recall_at_k import EmbeddingRecallAtK
+            >>> metric = EmbeddingRecallAtK(k=(1, 2))
+            >>> embeddings = torch.tensor(
+            ...     [[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8], [0.3, 0.95]]
+            ... )
+            >>> metric.update(embeddings, torch.tensor([0, 0, 1, 1, 1]))
+            >>> outcomes = metric.query_outcomes()
+            >>> outcomes.labels
+            tensor([0, 0, 1, 1, 1])
+            >>> for label, recall in outcomes.grouped(outcomes.labels).items():
+            ...     print(label, recall)
+            0 {'recall@1': tensor(0.5000), 'recall@2': tensor(0.5000)}
+            1 {'recall@1': tensor(0.6667), 'recall@2': tensor(1.)}
+            >>> metric.compute()
+            {'recall@1': tensor(0.6000), 'recall@2': tensor(0.8000)}
+        """
+        values = _checked_groups(groups, self.ids).to(self.hits.device)
+        keys = self.keys if self.keys is not None else tuple(f"recall@{k}" for k in self.ks)
+        distinct, inverse = torch.unique(values, sorted=True, return_inverse=True)
+        sums = torch.zeros(
+            (distinct.numel(), self.hits.shape[1]), dtype=torch.float64, device=self.hits.device
+        )
+        sums.index_add_(0, inverse, self.hits.to(torch.float64))
+        counts = torch.bincount(inverse, minlength=distinct.numel())
+        recall = (sums / counts.unsqueeze(1)).to(torch.get_default_dtype())
+        return {
+            group: {key: recall[row, column] for column, key in enumerate(keys)}
+            for row, group in enumerate(distinct.tolist())
+        }
+
+
+def _checked_groups(groups: object, ids: Tensor) -> Tensor:
+    """``groups`` of :meth:`QueryOutcomes.grouped`: an integer tensor ``[Q]`` aligned with
+    ``ids``."""
+    length = ids.shape[0]
+    if groups is None:
+        raise ValueError(
+            "`groups` is None: these outcomes carry no `labels` (only"
+            " EmbeddingRecallAtK's query_outcomes() has each query's label); pass an"
+            f" integer tensor of shape [{length}] with each query's group, in the order"
+            " of `ids`"
+        )
+    if not isinstance(groups, Tensor):
+        raise ValueError(
+            f"`groups` must be a torch.Tensor of integers, shape [{length}], got"
+            f" {type(groups).__name__}; pass torch.as_tensor(groups)"
+        )
+    if groups.dtype not in INTEGER_DTYPES:
+        raise ValueError(
+            f"`groups` must be an integer (int64) tensor, one group value per query, got"
+            f" {describe(groups)}; pass `groups.long()` for whole-number values"
+        )
+    if groups.dim() != 1 or groups.shape[0] != length:
+        raise ValueError(
+            f"`groups` must have shape [{length}], one group value per query in the"
+            f" order of `ids`, got {describe(groups)}; take each query's group by its id,"
+            " e.g. `group_of_id[outcomes.ids]`"
+        )
+    return groups.to(torch.int64)
 
 
 def from_records(
@@ -55,8 +150,10 @@ def from_records(
     max_k: int,
     empty_target_action: str,
     keys: Sequence[str] | None,
+    labels: Tensor | None = None,
 ) -> QueryOutcomes:
-    """:class:`QueryOutcomes` of identified queries from their outcome records.
+    """:class:`QueryOutcomes` of identified queries from their outcome records (and
+    their ``labels``, row for row, for embeddings).
 
     A query without a valid positive is a miss (``"neg"``: rank max K + 1), a hit at
     every K (``"pos"``: rank 1), left out (``"skip"``), or an error (``"error"``), as in
@@ -76,12 +173,20 @@ def from_records(
     elif empty_target_action in ("skip", "error"):
         keep = ~no_positive
         ids, cdf = ids[keep], cdf[keep]
+        labels = None if labels is None else labels[keep]
     rank = 1 + (1 - cdf).sum(dim=1)
     if not records.is_floating_point():
         rank = rank.round().to(torch.int64)
     columns = torch.tensor([k - 1 for k in ks], dtype=torch.int64, device=cdf.device)
     hits = cdf.index_select(1, columns)
-    return QueryOutcomes(ids.to(torch.int64), hits, rank, ks, None if keys is None else tuple(keys))
+    return QueryOutcomes(
+        ids.to(torch.int64),
+        hits,
+        rank,
+        ks,
+        None if keys is None else tuple(keys),
+        None if labels is None else labels.to(torch.int64),
+    )
 
 
 def by_id(ids: Tensor, records: Tensor) -> tuple[Tensor, Tensor]:
@@ -109,13 +214,16 @@ def embedding_outcomes(
         direction: 0 (query -> gallery) or 1 (gallery -> query).
         queries: the direction's queries (None: nothing was ranked).
         records: their outcome records, in the order of ``queries``.
+
+    Each query's label is read from ``meta`` and kept row for row with its id.
     """
     device = meta.device
     if queries is None or records is None:
         width = (len(ks),)
         ids = torch.zeros(0, dtype=torch.int64, device=device)
         empty = torch.zeros((0, *width), dtype=torch.float64, device=device)
-        return QueryOutcomes(ids, empty, ids.clone(), ks, None if keys is None else tuple(keys))
+        no_keys = None if keys is None else tuple(keys)
+        return QueryOutcomes(ids, empty, ids.clone(), ks, no_keys, ids.clone())
     flags = meta[:, _items.FLAGS]
     has_id = (flags[queries.rows] & _items.HAS_ID) != 0
     with_ids = int(has_id.sum())
@@ -131,5 +239,8 @@ def embedding_outcomes(
             " others without; query_outcomes() identifies queries by their ids, or by"
             " their positions when none has one: pass `ids` in every update (or in none)"
         )
-    ids, records = by_id(ids, records)
-    return from_records(ids, records, ks, max_k, empty_target_action, keys)
+    labels = meta[queries.rows, _items.LABEL]
+    if ids.numel():
+        keep = first_of_each_id(ids)
+        ids, records, labels = ids[keep], records[keep], labels[keep]
+    return from_records(ids, records, ks, max_k, empty_target_action, keys, labels)

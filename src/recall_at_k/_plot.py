@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,11 @@ def _pyplot() -> Any:
         ) from err
     return plt
 
+
+MARGIN = 0.1
+"""The y-axis reaches this share of the drawn values' span beyond them on each side..."""
+MIN_MARGIN = 0.01
+"""... and at least this much (one value, or values all equal), within [0, 1]."""
 
 Curves = Mapping[str, tuple[Sequence[int], Sequence[float]]]
 Bands = Mapping[str, tuple[Sequence[float], Sequence[float]]]
@@ -60,7 +66,8 @@ def plot_curves(
                 name = f"{labels[step]} ({label})" if label else labels[step]
             else:
                 name = label if len(steps) == 1 else f"{label} (step {step})".strip()
-            (line,) = ax.plot(list(ks), list(values), marker="o", label=name or None)
+            # Unclipped, so that a marker at 0 or 1 (on the axis' edge) is drawn whole.
+            (line,) = ax.plot(list(ks), list(values), marker="o", label=name or None, clip_on=False)
             if bands is not None and label in bands:
                 lows, highs = bands[label]
                 ax.fill_between(list(ks), lows, highs, color=line.get_color(), alpha=0.2)
@@ -68,12 +75,24 @@ def plot_curves(
     ax.set_xticks(all_ks)
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylim(*fitted_limits(ax.dataLim.intervaly))
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     if labels is not None or any(label for curves in steps for label in curves):
         ax.legend()
     return fig, ax
+
+
+def fitted_limits(drawn: Sequence[float]) -> tuple[float, float]:
+    """y-axis limits around the drawn values' ``(lowest, highest)``: a margin of
+    :data:`MARGIN` of their span (at least :data:`MIN_MARGIN`) on each side, within
+    [0, 1], so that 0.972-0.989 is not drawn as a flat line at the top of 0-1.
+    ``(0, 1)`` when nothing finite was drawn (NaN values)."""
+    low, high = float(min(drawn)), float(max(drawn))
+    if not (math.isfinite(low) and math.isfinite(high)) or low > high:
+        return 0.0, 1.0
+    margin = max(MARGIN * (high - low), MIN_MARGIN)
+    return max(0.0, low - margin), min(1.0, high + margin)
 
 
 def _lookup(result: Mapping[str, Any], key: str) -> Any:
