@@ -82,6 +82,7 @@ def evaluate(
     loader: DataLoader[tuple[Tensor, ...]], towers: tuple[Tensor, Tensor, Tensor], use_ids: bool
 ) -> Evaluation:
     image_tower, mean, text_tower = towers
+    # --8<-- [start:loop]
     metric = EmbeddingRecallAtK(k=KS, bidirectional=True, directions=("i2t", "t2i"))
     for image, caption, image_id in loader:
         image_embedding = (image - mean) @ image_tower
@@ -89,6 +90,7 @@ def evaluate(
         # ids on one modality only: an image id repeated within the queries counts once.
         metric.update(image_embedding, image_id, role="query", ids=image_id if use_ids else None)
         metric.update(text_embedding, image_id, role="gallery")
+    # --8<-- [end:loop]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = metric.compute()

@@ -7,6 +7,12 @@ the whole file would). A block that needs data, a model or a ``Trainer`` names w
 in a marker on the line before its fence, ``<!-- docs-test: NAME ... -->``; the names
 are documented in ``tests/docs_fixtures.py``. A new block is picked up by itself: it
 needs a marker only if it uses names it does not define.
+
+A ```python block that is a ``--8<--`` line, lines ``examples/NAME.py:SECTION`` and a
+``--8<--`` line shows sections of examples (the site's build puts them in, from the
+lines between ``# --8<-- [start:SECTION]`` and ``# --8<-- [end:SECTION]``; ruff's
+formatter leaves this form alone): the examples run in ``tests/test_examples.py``, so
+here the case checks that each section exists.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w+)[^\n]*$")
 MARKER = re.compile(r"^<!-- docs-test: ([\w\- ]+) -->$")
+INCLUDE = re.compile(r"^(examples/\w+\.py):(\w+)$")
 WRAPPERS = {"class-body": class_body, "step-body": step_body}
 TRAINERS = {"trainer": False, "trainer-flat": True}
 FLAGS = {"continue", *WRAPPERS, *TRAINERS}
@@ -110,7 +117,30 @@ def _namespace(block: Block) -> dict[str, Any]:
     return namespace
 
 
+def _included_sections(block: Block) -> list[tuple[str, str]]:
+    """``(path, section)`` of each section the block includes, if it is such a block."""
+    lines = block.code.strip().splitlines()
+    if "--8<--" not in lines:
+        return []
+    assert len(lines) > 2 and lines[0] == lines[-1] == "--8<--", f"{block.id}: {lines}"
+    matches = [INCLUDE.match(line) for line in lines[1:-1]]
+    assert all(matches), f"{block.id}: one examples/NAME.py:SECTION a line"
+    return [(match.group(1), match.group(2)) for match in matches if match]
+
+
+def _check_sections(block: Block) -> None:
+    for path, section in _included_sections(block):
+        lines = (ROOT / path).read_text(encoding="utf-8").splitlines()
+        for edge in ("start", "end"):
+            marker = f"# --8<-- [{edge}:{section}]"
+            found = [line for line in lines if line.strip() == marker]
+            assert len(found) == 1, f"{block.id}: {path} needs one line {marker!r}"
+
+
 def _run(block: Block, tmp_path: Path | None) -> None:
+    if _included_sections(block):
+        _check_sections(block)
+        return
     namespace = _namespace(block)
     code = block.code
     for name, wrap in WRAPPERS.items():

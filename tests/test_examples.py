@@ -1,15 +1,22 @@
-"""Every example runs (so none can rot) and prints what it promises."""
+"""Every example runs (so none can rot) and prints what it promises; the outputs that
+``docs/recipes.md`` shows are what the examples print."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+RECIPES_PAGE = ROOT / "docs" / "recipes.md"
 # Extra arguments that keep a test run short, and a string the output must contain.
 # Examples run with the test's tmp_path as working directory: relative paths land there.
 RUNS: dict[str, tuple[list[str], str]] = {
@@ -28,22 +35,90 @@ RUNS: dict[str, tuple[list[str], str]] = {
         "yet the paired test tells them apart at K = 1: True\n"
         "saved both CMC curves to compare.png",
     ),
+    # One process here; two under torch.distributed.run in their own tests below.
+    "torchrun_evaluation.py": (
+        [],
+        "one process on the whole dataset gives the same values, bit for bit: True",
+    ),
+    "huggingface_trainer.py": (
+        [],
+        "streamed through compute_metrics, batch by batch, equals one call on all 360"
+        " evaluation embeddings: True",
+    ),
+    "lightning_tensorboard.py": ([], "view them with: tensorboard --logdir"),
+}
+# What an example needs beyond the package's dependencies (all in the ``test`` extra).
+NEEDS = {
+    "huggingface_trainer.py": ("transformers", "accelerate"),  # transformers[torch]
+    "lightning_tensorboard.py": ("tensorboard",),
 }
 TABLE_HEADER = "epoch  train loss     val R@1     val R@5    val R@10"
 
+# docs/recipes.md shows what a command prints in a ```text block after the line
+# ``<!-- recipe-output: COMMAND -->``. COMMAND is ``python examples/NAME.py`` (checked by
+# test_example_runs, which runs it so) or TWO_PROCESSES (checked by its own test). The
+# page's text must be what the command prints, except that a line ``...`` stands for any
+# lines and ``...`` in a line for any text; and that a decimal number may be off by the
+# example's TOLERANCE: the recipes that fit or train a model round a little differently
+# on another machine or thread count (the page says so). Other numbers are exact.
+OUTPUT_MARKER = re.compile(r"^<!-- recipe-output: (.+) -->$")
+TWO_PROCESSES = "torchrun --standalone --nproc_per_node 2 examples/torchrun_evaluation.py"
+TOLERANCE = {
+    "cross_modal.py": 0.01,
+    "huggingface_trainer.py": 0.05,
+    "lightning_tensorboard.py": 0.05,
+}
+DECIMAL = r"\d+\.\d+"
+
+
+# One thread a process: the examples are small, and on a busy or shared CI machine more
+# threads only contend (this made some runs several times slower). Nothing is downloaded.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
 
 def _run(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    # One thread a process: the examples are small, and on a busy or shared CI machine
-    # more threads only contend (this made some runs several times slower).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True,
+    return _subprocess([sys.executable, str(EXAMPLES / name), *args], cwd)
+
+
+def _launch(name: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The example on two processes, as ``torchrun --standalone --nproc_per_node 2`` runs
+    it (the module form: the ``torchrun`` script may not be on a virtual env's PATH)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return _subprocess([*command, "--nproc_per_node", "2", str(EXAMPLES / name)], cwd)
+
+
+def _subprocess(
+    command: list[str], cwd: Path, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command``; on a timeout, kill it with every process it started (torchrun's
+    workers too), so that a hang fails the test instead of outliving it."""
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
-        env=env,
-        timeout=300,
-    )
+        env=ENV,
+        start_new_session=True,  # its own process group, which a timeout kills whole
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            pytest.fail(
+                f"{command} did not end within {timeout} s:\n{stdout[-2000:]}\n{stderr[-3000:]}"
+            )
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _skip_unless_installed(name: str) -> None:
+    missing = [module for module in NEEDS.get(name, ()) if importlib.util.find_spec(module) is None]
+    if missing:
+        pytest.skip(
+            f"{name} needs {' and '.join(missing)}: not installed here"
+            " (the test extra has them: pip install -e '.[test]')"
+        )
 
 
 def test_every_example_is_run_by_a_test() -> None:
@@ -52,10 +127,16 @@ def test_every_example_is_run_by_a_test() -> None:
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_example_runs(name: str, tmp_path: Path) -> None:
+    _skip_unless_installed(name)
     args, expected = RUNS[name]
     done = _run(name, args, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert expected in done.stdout, done.stdout[-3000:]
+    command = " ".join(["python", f"examples/{name}", *args])
+    if command in page_outputs():
+        check_page_output(command, done.stdout)
+    if name == "lightning_tensorboard.py":
+        _check_tensorboard_run(tmp_path / "lightning_logs", epochs=3)
     if name == "lightning_digits.py":
         _check_digits_run(done.stdout, epochs=1)
         assert (tmp_path / "curve.png").stat().st_size > 0
@@ -96,3 +177,132 @@ def test_lightning_digits_runs_with_ddp_on_cpu(tmp_path: Path) -> None:
     _check_digits_run(done.stdout, epochs=1)
     assert "saved the Recall@K curve to ddp.png" in done.stdout
     assert (tmp_path / "ddp.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------ the recipes page
+
+
+def page_outputs() -> dict[str, str]:
+    """The outputs docs/recipes.md shows, by the command that prints them."""
+    lines = RECIPES_PAGE.read_text(encoding="utf-8").splitlines()
+    outputs = {}
+    for number, line in enumerate(lines):
+        marker = OUTPUT_MARKER.match(line)
+        if marker is None:
+            continue
+        assert lines[number + 1] == "```text", (
+            f"recipes.md:{number + 1}: a ```text block must follow"
+        )
+        end = lines.index("```", number + 2)
+        outputs[marker.group(1)] = "".join(f"{text}\n" for text in lines[number + 2 : end])
+    return outputs
+
+
+def output_matches(shown: str, printed: str, tolerance: float) -> str | None:
+    """Why ``printed`` is not the output the page ``shown``, or None when it is."""
+    pattern, numbers = "", []
+    for line in shown.splitlines():
+        if line == "...":
+            pattern += r"(?:[^\n]*\n)*?"
+            continue
+        for piece in re.split(rf"(\.\.\.|{DECIMAL})", line):
+            if piece == "...":
+                pattern += r"[^\n]*?"
+            elif re.fullmatch(DECIMAL, piece):
+                pattern += f"({DECIMAL})"
+                numbers.append(float(piece))
+            else:
+                pattern += re.escape(piece)
+        pattern += r"\n"
+    match = re.fullmatch(pattern, printed)
+    if match is None:
+        return "the text differs"
+    for got, want in zip(match.groups(), numbers, strict=True):
+        if abs(float(got) - want) > tolerance:
+            return f"printed {got} where the page shows {want} (tolerance {tolerance})"
+    return None
+
+
+def check_page_output(command: str, stdout: str) -> None:
+    name = Path(command.split()[-1]).name
+    problem = output_matches(page_outputs()[command], stdout, TOLERANCE.get(name, 0.0))
+    assert problem is None, f"docs/recipes.md, {command!r}: {problem}. It printed:\n{stdout}"
+
+
+def test_every_output_on_the_recipes_page_is_checked() -> None:
+    outputs = page_outputs()
+    assert TWO_PROCESSES in outputs
+    for command in outputs:
+        if command != TWO_PROCESSES:
+            python, path = command.split()  # "python examples/NAME.py": no arguments
+            assert python == "python" and path.startswith("examples/"), command
+            assert RUNS[Path(path).name][0] == [], f"{command}: its test runs it with arguments"
+
+
+@pytest.mark.parametrize(
+    ("shown", "printed", "tolerance", "ok"),
+    [
+        ("a 0.50\n", "a 0.50\n", 0.0, True),
+        ("a 0.50\n", "a 0.51\n", 0.0, False),
+        ("a 0.50\n", "a 0.51\n", 0.05, True),
+        ("a 0.50\n", "b 0.50\n", 0.05, False),
+        ("1,797 x\n", "1,798 x\n", 0.05, False),  # only decimals get a tolerance
+        ("a\n...\nd\n", "a\nb\nc\nd\n", 0.0, True),
+        ("a\n...\nd\n", "a\nd\n", 0.0, True),
+        ("a\n...\nd\n", "a\nb\n", 0.0, False),
+        ("a ... d\n", "a b c d\n", 0.0, True),
+        ("a\n", "a\nb\n", 0.0, False),  # the page shows all of it, or says ...
+    ],
+)
+def test_output_matching(shown: str, printed: str, tolerance: float, ok: bool) -> None:
+    assert (output_matches(shown, printed, tolerance) is None) == ok
+
+
+# -------------------------------------------------------------- recipes on two processes
+
+
+def test_torchrun_evaluation_on_two_processes(tmp_path: Path) -> None:
+    """Two processes with a DistributedSampler: the first prints the values of the whole
+    dataset, equal (bit for bit) to one process; both end cleanly."""
+    done = _launch("torchrun_evaluation.py", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("recall@1 = ") == 1, done.stdout  # printed by one process
+    check_page_output(TWO_PROCESSES, done.stdout)
+
+
+def test_huggingface_trainer_on_two_processes(tmp_path: Path) -> None:
+    """The Trainer on two processes hands every batch, gathered from both and without the
+    sampler's repeats, to compute_metrics: with ``sync_on_compute=False`` the streamed
+    value equals one call on the 360 gathered embeddings (the example asserts both)."""
+    _skip_unless_installed("huggingface_trainer.py")
+    done = _launch("huggingface_trainer.py", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert RUNS["huggingface_trainer.py"][1] in done.stdout, done.stdout
+    tables = [line for line in done.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(tables) == 1, done.stdout  # printed by one process
+
+
+# ------------------------------------------------------------------ TensorBoard files
+
+
+def _check_tensorboard_run(logdir: Path, epochs: int) -> None:
+    """TensorBoard holds every K per epoch, equal to the CSV file, and the curve per epoch."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (csv_file,) = logdir.glob("csv/version_*/metrics.csv")
+    with csv_file.open(newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row["val/recall@1"]]
+    (run,) = logdir.glob("tensorboard/version_*")
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    for k in (1, 5, 10):
+        tag = f"val/recall@{k}"
+        logged = [event.value for event in events.Scalars(tag)]
+        assert len(logged) == epochs, (tag, logged)
+        assert logged == pytest.approx([float(row[tag]) for row in rows], rel=1e-6), tag
+        assert all(0.5 < value <= 1.0 for value in logged), (tag, logged)
+    curves = events.Images("val/recall@K_curve")
+    assert len(curves) == epochs
+    for curve in curves:
+        assert curve.encoded_image_string.startswith(b"\x89PNG"), curve.encoded_image_string[:8]
+        assert curve.width > 0 and curve.height > 0
