@@ -179,7 +179,6 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     ``compute``, per direction: the items whose fast float32 score lay within the
     certified rounding band around their query's best positive."""
 
-    _items_are_samples: ClassVar[bool] = True  # BootStrapper would copy gallery items
     _route: Route = AUTO_ROUTE
     """How tiles are counted (a private switch for tests; every route is exact)."""
 
