@@ -1,9 +1,11 @@
-"""Lightning misuse is reported where it happens, in a real ``Trainer``; the manual
-epoch-end recipe of the docs logs under DDP without Lightning's ``sync_dist`` warning.
+"""What Lightning refuses, as the docs say, and the manual epoch-end recipe under DDP.
 
 - ``self.log(name, metric)`` / ``self.log_dict(collection)`` of a metric whose
-  ``compute()`` is a dict fail in Lightning only at epoch end ("must be a tensor"); the
-  metric raises at the first ``self.log`` call instead, naming ``per_k``.
+  ``compute()`` is a dict: Lightning stops at epoch end ("must be a tensor"); the metric
+  does not look at who reads it. ``per_k(prefix)`` (``test_lightning_patterns.py``) and an
+  int ``k`` are what works.
+- Calling the metric (``forward``) sets each view's batch value through the view's own
+  ``forward``; casts, copies and pickling of a metric called so keep its results.
 - ``self.log_dict(metric.compute())`` in ``on_validation_epoch_end`` under DDP makes
   Lightning warn once per key that ``sync_dist=True`` is recommended, although the values
   are already synchronised; ``sync_dist=True, reduce_fx="max"`` logs them unchanged and
@@ -28,18 +30,19 @@ from torch.utils.data import DataLoader
 from torchmetrics import MetricCollection
 from torchmetrics.retrieval import RetrievalMRR
 
-from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k import RetrievalRecallAtK
 
 KS = (1, 3)
 
 
-class Misuse(pl.LightningModule):
+class LoggedWhole(pl.LightningModule):
+    """Logs a metric of several K itself (``how="log"``), or a collection holding one."""
+
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
         self.layer = torch.nn.Linear(8, GALLERY)
         self.recall = RetrievalRecallAtK(k=KS)
-        self.embedding = EmbeddingRecallAtK(k=KS, bidirectional=False)
         self.collection = MetricCollection(
             {"recall": RetrievalRecallAtK(k=KS), "mrr": RetrievalMRR()}, prefix="val/"
         )
@@ -52,12 +55,6 @@ class Misuse(pl.LightningModule):
         if self.how == "log":
             self.recall.update(scores, target)
             self.log("val/recall", self.recall)
-        elif self.how == "forward":
-            self.recall(scores, target)
-            self.log("val/recall", self.recall, on_step=True, on_epoch=False)
-        elif self.how == "embedding":
-            self.embedding.update(scores, target)
-            self.log("val/emb", self.embedding)
         else:
             flat_target = torch.nn.functional.one_hot(target, GALLERY).flatten()
             self.collection.update(
@@ -66,43 +63,38 @@ class Misuse(pl.LightningModule):
             self.log_dict(self.collection)
 
 
-@pytest.mark.parametrize(
-    ("how", "name", "class_name", "prefix"),
-    [
-        ("log", "val/recall", "RetrievalRecallAtK", "val/"),
-        ("forward", "val/recall", "RetrievalRecallAtK", "val/"),
-        ("embedding", "val/emb", "EmbeddingRecallAtK", "val/"),
-        ("collection", "val/recall", "RetrievalRecallAtK", "val/"),
-    ],
-)
-def test_logging_a_metric_of_several_k_raises_at_the_first_log_naming_per_k(
-    tmp_path: Path, how: str, name: str, class_name: str, prefix: str
+@pytest.mark.parametrize(("how", "name"), [("log", "val/recall"), ("collection", "val/recall")])
+def test_lightning_stops_at_epoch_end_when_a_logged_metric_returns_a_dict(
+    tmp_path: Path, how: str, name: str
 ) -> None:
-    model = Misuse(how)
+    model = LoggedWhole(how)
     trainer = trainer_for(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(
-            ValueError,
-            match=rf"self.log\('{name}', metric\): this {class_name}'s compute\(\) is a dict"
-            rf" of 2 values \(recall@1, recall@3\).*self.log_dict\(metric.per_k\('{prefix}'\)\)",
-        ):
+        with pytest.raises(ValueError, match=rf"logged as '{name}' must be a tensor"):
             trainer.validate(model, DataLoader(make_data(24, seed=1), batch_size=8), verbose=False)
-    assert model.steps == 1  # at the first step, not at epoch end
+    assert model.steps == 3  # every step ran: Lightning's own check, at epoch end
 
 
-def test_reading_the_forward_cache_outside_lightning_still_works() -> None:
-    """Only Lightning's logging is refused: casts, copies and pickling read it freely."""
+def test_forward_then_cast_copy_and_pickle_keep_the_results() -> None:
+    """``forward`` hands each view its batch value; a metric called so casts, copies
+    and pickles with its views bound to the copy."""
+    gen = torch.Generator().manual_seed(2)
+    first = (torch.rand(5, GALLERY, generator=gen), torch.randint(0, GALLERY, (5,), generator=gen))
+    second = (torch.rand(7, GALLERY, generator=gen), torch.randint(0, GALLERY, (7,), generator=gen))
     metric = RetrievalRecallAtK(k=KS)
-    value = metric(torch.rand(5, GALLERY), torch.randint(0, GALLERY, (5,)))
-    assert metric._forward_cache == value
-    metric.to(torch.float64)  # torchmetrics' _apply reads the forward cache
-    assert copy.deepcopy(metric)._forward_cache.keys() == value.keys()
-    assert pickle.loads(pickle.dumps(metric))._forward_cache.keys() == value.keys()
+    batch_value = metric(*first)
+    assert [float(v) for v in batch_value.values()] == pytest.approx(dense_reference(*first, KS))
+    metric(*second)
+    both = dense_reference(torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]), KS)
+    metric.to(torch.float64)
+    for clone in (metric, copy.deepcopy(metric), pickle.loads(pickle.dumps(metric))):
+        assert [float(v) for v in clone.compute().values()] == pytest.approx(both)
+        views = clone.per_k("val/")
+        assert [float(view.compute()) for view in views.values()] == pytest.approx(both)
     one = RetrievalRecallAtK(k=3)
-    assert torch.equal(
-        one(torch.rand(5, GALLERY), torch.zeros(5, dtype=torch.long)), one._forward_cache
-    )
+    value = one(*first)
+    assert float(value) == pytest.approx(dense_reference(*first, (3,))[0])
 
 
 # ------------------------------------------------------------------ the manual recipe, DDP

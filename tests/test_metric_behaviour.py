@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 import itertools
 import pickle
+from typing import Any
 
 import pytest
 import torch
 from helpers import TIES
+from torch import Tensor
 from torchmetrics import MetricCollection
 
 from recall_at_k import RetrievalRecallAtK
@@ -17,8 +19,7 @@ from recall_at_k.functional import retrieval_recall_at_k
 
 def _state_bytes(metric: RetrievalRecallAtK) -> int:
     total = 0
-    for name in metric._defaults:
-        value = getattr(metric, name)
+    for value in metric.metric_state.values():
         for tensor in value if isinstance(value, list) else [value]:
             total += tensor.numel() * tensor.element_size()
     return total
@@ -89,6 +90,114 @@ def test_reset_merge_state_pickle_and_state_dict() -> None:
 
     a.reset()
     assert int(a.query_counts.sum()) == 0 and float(a.rank_histogram.sum()) == 0.0
+
+
+def _values(result: object) -> list[float]:
+    assert isinstance(result, dict)
+    return [float(v) for v in result.values()]
+
+
+class TwoProcesses:
+    """A ``dist_sync_fn`` that gathers a metric's states beside ``other``'s, as if
+    ``other`` were a second process (no process group needed); counts its gathers."""
+
+    def __init__(self, other: RetrievalRecallAtK) -> None:
+        self.other = other
+        self.metric: RetrievalRecallAtK | None = None
+        self.gathers: list[str] = []
+
+    def __call__(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+        assert self.metric is not None
+        for name, value in self.metric.metric_state.items():
+            mine = value if isinstance(value, Tensor) else (value[0] if value else None)
+            if mine is tensor:
+                self.gathers.append(name)
+                theirs = self.other.metric_state[name]
+                if isinstance(theirs, list):
+                    theirs = torch.cat(theirs) if theirs else tensor[:0]
+                return [tensor, theirs]
+        raise AssertionError("not a state of the metric")
+
+
+def _two_batches() -> tuple[Any, Any, dict[str, Tensor], dict[str, Tensor]]:
+    mine, theirs = _batch(20, 6), _batch(30, 6)
+    local = retrieval_recall_at_k(*mine, k=(1, 3))
+    both = retrieval_recall_at_k(
+        torch.cat([mine[0], theirs[0]]), torch.cat([mine[1], theirs[1]]), k=(1, 3)
+    )
+    return mine, theirs, local, both
+
+
+def test_the_kept_result_follows_sync_and_unsync() -> None:
+    """With sync_on_compute=False: compute(), sync(), compute() gives the gathered value
+    (a result is kept per state it counts); torchmetrics' compute() un-syncs after it,
+    so the next compute() is the local value again."""
+    mine, theirs, local, both = _two_batches()
+    metric = RetrievalRecallAtK(k=(1, 3), sync_on_compute=False)
+    metric.update(*mine)
+    other = RetrievalRecallAtK(k=(1, 3))
+    other.update(*theirs)
+    gather = TwoProcesses(other)
+    gather.metric = metric
+    assert metric.compute() == local
+    metric.sync(dist_sync_fn=gather, distributed_available=lambda: True)
+    assert _values(metric.compute()) == pytest.approx(_values(both))
+    assert metric.compute() == local
+    metric.sync(dist_sync_fn=gather, distributed_available=lambda: True)
+    metric.unsync()
+    assert metric.compute() == local
+
+
+def test_views_compute_with_one_sync_for_all_k() -> None:
+    """Under a (simulated) second process, the per_k() views read the parent's result,
+    gathered once, as Lightning's epoch end computes them one after another."""
+    mine, theirs, _, both = _two_batches()
+    other = RetrievalRecallAtK(k=(1, 3))
+    other.update(*theirs)
+    gather = TwoProcesses(other)
+    metric = RetrievalRecallAtK(
+        k=(1, 3), dist_sync_fn=gather, distributed_available_fn=lambda: True
+    )
+    gather.metric = metric
+    metric.update(*mine)
+    views = metric.per_k("val/")
+    assert [float(v.compute()) for v in views.values()] == pytest.approx(_values(both))
+    assert gather.gathers.count(metric._hist_name) == 1
+    assert _values(metric.compute()) == pytest.approx(_values(both))
+    metric.update(*mine)  # a new state: gathered again, once
+    assert [float(v.compute()) for v in views.values()] != pytest.approx(_values(both))
+    assert gather.gathers.count(metric._hist_name) == 3
+
+
+def test_the_kept_result_is_never_handed_out_and_not_kept_across_a_move() -> None:
+    metric = RetrievalRecallAtK(k=(1, 3))
+    metric.update(*_batch(20, 6))
+    before = metric.compute()
+    assert isinstance(before, dict)
+    want = before["recall@1"].clone()
+    before["recall@1"].add_(1.0)  # the caller's copy
+    assert metric.compute()["recall@1"] == want  # type: ignore[index]
+    metric.to(torch.float16)  # casts no count
+    after = metric.compute()
+    assert isinstance(after, dict) and after["recall@1"].dtype == torch.float32
+    assert after["recall@1"] == want
+    # A result kept from before a move is not returned for states on another device:
+    # on the meta device compute() computes again (and cannot: meta holds no values).
+    metric.to("meta")
+    with pytest.raises(NotImplementedError):
+        metric.compute()
+
+
+def test_compute_with_cache_false_computes_every_time() -> None:
+    first, second = _batch(20, 6), _batch(30, 6)
+    metric = RetrievalRecallAtK(k=(1, 3), compute_with_cache=False)
+    metric.update(*first)
+    assert metric.compute() == retrieval_recall_at_k(*first, k=(1, 3))
+    metric.update(*second)
+    everything = (torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]))
+    assert metric.compute() == retrieval_recall_at_k(*everything, k=(1, 3))
+    with pytest.raises(ValueError, match=r"`compute_with_cache` must be a bool .*got 'no'"):
+        RetrievalRecallAtK(compute_with_cache="no")
 
 
 def test_counts_stay_exact_past_2_31_queries() -> None:

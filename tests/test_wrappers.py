@@ -1,9 +1,12 @@
-"""torchmetrics' wrappers around both metrics: each combination of wrapper and ``k`` the
-docs list either gives the brute-force reference's values or raises a ValueError that
-says what to use instead (never an obscure error or a silently wrong value).
+"""torchmetrics' wrappers around both metrics, as the docs list them: each combination
+the docs say works gives the brute-force reference's values; ``BootStrapper`` of
+embeddings is inflated as the docs say, and ``confidence_interval()`` is the way
+instead; this package's own entry points, given a wrapper or its output, raise a
+``ValueError`` that names the argument and the remedy.
 
-``MetricTracker`` and ``BootStrapper`` with an int ``k`` are checked in
-``test_conformance.py``.
+The metrics do not look for the wrapper around them. ``MetricTracker`` and
+``BootStrapper`` with an int ``k`` (against a reference metric under the same
+resampling) are checked in ``test_conformance.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torchmetrics
+from embedding_reference import Batch, reference_embedding_recall
 from reference import reference_recall
 from torch import Tensor
 from torchmetrics import MetricCollection
@@ -26,7 +29,7 @@ from torchmetrics.wrappers import (
     Running,
 )
 
-from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, paired_comparison
 
 KS = (1, 3)
 
@@ -48,6 +51,14 @@ def batches(count: int = 3, seed: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
 # ------------------------------------------------------------------ what works
 
 
+def test_higher_is_better_is_a_plain_class_attribute() -> None:
+    """``MetricTracker`` reads it to choose ``maximize``: True, for any ``k``."""
+    for cls in (RetrievalRecallAtK, EmbeddingRecallAtK):
+        assert cls.higher_is_better is True
+        assert cls(k=KS).higher_is_better is True
+    assert MetricTracker(RetrievalRecallAtK(k=3)).maximize is True
+
+
 def test_tracker_of_a_collection_with_maximize_true_tracks_every_k() -> None:
     tracker = MetricTracker(MetricCollection({"recall": RetrievalRecallAtK(k=KS)}), maximize=True)
     wants = []
@@ -62,6 +73,19 @@ def test_tracker_of_a_collection_with_maximize_true_tracks_every_k() -> None:
         assert all_steps[key].tolist() == pytest.approx(column)
         assert best[key] == pytest.approx(max(column))
         assert step[key] == column.index(max(column))
+
+
+def test_tracker_of_an_int_k_tracks_it() -> None:
+    tracker = MetricTracker(RetrievalRecallAtK(k=3))
+    wants = []
+    for scores, target in batches():
+        tracker.increment()
+        tracker.update(scores, target)
+        wants.append(reference(scores, target, (3,))[0])
+    best, step = tracker.best_metric(return_step=True)
+    assert tracker.compute_all().tolist() == pytest.approx(wants)
+    assert best == pytest.approx(max(wants))
+    assert step == wants.index(max(wants))
 
 
 def test_running_with_several_k_is_the_recall_of_the_window() -> None:
@@ -97,6 +121,20 @@ def test_min_max_metric_with_an_int_k() -> None:
     assert float(result["min"]) == pytest.approx(min(values))
 
 
+def test_min_max_metric_one_wrapper_per_k_in_a_collection() -> None:
+    """Several K: one wrapper per K, each with an int ``k``."""
+    collection = MetricCollection(
+        {f"recall@{k}": MinMaxMetric(RetrievalRecallAtK(k=k)) for k in KS}
+    )
+    seen = list(batches())
+    for scores, target in seen:
+        collection.update(scores, target)
+    result = collection.compute()
+    whole = reference(torch.cat([s for s, _ in seen]), torch.cat([t for _, t in seen]))
+    for k, want in zip(KS, whole, strict=True):
+        assert float(result[f"recall@{k}_raw"]) == pytest.approx(want)
+
+
 def test_multioutput_wrapper_with_an_int_k() -> None:
     (a, a_target), (b, b_target) = list(batches(2))
     wrapper = MultioutputWrapper(RetrievalRecallAtK(k=3), num_outputs=2)
@@ -106,94 +144,117 @@ def test_multioutput_wrapper_with_an_int_k() -> None:
     )
 
 
-# ------------------------------------------------------------------ clear errors
-
-
-@pytest.mark.parametrize("k", [5, KS])
-def test_classwise_wrapper_is_refused(k: int | tuple[int, ...]) -> None:
+@pytest.mark.parametrize("wrap", [BootStrapper, MinMaxMetric], ids=["BootStrapper", "MinMax"])
+def test_wrappers_of_one_tensor_do_not_take_the_dict_of_several_k(wrap: type) -> None:
+    """What the docs say: such a wrapper fails with its own error on several K."""
     scores, target = next(batches())
-    wrapper = ClasswiseWrapper(RetrievalRecallAtK(k=k))
-    with pytest.raises(ValueError, match=r"ClasswiseWrapper names the entries of a per-class"):
-        wrapper(scores, target)
+    wrapper = wrap(RetrievalRecallAtK(k=KS))
     wrapper.update(scores, target)
-    with pytest.raises(ValueError, match=r"no\s+classes: its values are one per K.*per_k"):
+    with pytest.raises((TypeError, RuntimeError, ValueError)):
         wrapper.compute()
+
+
+def test_classwise_wrapper_does_not_give_recall_per_key() -> None:
+    """The docs: it names the entries of a per-class tensor; given the dict of several K
+    it returns the key names in place of the values."""
+    scores, target = next(batches())
+    wrapper = ClasswiseWrapper(RetrievalRecallAtK(k=KS))
+    wrapper.update(scores, target)
+    values = list(wrapper.compute().values())
+    assert not any(isinstance(value, Tensor) for value in values), values
+
+
+# ------------------------------------------------------------------ BootStrapper of embeddings
+
+
+def _embeddings(num: int = 120, seed: int = 3) -> tuple[Tensor, Tensor]:
+    """Random embeddings of 60 labels (pairs): Recall@1 is near chance."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num, 16, generator=gen), torch.arange(num) // 2
+
+
+def test_resampled_embeddings_find_their_own_copies() -> None:
+    """Why the docs advise against BootStrapper for EmbeddingRecallAtK: in rows drawn with
+    replacement, every row whose sample was drawn twice is a hit at rank 1."""
+    embeddings, labels = _embeddings()
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.multinomial(torch.ones(len(labels)), len(labels), replacement=True, generator=gen)
+    metric = EmbeddingRecallAtK(k=1)
+    metric.update(embeddings[rows], labels[rows])
+    repeated = (torch.bincount(rows, minlength=len(labels)) > 1)[rows].double().mean()
+    want = reference_embedding_recall(
+        [Batch(embeddings=embeddings[rows].double(), labels=labels[rows])], (1,)
+    )
+    assert float(metric.compute()) == pytest.approx(want["recall@1"], abs=1e-6)
+    assert float(metric.compute()) >= float(repeated) > 0.5
+
+
+def test_bootstrapper_of_embeddings_is_inflated_and_confidence_interval_is_not() -> None:
+    embeddings, labels = _embeddings()
+    metric = EmbeddingRecallAtK(k=1)
+    metric.update(embeddings, labels)
+    torch.manual_seed(0)
+    wrapper = BootStrapper(EmbeddingRecallAtK(k=1), num_bootstraps=5)
+    wrapper.update(embeddings, labels)
+    value = float(metric.compute())
+    low, high = metric.confidence_interval().tolist()
+    assert low <= value <= high < 0.3
+    with pytest.warns(UserWarning, match=r"identical item of their own label.*identical_positive"):
+        inflated = float(wrapper.compute()["mean"])
+    assert inflated > high + 0.3
+
+
+# ------------------------------------------------------------------ our entry points
+
+
+@pytest.mark.parametrize("prefix", [5, None, ("val/",)])
+def test_per_k_names_its_prefix_argument(prefix: object) -> None:
+    with pytest.raises(ValueError, match=r"`prefix` of per_k\(\) must be a str .* per_k\('val/'\)"):
+        RetrievalRecallAtK(k=KS).per_k(prefix)  # type: ignore[arg-type]
+
+
+def _wrapped_values() -> dict[str, object]:
+    scores, target = next(batches())
+    boot = BootStrapper(RetrievalRecallAtK(k=3), num_bootstraps=3)
+    outputs = MultioutputWrapper(RetrievalRecallAtK(k=3), num_outputs=2)
+    boot.update(scores, target)
+    outputs.update(torch.stack([scores, scores], -1), torch.stack([target, target], -1))
+    return {"number": 0.5, "multioutput": outputs.compute(), "boot-list": [boot.compute()["mean"]]}
 
 
 @pytest.mark.parametrize(
-    "make",
+    ("name", "match"),
     [
-        lambda m: BootStrapper(m, num_bootstraps=3),
-        MinMaxMetric,
-        lambda m: MultioutputWrapper(m, num_outputs=1),
+        (
+            "number",
+            r"`val` of plot\(\) must be a result of RetrievalRecallAtK.compute\(\).*got float",
+        ),
+        ("multioutput", r"got a tensor of shape \[2\]; .*plot the wrapped metric's compute\(\)"),
+        ("boot-list", r"`val` of plot\(\) is one value, and this RetrievalRecallAtK has 2"),
     ],
-    ids=["BootStrapper", "MinMaxMetric", "MultioutputWrapper"],
 )
-def test_wrappers_of_one_tensor_refuse_several_k(make: object) -> None:
-    scores, target = next(batches())
-    wrapper = make(RetrievalRecallAtK(k=KS))  # type: ignore[operator]
-    if isinstance(wrapper, MultioutputWrapper):
-        scores, target = scores.unsqueeze(-1), target.unsqueeze(-1)
-    name = type(wrapper).__name__
-    wrapper.update(scores, target)
+def test_plot_names_val_when_given_a_wrapper_output(name: str, match: str) -> None:
+    pytest.importorskip("matplotlib")
+    metric = RetrievalRecallAtK(k=3) if name != "boot-list" else RetrievalRecallAtK(k=KS)
+    with pytest.raises(ValueError, match=match):
+        metric.plot(_wrapped_values()[name])  # type: ignore[arg-type]
+
+
+def test_plot_names_interval_when_given_something_else() -> None:
+    pytest.importorskip("matplotlib")
+    metric = RetrievalRecallAtK(k=KS)
+    metric.update(*next(batches()))
     with pytest.raises(
         ValueError,
-        match=rf"{name} needs a metric whose compute\(\) is one tensor, and this"
-        r" RetrievalRecallAtK returns 2 values \(recall@1, recall@3\): give the wrapper one"
-        r" metric per K, with an int `k`",
+        match=r"`interval` of plot\(\) must be a result of confidence_interval\(\).*\[\[\], \[\]\]",
     ):
-        wrapper.compute()
+        metric.plot(metric.compute(), interval=metric.compute())
 
 
-def test_bootstrapper_of_several_k_points_to_confidence_interval() -> None:
+def test_paired_comparison_names_the_argument_that_is_a_wrapper() -> None:
     scores, target = next(batches())
-    wrapper = BootStrapper(RetrievalRecallAtK(k=KS), num_bootstraps=3)
-    with pytest.raises(ValueError, match=r"or use confidence_interval\(\)"):
-        wrapper(scores, target)
-
-
-@pytest.mark.parametrize("k", [1, KS])
-def test_bootstrapper_of_embeddings_is_refused(k: int | tuple[int, ...]) -> None:
-    """Resampled embeddings find their own copies: R@1 0.015 became 0.64 in a trial."""
-    wrapper = BootStrapper(EmbeddingRecallAtK(k=k), num_bootstraps=3)
-    wrapper.update(torch.randn(20, 4), torch.randint(0, 5, (20,)))
-    with pytest.raises(ValueError, match=r"a sample drawn twice finds its own copy"):
-        wrapper.compute()
-
-
-# torchmetrics >= 1.7 reads the metric's `higher_is_better` when a MetricTracker is built
-# without `maximize`; 1.6 defaults to maximize=True there and reads nothing, so the refusal
-# comes at best_metric() (the next test).
-TRACKER_READS_THE_METRIC = tuple(int(p) for p in torchmetrics.__version__.split(".")[:2]) >= (1, 7)
-
-
-@pytest.mark.skipif(
-    not TRACKER_READS_THE_METRIC, reason="torchmetrics < 1.7 builds a tracker without reading it"
-)
-def test_tracker_of_several_k_is_refused_when_built() -> None:
-    with pytest.raises(
-        ValueError, match=r"MetricTracker.best_metric\(\) needs one tensor per step.*maximize=True"
-    ):
-        MetricTracker(RetrievalRecallAtK(k=KS))
-    with pytest.raises(ValueError, match=r"one `maximize` entry per member.*pass maximize=True"):
-        MetricTracker(MetricCollection({"recall": RetrievalRecallAtK(k=KS)}))
-
-
-def test_best_metric_of_a_bare_tracker_of_several_k_says_what_to_use() -> None:
-    tracker = MetricTracker(RetrievalRecallAtK(k=KS), maximize=True)  # not read when given
-    for scores, target in batches(2):
-        tracker.increment()
-        tracker.update(scores, target)
-    with pytest.raises(ValueError, match=r"track it in a MetricCollection with maximize=True"):
-        tracker.best_metric()
-
-
-def test_wrappers_that_take_one_tensor_accept_an_int_k_without_the_check_firing() -> None:
-    """The caller check is silent for an int k, and for several K outside such wrappers."""
-    scores, target = next(batches())
-    metric = RetrievalRecallAtK(k=KS)
-    metric.update(scores, target)
-    assert metric.higher_is_better is True and RetrievalRecallAtK.higher_is_better is True
-    assert [float(v) for v in metric.compute().values()] == pytest.approx(reference(scores, target))
-    tracker = MetricTracker(RetrievalRecallAtK(k=3))  # reads higher_is_better: no error
-    assert tracker.maximize is True
+    metric = RetrievalRecallAtK(k=3)
+    metric.update(scores, target, query_ids=torch.arange(30))
+    wrapper = BootStrapper(RetrievalRecallAtK(k=3), num_bootstraps=2)
+    with pytest.raises(ValueError, match=r"`b` must be a RetrievalRecallAtK or .*got BootStrapper"):
+        paired_comparison(metric, wrapper)  # type: ignore[arg-type]

@@ -1,5 +1,13 @@
 """The base of both metrics: options, output keys, per-K views, states that casts never
-round, the sync rule for list states, scratch memory, results, intervals and plots.
+round, the sync rule for list states, the kept result, scratch memory, results,
+intervals and plots.
+
+Only torchmetrics' documented ``Metric`` interface is used: ``add_state``, ``update``,
+``compute``, ``forward``, ``reset``, ``merge_state``, ``sync`` / ``unsync`` /
+``sync_context``, ``plot``, the class attributes and the constructor's keyword
+arguments (read back from their public attributes), and ``_apply(fn, exclude_state)``,
+torch's module hook with the ``exclude_state`` argument torchmetrics provides for states
+a metric handles itself.
 
 A subclass declares its states with :meth:`RecallAtKMetric._add_count_state` and
 :meth:`RecallAtKMetric._add_list_state`, implements ``update`` (calling
@@ -27,7 +35,6 @@ from recall_at_k._checks import (
     check_torchmetrics_names,
 )
 from recall_at_k._kernel import Workspace
-from recall_at_k._misuse import HigherIsBetter, check_lightning_log, check_wrapper_caller
 from recall_at_k._result import format_output, recall_values, wilson_interval
 from recall_at_k._sync import (
     ListLayout,
@@ -42,16 +49,8 @@ Histogram = tuple[Tensor, Tensor] | None
 """``(hist [max K], queries [2])`` of one output prefix, or None where nothing could be
 ranked (a batch value of ``forward`` without queries or gallery): NaN, no warning."""
 
-
-_WRITTEN_EVERY_UPDATE = frozenset({"_computed", "_update_count"})
-"""Plain attributes (never parameters, buffers or modules) of torchmetrics' ``Metric``
-that its ``update`` wrapper writes at every call."""
-
-
-def _forget_computed(metric: Metric) -> None:
-    # torchmetrics' compute cache; setting it is harmless if it is ever renamed.
-    if hasattr(metric, "_computed"):
-        object.__setattr__(metric, "_computed", None)
+ResultKey = tuple[int, bool]
+"""What a kept result was computed from: ``(update_count, states gathered)``."""
 
 
 class RecallAtKMetric(RecallMetric, Generic[OutputT]):
@@ -61,15 +60,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         *Metric.__jit_unused_properties__,
         "output_keys",
         "_view_list",
-        "_returns_dict",
-        "_forward_cache",
     ]
-
-    # True, as a class attribute; read on an instance by ``MetricTracker`` when it is
-    # built, it raises where the tracker cannot take this metric's output.
-    higher_is_better = HigherIsBetter()
-    # Whether the rows of an update are samples that also make up the gallery.
-    _items_are_samples: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -83,7 +74,21 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         **metric_kwargs: Any,
     ) -> None:
         check_torchmetrics_names(metric_kwargs)
-        super().__init__(**metric_kwargs)
+        keep_result = metric_kwargs.pop("compute_with_cache", True)
+        if not isinstance(keep_result, bool):
+            raise ValueError(
+                f"`compute_with_cache` must be a bool (keep compute()'s result until the"
+                f" state changes), got {keep_result!r}"
+            )
+        # torchmetrics' own cache of compute() is off: it would outlive sync(), unsync(),
+        # merge_state() and module casts, and only update() and reset() clear it. This
+        # class keeps the result itself (see compute()), as `compute_with_cache` asks.
+        super().__init__(compute_with_cache=False, **metric_kwargs)
+        self._keep_result = keep_result
+        self._result: Any = None
+        self._result_key: ResultKey | None = None
+        self._gathered_states = False  # between a sync() that gathered and its unsync()
+        self._widened: dict[str, Any] = {}  # float list states replaced for a gather
         self.ks, self.single_k = check_k(k)
         self.max_k = max(self.ks)
         check_choice("ties", ties, TIES)
@@ -99,44 +104,16 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self._filled_for_sync: list[str] = []
         self._workspace = Workspace()
         self._in_forward = False
-        views = [RecallView(self, name) for name in self.output_keys]
+        views = [RecallView(self, name, self._value_for_view) for name in self.output_keys]
         # Submodules, so that Lightning and module casts find them.
         self.views = torch.nn.ModuleList(views)
         self.__dict__["_view_list"] = views
         object.__setattr__(self, "_views_need_touch", True)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """``Module.__setattr__``, except for the plain attributes that torchmetrics'
-        ``update`` wrapper writes at every call (``_computed``, ``_update_count``):
-        through ``Module.__setattr__`` those two writes cost about half of
-        torchmetrics' own small update."""
-        if name in _WRITTEN_EVERY_UPDATE:
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
-
     @property
     def output_keys(self) -> list[str]:
         """The keys of ``compute()``'s dict, in order (one per K and direction)."""
         return [prefix + key for prefix in self._prefixes for key in self.keys]
-
-    @property
-    def _returns_dict(self) -> bool:
-        """Whether ``compute()`` returns a dict (several K or directions), not one tensor."""
-        return not (self.__dict__.get("single_k", True) and self.__dict__.get("_prefixes") == ("",))
-
-    @property
-    def _forward_cache(self) -> Any:
-        """torchmetrics' batch value of ``forward``; Lightning's ``self.log`` reads it
-        when called, which raises for a metric whose ``compute()`` is a dict (see
-        :mod:`recall_at_k._misuse`)."""
-        if self._returns_dict:
-            check_lightning_log(type(self).__name__, self.output_keys)
-        return self.__dict__.get("_forward_cache")
-
-    @_forward_cache.setter
-    def _forward_cache(self, value: Any) -> None:
-        self.__dict__["_forward_cache"] = value
 
     # ------------------------------------------------------------------ states
 
@@ -158,15 +135,16 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         A module cast (``.to(torch.float16)``, ``.half()``, ``set_dtype``, Lightning's
         ``precision="16-true"``) would otherwise round counts kept in float64, cast
         int64 counts and float64 bit patterns to half precision, and round stored
-        embeddings (those stored before the cast too) to half precision.
+        embeddings (those stored before the cast too) to half precision. torchmetrics
+        leaves the states named in ``exclude_state`` to the metric; their defaults stay
+        where they are (``reset()`` puts a tensor default on its state's device).
         """
         exact: list[str] = self.__dict__.get("_exact_states", [])
         this: Any = super()._apply(fn, exclude_state=(*exclude_state, *exact))
         for name in exact:
-            this._defaults[name] = _to_device_of(this._defaults[name], fn)
             setattr(this, name, _to_device_of(getattr(this, name), fn))
-        # A result computed before a cast is computed again from the exact states.
-        _forget_computed(this)
+        # A result kept from before a cast is computed again from the exact states.
+        this._result = None
         return this
 
     def sync(
@@ -176,28 +154,28 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         should_sync: bool = True,
         distributed_available: Callable[..., Any] | None = None,
     ) -> None:
-        """torchmetrics' ``sync``, with one rule for list states, then forget a result
-        computed before it.
+        """torchmetrics' ``sync``, with two rules for list states.
 
-        Before a gather, every empty list state gets one empty block of its layout
-        (:mod:`recall_at_k._sync`). torchmetrics keeps ``compute()``'s result until the
-        next ``update``/``reset``, but not across ``sync``/``unsync``: with
-        ``sync_on_compute=False``, ``compute()``, ``sync()``, ``compute()`` would
-        otherwise return the local value twice.
+        Before a gather, every empty list state gets one empty block of its layout, and
+        the processes agree on the dtype of float list states
+        (:mod:`recall_at_k._sync`); :meth:`unsync` puts this process's own lists back.
         """
-        if self._will_sync(should_sync, distributed_available):
+        if self._will_sync(should_sync, distributed_available) and not self._gathered_states:
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
+            floats = [name for name, layout in self._list_layouts.items() if layout.dtype is None]
+            before = {name: getattr(self, name) for name in floats}
+            agree_float_dtypes(
+                self,
+                self._list_layouts,
+                dist_sync_fn or gather_all_tensors,
+                process_group or self.process_group,
+            )
+            self._widened = {n: v for n, v in before.items() if getattr(self, n) is not v}
+            super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+            self._gathered_states = True
+            return
+        # Nothing to gather, or already gathered (torchmetrics raises for that).
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
-        _forget_computed(self)
-
-    def _sync_dist(
-        self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None
-    ) -> None:
-        """torchmetrics' gather of the states, after the processes agree on the dtype of
-        float list states (:func:`recall_at_k._sync.agree_float_dtypes`)."""
-        group = process_group or self.process_group
-        agree_float_dtypes(self, self._list_layouts, dist_sync_fn, group)
-        super()._sync_dist(dist_sync_fn, process_group=process_group)
 
     def _will_sync(
         self, should_sync: bool, distributed_available: Callable[..., Any] | None
@@ -207,20 +185,20 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         return bool(should_sync and callable(available) and available())
 
     def merge_state(self, incoming_state: Any) -> None:
-        """torchmetrics' ``merge_state``, then forget a result computed before it (the
-        next ``compute()`` counts the merged state)."""
+        """torchmetrics' ``merge_state``; the next ``compute()`` counts the merged state."""
         super().merge_state(incoming_state)
-        _forget_computed(self)
-        for view in self._view_list:
-            _forget_computed(view)
+        self._result = None
 
     def unsync(self, should_unsync: bool = True) -> None:
-        """torchmetrics' ``unsync``, then forget the synchronised result."""
+        """torchmetrics' ``unsync``: this process's own states again."""
         super().unsync(should_unsync)
         if should_unsync:
+            for name, value in self._widened.items():
+                setattr(self, name, value)
+            self._widened = {}
             empty_filled_list_states(self, self._filled_for_sync)
             self._filled_for_sync = []
-        _forget_computed(self)
+            self._gathered_states = False
 
     # ------------------------------------------------------------------ life cycle
 
@@ -250,9 +228,14 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             value = super().forward(*args, **kwargs)
         finally:
             self._in_forward = False
+            # With dist_sync_on_step=True the batch state was gathered and never
+            # un-synced: torchmetrics put the accumulated states back itself.
+            self._gathered_states = False
+            self._widened = {}
+            self._filled_for_sync = []
         self._after_forward()
         for view in self._view_list:
-            view._forward_cache = value[view.key] if isinstance(value, dict) else value
+            view(value[view.key] if isinstance(value, dict) else value)
         return cast(OutputT, value)
 
     def _after_forward(self) -> None:
@@ -261,6 +244,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     def reset(self) -> None:
         """Reset the state (and the views), and release scratch memory."""
         super().reset()
+        self._result = None
         for view in self._view_list:
             view.expire()
         object.__setattr__(self, "_views_need_touch", True)
@@ -300,9 +284,35 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         return cast(OutputT, format_output(torch.cat(per_prefix), self.output_keys, single))
 
     def compute(self) -> OutputT:
-        """Recall@K over everything seen (synchronised across processes)."""
-        check_wrapper_caller(self)
-        return self._output([values for values, _ in self._recall_values()])
+        """Recall@K over everything seen (synchronised across processes).
+
+        The result is kept (unless ``compute_with_cache=False``) until the state
+        changes: an ``update``, ``reset``, ``merge_state``, module cast, or a
+        ``sync()`` / ``unsync()`` that changes which states are held.
+        """
+        key = self._result_key_now()
+        if self._result is not None and self._result_key == key:
+            result: OutputT = self._result
+            return result
+        result = self._output([values for values, _ in self._recall_values()])
+        if self._keep_result and not self._in_forward:
+            self._result, self._result_key = result, key
+        return result
+
+    def _result_key_now(self) -> ResultKey:
+        """What ``compute()`` would compute from now, inside its sync."""
+        return self.update_count, self._gathered_states
+
+    def _value_for_view(self, key: str) -> Tensor:
+        """``compute()[key]`` for a view of :meth:`per_k`: the kept result when it is
+        the one ``compute()`` would return, without another sync; else ``compute()``."""
+        gathers = self.sync_on_compute and self._will_sync(True, None)
+        expected = (self.update_count, self._gathered_states or gathers)
+        result = self._result
+        if result is None or self._result_key != expected:
+            result = self.compute()
+        value: Tensor = result[key] if isinstance(result, dict) else result
+        return value
 
     def confidence_interval(self, level: float = 0.95) -> OutputT:
         """The Wilson score interval of each Recall@K, from the synchronised state.
@@ -325,11 +335,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     def _synced(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` on the synchronised state, as ``compute()`` sees it."""
-        with self.sync_context(
-            dist_sync_fn=self.dist_sync_fn,
-            should_sync=self._to_sync,
-            should_unsync=self._should_unsync,
-        ):
+        with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self.sync_on_compute):
             return fn()
 
     # ------------------------------------------------------------------ logging, plots
@@ -354,6 +360,12 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         Args:
             prefix: prepended to every key.
         """
+        if not isinstance(prefix, str):
+            raise ValueError(
+                f"`prefix` of per_k() must be a str put before every key (for example"
+                f" 'val/'), got {type(prefix).__name__}: per_k('val/') gives one Metric"
+                f" per key, for self.log_dict"
+            )
         return {prefix + view.key: view for view in self._view_list}
 
     def plot(
@@ -384,8 +396,12 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             ``(fig, ax)``.
         """
         results: list[Any] = [self.compute() if val is None else val]
-        if val is not None and not isinstance(val, (Tensor, dict)):
+        if val is not None and not isinstance(val, (Tensor, Mapping)):
+            if not isinstance(val, Sequence):
+                self._check_plotted(val)
             results = list(val)
+        for result in results:
+            self._check_plotted(result)
         curves = []
         for result in results:
             curve = {}
@@ -400,6 +416,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 " draws one curve each, and one interval cannot belong to all of them)"
             )
         if interval is not None:
+            _check_interval(interval)
             bands = {
                 prefix.rstrip("/"): _plot.bounds_of(interval, [prefix + k for k in self.keys])
                 for prefix in self._prefixes
@@ -407,6 +424,40 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         title = type(self).__name__
         one = len(curves) == 1 and labels is None
         return _plot.plot_curves(curves[0] if one else curves, ax, title, bands, labels)
+
+    def _check_plotted(self, result: object) -> None:
+        """Raise unless ``result`` can be one result of :meth:`compute` for :meth:`plot`."""
+        name = type(self).__name__
+        if isinstance(result, Mapping):
+            return  # its keys are checked where they are looked up
+        if isinstance(result, Tensor) and result.numel() == 1:
+            if len(self.output_keys) == 1:
+                return
+            raise ValueError(
+                f"`val` of plot() is one value, and this {name} has"
+                f" {len(self.output_keys)} ({', '.join(self.output_keys)}): pass its"
+                f" compute() dict, or a list of them"
+            )
+        got = type(result).__name__
+        if isinstance(result, Tensor):
+            got = f"a tensor of shape {list(result.shape)}"
+        raise ValueError(
+            f"`val` of plot() must be a result of {name}.compute() (a scalar tensor or a"
+            f" dict of them) or a list of such results, got {got}; a torchmetrics"
+            f" wrapper's output is not one: plot the wrapped metric's compute()"
+        )
+
+
+def _check_interval(interval: object) -> None:
+    """Raise unless ``interval`` is a result of ``confidence_interval()``."""
+    entries = list(interval.values()) if isinstance(interval, Mapping) else [interval]
+    if all(isinstance(e, Tensor) and e.shape == (2,) for e in entries):
+        return
+    raise ValueError(
+        f"`interval` of plot() must be a result of confidence_interval() (tensor([low,"
+        f" high]) per key), got {type(interval).__name__} with entries of shape"
+        f" {[list(e.shape) if isinstance(e, Tensor) else type(e).__name__ for e in entries]}"
+    )
 
 
 def _to_device_of(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:

@@ -145,8 +145,6 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     """Queries this process ranked in the last ``compute``, per direction."""
     last_compute_rescored: dict[str, int]
     """(query, item) pairs this process re-scored canonically in the last ``compute``."""
-    _items_are_samples: ClassVar[bool] = True
-    _mode: engine.Mode = "auto"
 
     @overload
     def __init__(
@@ -455,7 +453,6 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 self.validate_args,
                 near,
                 self.progress and purpose == "compute",
-                self._mode,
             )
             known = None if audits is None or near is None else [a and a.known() for a in audits]
             ranked = engine.rank(planned, options, group, sharded, known, purpose == "outcomes")
