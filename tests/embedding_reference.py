@@ -23,8 +23,7 @@ from reference import reference_recall
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k._kernel import recall_from_histogram
-from recall_at_k._kernel import Workspace
+from recall_at_k._kernel import Workspace, recall_from_histogram
 from recall_at_k.ranking import blocks, engine, plan
 from recall_at_k.ranking import score as ranking_score
 from recall_at_k.ranking.stored import StoredRows
@@ -451,7 +450,13 @@ def engine_recall(
         torch.cat([z.bool() | (b.ids is not None) for b, z in zip(batches, zeros)]),
         torch.cat([z + ROLE_BITS[b.role] for b, z in zip(batches, zeros)]),
     )
-    rows = StoredRows([b.embeddings.float() if b.embeddings.dtype != torch.float64 else b.embeddings for b in batches], batches[0].embeddings.shape[1])
+    rows = StoredRows(
+        [
+            b.embeddings.float() if b.embeddings.dtype != torch.float64 else b.embeddings
+            for b in batches
+        ],
+        batches[0].embeddings.shape[1],
+    )
     count = 2 if bidirectional else 1
     sides = plan.directions(items, count)
     assert all(not isinstance(s, tuple) or not isinstance(s[1], str) for s in sides), sides
@@ -503,6 +508,10 @@ def fast_and_canonical(
     rows = torch.arange(num)
     pairs = torch.cartesian_prod(rows, rows)
     canonical = ranking_score.canonical_scores(
-        prepared, prepared, pairs[:, 0], pairs[:, 1], similarity  # type: ignore[arg-type]
+        prepared,
+        prepared,
+        pairs[:, 0],
+        pairs[:, 1],
+        similarity,  # type: ignore[arg-type]
     ).view(num, num)
     return (fast.double() - canonical).abs(), bound, canonical

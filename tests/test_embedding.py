@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from embedding_reference import (
-    ROUTES,
     KS,
+    ROUTES,
     SCENARIOS,
     Batch,
     cross_modal,

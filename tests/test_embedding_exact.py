@@ -19,11 +19,10 @@ import pytest
 import torch
 from embedding_reference import (
     ROUTES,
-    fast_and_canonical,
     Batch,
-    Route,
-    engine_recall,
     canonical_score,
+    engine_recall,
+    fast_and_canonical,
     ignored,
     items_of,
     members,
@@ -35,12 +34,12 @@ from reference import reference_recall
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k._kernel import Workspace
-from recall_at_k.ranking import blocks as _blocks
 from recall_at_k.ranking import score as _score
 
 TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -117,7 +117,9 @@ def test_scaling_by_a_power_of_two_keeps_the_canonical_ranking(
             )
 
 
-def _float32_products_only(largest: float, dim: int, dtype: torch.dtype, similarity: Any) -> torch.dtype:
+def _float32_products_only(
+    largest: float, dim: int, dtype: torch.dtype, similarity: Any
+) -> torch.dtype:
     """``fast_dtype`` without its underflow rule: the float32 fast path on tiny values,
     where only the bound's absolute part keeps the ranking exact."""
     if callable(similarity) or dtype != torch.float32 or similarity == "cosine":

@@ -26,10 +26,10 @@ import pytest
 import torch
 from embedding_reference import Batch, canonical_score, prepared_row
 from helpers import run_distributed
+from recall_at_k.ranking.bands import Route
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, _audit
-from recall_at_k.ranking.bands import Route
 
 DIM = 16
 

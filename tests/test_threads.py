@@ -112,7 +112,9 @@ def test_tiles_and_squares_run_on_worker_threads(
     monkeypatch.setattr(_engine, "product", spy)
     batches = _batches(layout)
     # Squares of 60 rows (leave-one-out), tiles of a few queries (query/gallery).
-    route: Route = ("squares", 4 * 4 * 60 * 60) if layout == "leave-one-out" else ("panels", 4 * 4 * 160 * 20)
+    route: Route = (
+        ("squares", 4 * 4 * 60 * 60) if layout == "leave-one-out" else ("panels", 4 * 4 * 160 * 20)
+    )
     with _threads(1):
         one = engine_recall(batches, KS, route)
     assert seen and all(thread == threading.current_thread().name for thread, _ in seen)
@@ -205,4 +207,6 @@ def test_leave_one_out_spans_are_whole_labels() -> None:
     want = engine_recall(batches, KS, ("tiles", 2**20), near_duplicate=0.9)
     for threads in (1, 2):
         with _threads(threads):
-            assert engine_recall(batches, KS, ("squares", 4 * 4 * 48 * 48), near_duplicate=0.9) == want
+            assert (
+                engine_recall(batches, KS, ("squares", 4 * 4 * 48 * 48), near_duplicate=0.9) == want
+            )

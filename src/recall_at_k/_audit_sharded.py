@@ -33,7 +33,7 @@ other processes' rows. Collective: every process of the group calls
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -43,8 +43,6 @@ from torch import Tensor
 from recall_at_k import _audit
 from recall_at_k._audit import Codes
 from recall_at_k.ranking.stored import process_rows, widest_float
-
-from collections.abc import Iterator
 
 _T = TypeVar("_T")
 
@@ -408,7 +406,6 @@ class LocalBlocks:
                 yield start + first, block[first : first + rows_per_chunk]
 
 
-
 def local_counts(
     rows: int, dtype: torch.dtype, group: Any, device: torch.device
 ) -> tuple[list[int], torch.dtype]:
@@ -418,5 +415,3 @@ def local_counts(
     as :func:`agree_float_dtypes` agrees before torchmetrics' gather."""
     counts, _, widest = process_rows(rows, 0, dtype, group, device)
     return counts, widest
-
-

@@ -26,7 +26,6 @@ from torchmetrics import Metric
 from recall_at_k.ranking.stored import FLOAT_FLOOR, dtype_bits, dtype_of_bits, widest_float
 
 
-
 class ListLayout(NamedTuple):
     """The blocks of a list state: ``[rows, *trailing]`` of ``dtype``.
 

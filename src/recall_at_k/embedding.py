@@ -28,6 +28,7 @@ from recall_at_k._types import (
     Ties,
 )
 from recall_at_k.ranking import engine, plan
+from recall_at_k.ranking.blocks import Processes
 from recall_at_k.ranking.progress import check_progress
 from recall_at_k.ranking.stored import (
     BroadcastRows,
@@ -327,14 +328,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         group = process_group or self.process_group
         local = None
         if will_sync and life.keep_rows and (life.synced is None or life.synced.local is None):
-            local = (list(self.embedding_values), list(self.embedding_meta))
-            self.embedding_values, self.embedding_meta = [], []
+            local = (list(self._values()), list(self._meta()))
+            self._set_states([], [])
         life.synced = None
         try:
             super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         except BaseException:
             if local is not None:
-                self.embedding_values, self.embedding_meta = local
+                self._set_states(*local)
             raise
         if will_sync:
             life.synced = _Synced(group, local)
@@ -345,7 +346,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         synced = self._life.synced
         if should_unsync:
             if synced is not None and synced.local is not None:
-                self.embedding_values, self.embedding_meta = synced.local
+                self._set_states(*synced.local)
             self._life.synced = None
 
     # ------------------------------------------------------------------ results
@@ -354,7 +355,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """Recall@K over everything seen (synchronised across processes); warns once per
         instance when the protocol audit finds identical positives or repeated gallery
         items."""
-        result = super().compute()
+        result: OutputT = super().compute()
         if self._life.warning:
             warnings.warn(self._life.warning, UserWarning, stacklevel=3)  # past torchmetrics'
             self._life.warning = ""  # compute wrapper, the caller's line
@@ -402,7 +403,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if _audit.stale_anywhere(self, self._life.report is None):
             self._synced(lambda: self._run("report"))
         reports = [dict(r) for r in (self._life.report or ([], False))[0]]
-        return dict(zip(self.directions, reports, strict=False)) if self.bidirectional else reports[0]
+        return (
+            dict(zip(self.directions, reports, strict=False)) if self.bidirectional else reports[0]
+        )
 
     def reset(self) -> None:
         """Reset the state (and the views); forget the protocol report."""
@@ -431,7 +434,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                     raise ValueError(_items.missing_side(self.directions[entry[0]], *entry))
                 sides.append(None)
             else:
-                sides.append(cast(plan.Direction | None, entry))
+                sides.append(entry)  # type: ignore[arg-type]
         del entry
         _items.check_groups(meta, self.exclude)
         sharded = self.sharded and isinstance(rows, BroadcastRows)
@@ -439,7 +442,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         del items
         if purpose != "outcomes":  # nothing else reads every item's metadata: not kept
             del meta, sides
-        group = None if synced is None else engine.Processes(synced.group)
+        group = None if synced is None else Processes(synced.group)
         audits = None if purpose == "outcomes" else self._audits(planned, sharded, group)
         plan.prepare(planned, self.similarity)
         ranked: list[engine.Ranked | None] = [None] * count
@@ -457,20 +460,34 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             known = None if audits is None or near is None else [a and a.known() for a in audits]
             ranked = engine.rank(planned, options, group, sharded, known, purpose == "outcomes")
         if purpose == "outcomes":
-            return [self._outcomes(meta, index, sides, planned, r) for index, r in enumerate(ranked)]
+            return [
+                self._outcomes(meta, index, sides, planned, r) for index, r in enumerate(ranked)
+            ]
         if purpose == "compute" and planned.rows.shape[0] == 0:
             # Nothing added on any process: like RetrievalRecallAtK, NaN with a warning.
             zeros = torch.zeros(self.max_k, dtype=torch.int64)
             ranked = [engine.Ranked(zeros, zeros[:2], zeros[:4], 0, 0, None)] * count
         if purpose == "compute":
             self.last_compute_num_queries_ranked = {
-                name: 0 if r is None else r.ranked for name, r in zip(self.directions, ranked, strict=False)
+                name: 0 if r is None else r.ranked
+                for name, r in zip(self.directions, ranked, strict=False)
             }
             self.last_compute_rescored = {
-                name: 0 if r is None else r.rescored for name, r in zip(self.directions, ranked, strict=False)
+                name: 0 if r is None else r.rescored
+                for name, r in zip(self.directions, ranked, strict=False)
             }
         self._report(audits, ranked, planned.directions, group is not None)
         return ranked
+
+    def _values(self) -> list[Tensor]:
+        return cast(list[Tensor], self.embedding_values)
+
+    def _meta(self) -> list[Tensor]:
+        return cast(list[Tensor], self.embedding_meta)
+
+    def _set_states(self, values: list[Tensor], meta: list[Tensor]) -> None:
+        setattr(self, "embedding_values", values)  # noqa: B010 - a registered state
+        setattr(self, "embedding_meta", meta)  # noqa: B010
 
     def _stored(self, synced: _Synced | None) -> tuple[StoredRows | BroadcastRows, Tensor]:
         """The stored (or gathered) rows, read without a whole copy, and their metadata;
@@ -497,7 +514,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         return BroadcastRows(StoredRows(blocks, width, device), counts, dtype, group), meta
 
     def _audits(
-        self, planned: plan.Plan, sharded: bool, group: engine.Processes | None
+        self, planned: plan.Plan, sharded: bool, group: Processes | None
     ) -> list[_audit.DirectionAudit | None] | None:
         """The protocol audit of each direction, or None when the report is kept (in
         ``forward``; or while the local data are those it counted)."""
@@ -564,4 +581,3 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         return embedding_outcomes(
             meta, index, queries, records, self.ks, self.max_k, self.empty_target_action, keys
         )
-

@@ -402,8 +402,7 @@ def embedding_recall_at_k(
             _embedding_checks.check_finite(side[0], name)
     device = queries.device
     labels, groups, ids, has_id = (
-        torch.cat(parts)
-        for parts in zip(*(_side_columns(side) for side in sides), strict=True)
+        torch.cat(parts) for parts in zip(*(_side_columns(side) for side in sides), strict=True)
     )
     is_query = torch.arange(labels.shape[0], device=device) < queries.shape[0]
     query_role = torch.where(is_query, _plan.QUERY, 0)

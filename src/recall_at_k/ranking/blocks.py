@@ -84,12 +84,12 @@ class Gallery(NamedTuple):
 
 
 class Located(NamedTuple):
-    """Queries located in a gallery block: their label's run of columns (``count`` 0:
-    none) and their own column (-1: not in the block)."""
+    """Queries located in a gallery block: their label's run of columns (``length`` 0:
+    none) and their own column (``own``, -1: not in the block)."""
 
     start: Tensor
-    count: Tensor
-    self_column: Tensor
+    length: Tensor
+    own: Tensor
 
 
 def gallery_block(
@@ -97,7 +97,9 @@ def gallery_block(
 ) -> Gallery:
     """A :class:`Gallery` of rows already sorted by label."""
     block_labels, counts = torch.unique_consecutive(labels, return_counts=True)
-    starts = torch.cumsum(counts, dim=0) - counts
+    # Copies of their own size (the storages keep the capacity of every item's).
+    block_labels, counts = block_labels.clone(), counts.to(index_dtype(labels.shape[0]), copy=True)
+    starts = torch.cumsum(counts, dim=0, dtype=counts.dtype) - counts
     identity_sorted, identity_column = torch.sort(identity)
     identity_column = identity_column.to(index_dtype(identity.shape[0]))
     neg_sq_norms = None
@@ -144,17 +146,20 @@ def locate(queries: Queries, gallery: Gallery) -> Located:
     if gallery.block_labels.numel() == 0:
         none = torch.zeros(queries.labels.shape[0], dtype=narrow, device=device)
         return Located(none, none, none - 1)
+    small = narrow == torch.int32
     labels = queries.labels.to(gallery.block_labels.dtype)
-    block = torch.searchsorted(gallery.block_labels, labels)
+    block = torch.searchsorted(gallery.block_labels, labels, out_int32=small)
     block.clamp_(max=gallery.block_labels.shape[0] - 1)
     found = gallery.block_labels[block] == labels
-    count = torch.where(found, gallery.block_counts[block], 0)
+    length = gallery.block_counts.to(narrow)[block].masked_fill_(~found, 0)
+    start = gallery.block_starts.to(narrow)[block]
+    del block, found
     identity = queries.identity.to(gallery.identity_sorted.dtype)
-    at = torch.searchsorted(gallery.identity_sorted, identity)
+    at = torch.searchsorted(gallery.identity_sorted, identity, out_int32=small)
     at.clamp_(max=gallery.identity_sorted.shape[0] - 1)
-    is_self = gallery.identity_sorted[at] == identity
-    self_column = torch.where(is_self, gallery.identity_column[at], -1).to(narrow)
-    return Located(gallery.block_starts[block].to(narrow), count.to(narrow), self_column)
+    missing = gallery.identity_sorted[at] != identity
+    own = gallery.identity_column[at].masked_fill_(missing, -1).to(narrow)
+    return Located(start, length, own)
 
 
 def bounds(rows: Tensor, stats: Stats) -> Tensor:
@@ -205,7 +210,11 @@ def scores_of(
         return product(queries, gallery, 0, gallery.fast.shape[0], workspace)
     scores = similarity(queries, gallery.fast)
     shape = (queries.shape[0], gallery.fast.shape[0])
-    if not isinstance(scores, Tensor) or tuple(scores.shape) != shape or not scores.is_floating_point():
+    if (
+        not isinstance(scores, Tensor)
+        or tuple(scores.shape) != shape
+        or not scores.is_floating_point()
+    ):
         got = list(scores.shape) if isinstance(scores, Tensor) else type(scores)
         raise ValueError(
             f"`similarity` must return floating point scores of shape [{shape[0]},"
@@ -294,6 +303,19 @@ def label_order(rows: Tensor, labels: Tensor) -> Tensor:
     return torch.sort(labels[rows.long()], stable=True)[1]
 
 
+def in_label_order(rows: Tensor, labels: Tensor) -> tuple[Tensor | None, slice | None]:
+    """The order that sorts ``rows`` by their labels (stable), or None where they are
+    sorted already; and the slice they are where (then) they are one run of rows (the
+    plan puts galleries and leave-one-out queries so: no sort, no copy)."""
+    run = run_of(rows)
+    if run is not None:
+        values = labels[run]
+        if bool((values[1:] >= values[:-1]).all()):
+            return None, run
+    order = label_order(rows, labels)
+    return order, run_of(rows[order])
+
+
 class LocalSource:
     """The ordered copy of a plan: the gallery one block (a view), this process's share
     ``[lo, hi)`` of the direction's queries."""
@@ -307,9 +329,10 @@ class LocalSource:
         assert embeddings is not None
         self.embeddings, self.similarity = embeddings, similarity
         queries, items = sides
-        order = label_order(items.rows, plan.labels)
-        rows, identity = items.rows[order], items.identity[order]
-        run = run_of(rows)
+        order, run = in_label_order(items.rows, plan.labels)
+        rows = items.rows if order is None else items.rows[order]
+        identity = items.identity if order is None else items.identity[order]
+        del order
         index: slice | Tensor = rows.long() if run is None else run
         canonical = embeddings[index]
         device = embeddings.device
@@ -323,33 +346,48 @@ class LocalSource:
             device,
             Reduce(None),
         )
-        self.fast = embeddings if self.stats.dtype == embeddings.dtype else embeddings.to(self.stats.dtype)
+        self.fast = (
+            embeddings if self.stats.dtype == embeddings.dtype else embeddings.to(self.stats.dtype)
+        )
         self.gallery = gallery_block(
             canonical, self.fast[index], plan.labels[index], plan.groups[index], identity, self.stats
         )
         lo, hi = share
-        query_rows = queries.rows[lo:hi]
-        by_label = label_order(query_rows, plan.labels)
-        query_rows = query_rows[by_label]
-        position = torch.arange(lo, hi, dtype=index_dtype(hi), device=device)[by_label]
-        same = query_rows.shape == rows.shape and torch.equal(query_rows, rows)
-        query_run = run_of(query_rows)
-        query_index: slice | Tensor = query_rows.long() if query_run is None else query_run
-        self.queries = Queries(
-            rows if same else query_rows,
-            self.gallery.labels if same else plan.labels[query_index],
-            self.gallery.groups if same else plan.groups[query_index],
-            queries.identity[lo:hi][by_label],
-            position,
-        )
+        narrow = index_dtype(hi)
+        everything = queries.rows is items.rows and (lo, hi) == (0, rows.shape[0])
+        if everything:  # leave-one-out: the gallery's own items, in its order
+            self.queries = Queries(
+                rows,
+                self.gallery.labels,
+                self.gallery.groups,
+                identity,
+                torch.arange(hi, dtype=narrow, device=device)
+                if order_is_none(items.rows, rows)
+                else _positions(items.rows, rows, narrow),
+            )
+        else:
+            by_label, query_run = in_label_order(queries.rows[lo:hi], plan.labels)
+            query_rows = queries.rows[lo:hi] if by_label is None else queries.rows[lo:hi][by_label]
+            position = torch.arange(lo, hi, dtype=narrow, device=device)
+            query_identity = queries.identity[lo:hi]
+            if by_label is not None:
+                position, query_identity = position[by_label], query_identity[by_label]
+            query_index: slice | Tensor = query_rows.long() if query_run is None else query_run
+            self.queries = Queries(
+                query_rows,
+                plan.labels[query_index],
+                plan.groups[query_index],
+                query_identity,
+                position,
+            )
         self.located = locate(self.queries, self.gallery)
         # The identities served to find each query's own column: not kept.
-        nothing = identity[:0]
+        nothing = identity.new_empty(0)
         self.gallery = self.gallery._replace(identity_sorted=nothing, identity_column=nothing)
         # Leave-one-out: the queries are the gallery's items in its order, each ignoring
         # only itself by identity.
-        own = torch.arange(query_rows.shape[0], device=device)
-        self.leave_one_out = same and torch.equal(self.located.self_column, own)
+        own = torch.arange(rows.shape[0], dtype=self.located.own.dtype, device=device)
+        self.leave_one_out = everything and torch.equal(self.located.own, own)
 
     def galleries(self) -> Iterator[Gallery]:
         yield self.gallery
@@ -368,6 +406,18 @@ class LocalSource:
         return canonical_scores(
             self.embeddings, gallery.canonical, rows, columns, self.similarity, workspace, batch
         )
+
+
+def order_is_none(before: Tensor, after: Tensor) -> bool:
+    """Whether a side's rows kept their order (``after`` is ``before``)."""
+    return before is after
+
+
+def _positions(before: Tensor, after: Tensor, narrow: torch.dtype) -> Tensor:
+    """The position in ``before`` of each entry of ``after`` (a permutation of it)."""
+    inverse = torch.empty(int(before.max()) + 1, dtype=narrow, device=before.device)
+    inverse[before.long()] = torch.arange(before.shape[0], dtype=narrow, device=before.device)
+    return inverse[after.long()]
 
 
 class ShardedSource:
@@ -391,7 +441,11 @@ class ShardedSource:
         self.starts = starts
         queries, items = sides
         query_rows = queries.rows.long()
-        here = ((query_rows >= rows.offset) & (query_rows < rows.offset + rows.counts[rows.rank])).nonzero().view(-1)
+        here = (
+            ((query_rows >= rows.offset) & (query_rows < rows.offset + rows.counts[rows.rank]))
+            .nonzero()
+            .view(-1)
+        )
         here = here[label_order(query_rows[here], plan.labels)]
         mine = query_rows[here]
         self.queries = Queries(
@@ -402,7 +456,11 @@ class ShardedSource:
         self.orders: list[Tensor] = []
         self.identities: list[Tensor] = []
         for rank in range(len(rows.counts)):
-            owned = ((gallery_rows >= starts[rank]) & (gallery_rows < starts[rank + 1])).nonzero().view(-1)
+            owned = (
+                ((gallery_rows >= starts[rank]) & (gallery_rows < starts[rank + 1]))
+                .nonzero()
+                .view(-1)
+            )
             owned = owned[label_order(gallery_rows[owned], plan.labels)]
             self.orders.append(gallery_rows[owned] - starts[rank])
             self.identities.append(items.identity[owned])

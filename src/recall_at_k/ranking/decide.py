@@ -29,14 +29,14 @@ POSITIVE, NEGATIVE, NEAR = range(3)
 
 
 class Decided(NamedTuple):
-    """Per query: ``s*`` (float64, -inf: no positive), ``p``, the negatives decided above
-    and at ``s*``, and whether a negative reached the near-duplicate threshold."""
+    """Per query: ``s*`` (float64, -inf: no positive), ``p``, the negatives decided at
+    ``s*``, and whether a negative reached the near-duplicate threshold (those decided
+    above ``s*`` are added to the caller's ``greater``)."""
 
     best: Tensor
     tied: Tensor
-    above: Tensor
     equal: Tensor
-    near: Tensor
+    near: Tensor | None
 
 
 class Decider:
@@ -45,51 +45,45 @@ class Decider:
 
     def __init__(
         self,
-        count: int,
+        greater: Tensor,
         source: Source,
         near_threshold: float | None,
         budget: Budget,
         workspace: Workspace,
     ) -> None:
-        device = source.queries.labels.device
+        count, device = greater.shape[0], greater.device
         self.source, self.threshold, self.workspace = source, near_threshold, workspace
+        self.greater = greater  # [Q] negatives above s*: those decided here are added
         self.best = torch.full((count,), -math.inf, dtype=torch.float64, device=device)
         counts = torch.int32 if budget.items < 2**31 else torch.int64  # exact: at most N
         self.tied = torch.zeros(count, dtype=counts, device=device)
-        self.above = torch.zeros(count, dtype=counts, device=device)
         self.equal = torch.zeros(count, dtype=counts, device=device)
-        self.near = torch.zeros(count, dtype=torch.bool, device=device)
+        self.near = None
+        if near_threshold is not None:
+            self.near = torch.zeros(count, dtype=torch.bool, device=device)
         self.rescored = 0
         self.batch_bytes = budget.canonical_bytes
         self.limit = max(1, min(PENDING_PAIRS, budget.pending_bytes // PAIR_BYTES))
-        self.pending: list[tuple[int, Found]] = []
-        self.waiting = 0
+        self.pending = [_Waiting(device) for _ in range(3)]
 
     def add(self, kind: int, found: Found, offset: int = 0) -> None:
         """Pairs of ``kind``, their rows counted from query ``offset``."""
         if found.rows.numel():
-            rows = found.rows + offset if offset else found.rows
-            self.pending.append((kind, Found(rows, found.columns, found.values)))
-            self.waiting += int(found.rows.shape[0])
+            self.pending[kind].add(found, offset)
 
     def full(self) -> bool:
         """Whether enough pairs wait to decide them now."""
-        return self.waiting >= self.limit
+        return sum(waiting.size for waiting in self.pending) >= self.limit
 
     def flush(self, gallery: Gallery) -> None:
         """Decide every waiting pair (all of ``gallery``): positives first."""
-        if not self.pending:
-            return
-        pending, self.pending, self.waiting = self.pending, [], 0
         for kind in (POSITIVE, NEGATIVE, NEAR):
-            parts = [found for k, found in pending if k == kind]
-            if not parts:
+            waiting = self.pending[kind]
+            if waiting.size == 0:
                 continue
-            rows = torch.cat([p.rows for p in parts])
-            columns = torch.cat([p.columns for p in parts])
-            if parts[0].values is not None:  # a callable's scores, kept
-                scores = torch.cat([p.values for p in parts if p.values is not None])
-                scores = scores.to(torch.float64)
+            rows, columns, values = waiting.take()
+            if values is not None:  # a callable's scores, kept
+                scores = values
             else:
                 scores = self.source.canonical(
                     gallery, rows, columns, self.workspace, self.batch_bytes
@@ -99,9 +93,9 @@ class Decider:
                 self._positives(rows, scores)
             elif kind == NEGATIVE:
                 at = self.best[rows]
-                self.above.index_add_(0, rows, (scores > at).to(self.above.dtype))
+                self.greater.index_add_(0, rows, (scores > at).to(self.greater.dtype))
                 self.equal.index_add_(0, rows, (scores == at).to(self.equal.dtype))
-            elif self.threshold is not None:
+            elif self.near is not None and self.threshold is not None:
                 self.near[rows[scores >= self.threshold]] = True
 
     def _positives(self, rows: Tensor, scores: Tensor) -> None:
@@ -118,4 +112,41 @@ class Decider:
         self.best[touched] = merged
 
     def result(self) -> Decided:
-        return Decided(self.best, self.tied, self.above, self.equal, self.near)
+        return Decided(self.best, self.tied, self.equal, self.near)
+
+
+class _Waiting:
+    """The waiting pairs of one kind, in one buffer that grows by half as they come (not
+    a list of the small tensors each scan finds: kept from block to block among the
+    blocks' temporaries, those fragment the C heap)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer: Tensor | None = None  # [3, capacity] float64: rows, columns, values
+        self.size = 0
+        self.kept = False  # whether values are kept (a callable's scores)
+
+    def add(self, found: Found, offset: int) -> None:
+        count = int(found.rows.shape[0])
+        need = self.size + count
+        if self.buffer is None or need > self.buffer.shape[1]:
+            grown = torch.empty((3, max(16, need + need // 2)), dtype=torch.float64, device=self.device)
+            if self.buffer is not None:
+                grown[:, : self.size] = self.buffer[:, : self.size]
+            self.buffer = grown
+        part = self.buffer[:, self.size : need]
+        part[0] = found.rows  # exact: positions below 2**53
+        part[0] += offset
+        part[1] = found.columns
+        if found.values is not None:
+            part[2] = found.values
+            self.kept = True
+        self.size = need
+
+    def take(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The pairs so far (rows and columns int64), emptied."""
+        assert self.buffer is not None
+        rows, columns, values = self.buffer[:, : self.size]
+        out = rows.long(), columns.long(), (values.clone() if self.kept else None)
+        self.size = 0
+        return out

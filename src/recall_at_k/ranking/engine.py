@@ -129,8 +129,9 @@ class _State:
         count, device = queries.labels.shape[0], queries.labels.device
         self.has_positive = torch.zeros(count, dtype=torch.bool, device=device)
         self.greater = torch.zeros(count, dtype=count_dtype(gallery_size), device=device)
-        self.nan = torch.zeros(count, dtype=torch.bool, device=device)
-        self.near = torch.zeros(count, dtype=torch.int32, device=device)
+        self.nan = torch.zeros(count if options.validate else 0, dtype=torch.bool, device=device)
+        near = options.near_duplicate is not None
+        self.near = torch.zeros(count if near else 0, dtype=torch.int32, device=device)
         self.hole = math.nan if callable(options.similarity) else -math.inf
 
 
@@ -172,7 +173,7 @@ def rank_direction(
     negative whatever their scores (the audit's copies)."""
     queries = source.queries
     state = _State(source, options, budget.items)
-    decider = Decider(queries.labels.shape[0], source, options.near_duplicate, budget, workspace)
+    decider = Decider(state.greater, source, options.near_duplicate, budget, workspace)
     if isinstance(source, LocalSource):
         gallery = source.gallery
         device = gallery.fast.device
@@ -194,14 +195,15 @@ def _counts(
     source: Source, state: _State, decider: Decider, options: RankOptions, known: Tensor | None
 ) -> QueryCounts:
     decided = decider.result()
-    greater = decided.above.add_(state.greater.to(decided.above.dtype))
-    at_or_above = greater + decided.equal
+    greater = state.greater.to(decided.equal.dtype)
+    at_or_above = decided.equal.add_(greater)
     counts = TieCounts(greater, at_or_above, decided.tied, state.has_positive)
     device = greater.device
     near = torch.zeros(len(NEAR_COUNTS), dtype=torch.int64, device=device)
     if options.near_duplicate is not None:
         has = state.has_positive
         reaches = has & (decided.best >= options.near_duplicate)
+        assert decided.near is not None
         near_positive, near_negative = reaches, (state.near > 0) | decided.near
         if known is not None:
             flags = known[:, source.queries.position]
@@ -246,15 +248,15 @@ def _tiles(
         rows = min(rows, max(1, panel_bytes // (columns * itemsize)))
     else:
         rows = max(1, tile_bytes // ((num_gallery + dim) * itemsize))
-    tiles = _cut(located.start, located.count, count, rows, tile_bytes // itemsize)
+    tiles = _cut(located.start, located.length, count, rows, tile_bytes // itemsize)
 
     def task(tile: tuple[int, int], workspace: Workspace) -> _Result:
         first_query, stop_query = tile
         part = slice(first_query, stop_query)
         rows_fast = source.query_rows(first_query, stop_query)
         bound = bounds(rows_fast, stats)
-        start, length = located.start[part], located.count[part]
-        own = located.self_column[part]
+        start, length = located.start[part], located.length[part]
+        own = located.own[part]
         groups = queries.groups[part]
         size = stop_query - first_query
         nan = None
@@ -313,7 +315,12 @@ def _tiles(
             greater,
             None if near_state is None else near_state.sure,
             nan,
-            _kinds(Found(found.found.rows, found.found.columns + first, found.found.values), pairs, near_state, device),
+            _kinds(
+                Found(found.found.rows, found.found.columns + first, found.found.values),
+                pairs,
+                near_state,
+                device,
+            ),
         )
 
     with Workers(task, min(workers, len(tiles)), decider.workspace) as pool:
@@ -372,7 +379,9 @@ def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list
             lows = [s for s, p in zip(starts[first:stop], present[first:stop], strict=True) if p]
             if not lows:
                 break
-            width = max(e for e, p in zip(ends[first:stop], present[first:stop], strict=True) if p) - min(lows)
+            width = max(
+                e for e, p in zip(ends[first:stop], present[first:stop], strict=True) if p
+            ) - min(lows)
             if (stop - first) * width <= most:
                 break
             stop = first + max(1, (stop - first) // 2)
@@ -381,7 +390,9 @@ def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list
     return tiles
 
 
-def _band(found_best: Tensor, bound: Tensor, has_positive: Tensor, hole: float) -> tuple[Tensor, Tensor]:
+def _band(
+    found_best: Tensor, bound: Tensor, has_positive: Tensor, hole: float
+) -> tuple[Tensor, Tensor]:
     """The band's edges, ``lo`` kept above a ``-inf`` hole (a band reaching ``-inf``
     would count the holes)."""
     lo, hi = band_edges(found_best, bound, has_positive)
@@ -402,7 +413,7 @@ def _squares_possible(source: LocalSource, options: RankOptions, device: torch.d
         return False
     if options.mode != "auto":
         return options.mode == "squares"
-    count = source.located.count
+    count = source.located.length
     return int(count.max()) <= WIDE_LABELS * count.shape[0]
 
 
@@ -421,7 +432,7 @@ def _squares(
     then hide every item of a query's own label and see negatives only. Whether the
     squares were taken (not when their blocks would be too small, ``"auto"``)."""
     gallery, located, stats = source.gallery, source.located, source.stats
-    num, dim = gallery.fast.shape
+    num = gallery.fast.shape[0]
     device, itemsize = gallery.fast.device, gallery.fast.element_size()
     tile_bytes = budget.tile_for(device, workers)
     size = math.isqrt(max(1, min(CPU_SQUARE_BYTES, tile_bytes) // itemsize))
@@ -436,11 +447,10 @@ def _squares(
         rows = gallery.fast[first:stop]
         return rows if stats.centre is None else rows - stats.centre
 
-    bound = torch.cat(
-        [bounds(centred(a, min(num, a + size)), stats) for a in range(0, num, size)]
-        or [torch.zeros((0, 1), dtype=torch.float64, device=device)]
-    )
-    widest = int(located.count.max()) if num else 0
+    bound = torch.empty((num, 1), dtype=torch.float64, device=device)
+    for a in range(0, num, size):
+        bound[a : a + size] = bounds(centred(a, min(num, a + size)), stats)
+    widest = int(located.length.max()) if num else 0
     most = max(size, math.isqrt(max(1, tile_bytes // itemsize)))
     spans = label_spans(gallery, size, most) if 0 < widest <= size else None
     aligned = spans is not None
@@ -454,15 +464,19 @@ def _squares(
         step = size
         while step > 1 and step * (step + 2 * widest) * itemsize > tile_bytes:
             step = (step + 1) // 2
-        parts = [(a, min(a + step, span.stop)) for span in spans for a in range(span.start, span.stop, step)]
+        parts = [
+            (a, min(a + step, span.stop))
+            for span in spans
+            for a in range(span.start, span.stop, step)
+        ]
 
     def label_task(part: tuple[int, int], workspace: Workspace) -> tuple[_Result, Tensor, Tensor]:
         a, b = part
-        start, length = located.start[a:b], located.count[a:b]
+        start, length = located.start[a:b], located.length[a:b]
         first, stop = (a, b) if aligned else (int(start.min()), int((start + length).max()))
         scores = product(centred(a, b), gallery, first, stop, workspace)
         groups, column_groups = gallery.groups[a:b], gallery.groups[first:stop]
-        own = located.self_column[a:b] - first
+        own = located.own[a:b] - first
         hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
         found = positives(
             scores,
@@ -477,20 +491,35 @@ def _squares(
         kept = Found(found.found.rows, found.found.columns + first, None)
         band_lo, band_hi = _band(found.best, bound[a:b], found.has_positive, hole)
         if not aligned:
-            return _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)]), band_lo, band_hi
+            return (
+                _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)]),
+                band_lo,
+                band_hi,
+            )
         # A span of whole labels: its diagonal square holds its queries' labels; its
         # negatives there are scanned now.
         hide_own_labels(scores, start - first, length, hole)
         greater = torch.zeros(b - a, dtype=state.greater.dtype, device=device)
         pairs: list[Found] = []
         near_state = near_scan(threshold, bound[a:b], scores.dtype)
-        _scan_rows(scores, band_lo, band_hi, first, greater, pairs, near_state, False, workspace, tile_bytes)
+        _scan_rows(
+            scores,
+            band_lo,
+            band_hi,
+            first,
+            greater,
+            pairs,
+            near_state,
+            False,
+            workspace,
+            tile_bytes,
+        )
         sure = None if near_state is None else near_state.sure
         kinds = _kinds(kept, pairs, near_state, device)
         return _Result(a, b, found.has_positive, greater, sure, None, kinds), band_lo, band_hi
 
-    with Workers(label_task, min(workers, len(parts)), decider.workspace) as pool:
-        for result, band_lo, band_hi in pool.map(parts):
+    with Workers(label_task, min(workers, len(parts)), decider.workspace) as labels:
+        for result, band_lo, band_hi in labels.map(parts):
             lo[result.first : result.stop], hi[result.first : result.stop] = band_lo, band_hi
             _merge(result, state, decider)
             if decider.full():
@@ -499,7 +528,9 @@ def _squares(
         saturate(lo, state.greater, max_k)
     junk_runs = None if aligned else _junk(gallery, spans)
 
-    def squares() -> Iterator[tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None]]:
+    def squares() -> Iterator[
+        tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None]
+    ]:
         """Each square with copies of its queries' band edges as they are when it is
         taken (their ``lo`` rises as queries saturate)."""
         for index, rows in enumerate(spans):
@@ -527,7 +558,9 @@ def _squares(
     ) -> list[_Result]:
         index, later, row_lo, row_hi, column_lo, column_hi, rectangle = square
         rows, columns = spans[index], spans[later]
-        scores = product(centred(rows.start, rows.stop), gallery, columns.start, columns.stop, workspace)
+        scores = product(
+            centred(rows.start, rows.stop), gallery, columns.start, columns.stop, workspace
+        )
         if index == later:  # a diagonal square of spans cut anywhere: its own labels
             labels = gallery.labels
             same = labels[rows].unsqueeze(1) == labels[columns].unsqueeze(0)
@@ -543,23 +576,44 @@ def _squares(
         results = []
         for axis, queries, items, band_lo, band_hi in sides:
             peak = scores.amax(dim=1 - axis).unsqueeze(1)
-            greater = torch.zeros(queries.stop - queries.start, dtype=state.greater.dtype, device=device)
+            greater = torch.zeros(
+                queries.stop - queries.start, dtype=state.greater.dtype, device=device
+            )
             pairs: list[Found] = []
             near_state = None
             if threshold is not None:
                 near_state = near_scan(threshold, bound[queries], scores.dtype)
                 assert near_state is not None
                 near(scores, axis, peak, near_state, items.start, False, workspace, tile_bytes)
-            scan(scores, axis, peak, band_lo, band_hi, items.start, greater, pairs, workspace, tile_bytes)
+            scan(
+                scores,
+                axis,
+                peak,
+                band_lo,
+                band_hi,
+                items.start,
+                greater,
+                pairs,
+                workspace,
+                tile_bytes,
+            )
             sure = None if near_state is None else near_state.sure
             results.append(
-                _Result(queries.start, queries.stop, None, greater, sure, None, _kinds(None, pairs, near_state, device))
+                _Result(
+                    queries.start,
+                    queries.stop,
+                    None,
+                    greater,
+                    sure,
+                    None,
+                    _kinds(None, pairs, near_state, device),
+                )
             )
         return results
 
     total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
-    with Workers(square_task, max(1, min(workers, total)), decider.workspace) as pool:
-        for results in pool.map(squares()):
+    with Workers(square_task, max(1, min(workers, total)), decider.workspace) as squaring:
+        for results in squaring.map(squares()):
             for result in results:
                 _merge(result, state, decider)
                 part = slice(result.first, result.stop)
@@ -649,7 +703,7 @@ def _passes(
     def positives_of(gallery: Gallery) -> None:
         located = locate(queries, gallery)
         for a, b in tiles:
-            start, length = located.start[a:b], located.count[a:b]
+            start, length = located.start[a:b], located.length[a:b]
             present = length > 0
             if not bool(present.any()):
                 continue
@@ -657,10 +711,12 @@ def _passes(
             stop = int(torch.where(present, start + length, 0).max())
             scores = product(source.query_rows(a, b), gallery, first, stop, workspace)
             groups, column_groups = queries.groups[a:b], gallery.groups[first:stop]
-            own = located.self_column[a:b] - first
+            own = located.own[a:b] - first
             hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
             junk_groups = (groups, column_groups) if junk else None
-            found = positives(scores, start - first, length, junk_groups, bound[a:b], hole, False, workspace)
+            found = positives(
+                scores, start - first, length, junk_groups, bound[a:b], hole, False, workspace
+            )
             torch.maximum(best[a:b], found.best, out=best[a:b])
             state.has_positive[a:b] |= found.has_positive
             decider.add(POSITIVE, Found(found.found.rows, found.found.columns + first, None), a)
@@ -682,12 +738,23 @@ def _passes(
             if check_nan:
                 state.nan[a:b] |= torch.isnan(scores).any(dim=1)
             groups = queries.groups[a:b] if same_group else None
-            hide_ignored(scores, located.self_column[a:b], groups, gallery.groups, hole)
-            hide_own_labels(scores, located.start[a:b], located.count[a:b], hole)
+            hide_ignored(scores, located.own[a:b], groups, gallery.groups, hole)
+            hide_own_labels(scores, located.start[a:b], located.length[a:b], hole)
             greater = torch.zeros(b - a, dtype=state.greater.dtype, device=device)
             pairs: list[Found] = []
             near_state = near_scan(options.near_duplicate, bound[a:b], scores.dtype)
-            _scan_rows(scores, lo[a:b], hi[a:b], 0, greater, pairs, near_state, False, workspace, tile_bytes)
+            _scan_rows(
+                scores,
+                lo[a:b],
+                hi[a:b],
+                0,
+                greater,
+                pairs,
+                near_state,
+                False,
+                workspace,
+                tile_bytes,
+            )
             state.greater[a:b] += greater
             saturate(lo[a:b], state.greater[a:b], options.max_k)
             if near_state is not None:
@@ -819,7 +886,9 @@ def _reduce(
     for index, sides in enumerate(plan.directions):
         counts = counted[index]
         hist = torch.zeros(options.max_k, dtype=hist_dtype, device=device)
-        number = torch.zeros(8, dtype=torch.int64, device=device)  # queries[2], nan, near[4], failed
+        number = torch.zeros(
+            8, dtype=torch.int64, device=device
+        )  # queries[2], nan, near[4], failed
         record = None
         if sides is not None and counts is not None:
             record = records_of(counts.counts, options.ties, options.max_k, grid)
@@ -827,7 +896,7 @@ def _reduce(
             number = torch.cat([queries, counts.nan.view(1), counts.near, number[:1]])
         hists.append(hist)
         numbers.append(number)
-        records.append(record)
+        records.append(record if outcomes else None)
     every = torch.stack(numbers)
     every[:, 7] = int(failure is not None)
     hist_all = torch.stack(hists)
@@ -849,10 +918,14 @@ def _reduce(
             continue
         gathered = None
         if outcomes:
-            gathered = _gather_records(records[index], counts, sides[0].rows.shape[0], options, group, world, device)
+            gathered = _gather_records(
+                records[index], counts, sides[0].rows.shape[0], options, group, world, device
+            )
         ranked = 0 if counts is None else int(counts.position.shape[0])
         rescored = 0 if counts is None else counts.rescored
-        out.append(Ranked(hist_all[index], every[index, :2], every[index, 3:7], ranked, rescored, gathered))
+        out.append(
+            Ranked(hist_all[index], every[index, :2], every[index, 3:7], ranked, rescored, gathered)
+        )
     return out
 
 

@@ -56,8 +56,12 @@ def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> tuple[Tensor, Ten
     ``dtype``, rounded outwards."""
     lo_wide, hi_wide = centre - half, centre + half
     lo, hi = lo_wide.to(dtype), hi_wide.to(dtype)
-    lo = torch.where(lo.to(torch.float64) > lo_wide, torch.nextafter(lo, lo.new_tensor(-math.inf)), lo)
-    hi = torch.where(hi.to(torch.float64) < hi_wide, torch.nextafter(hi, hi.new_tensor(math.inf)), hi)
+    lo = torch.where(
+        lo.to(torch.float64) > lo_wide, torch.nextafter(lo, lo.new_tensor(-math.inf)), lo
+    )
+    hi = torch.where(
+        hi.to(torch.float64) < hi_wide, torch.nextafter(hi, hi.new_tensor(math.inf)), hi
+    )
     return lo, hi
 
 
@@ -103,7 +107,9 @@ def positives(
     columns = workspace.get("block_columns", (rows, widest), torch.int64, device)
     torch.add(start.unsqueeze(1), steps.unsqueeze(0), out=columns)
     columns.clamp_(min=0, max=max(scores.shape[1] - 1, 0))
-    values = torch.gather(scores, 1, columns, out=workspace.get("block", (rows, widest), scores.dtype, device))
+    values = torch.gather(
+        scores, 1, columns, out=workspace.get("block", (rows, widest), scores.dtype, device)
+    )
     valid = in_block & (values == values) & (values != hole)
     if groups is not None:
         valid &= groups[1][columns] != groups[0].unsqueeze(1)
@@ -148,7 +154,9 @@ def hide_ignored(
         scores.masked_fill_(same, hole)
 
 
-def pooled(workspace: Workspace, slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def pooled(
+    workspace: Workspace, slot: str, numel: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """A flat buffer of at least ``numel`` elements of ``workspace``, of a power-of-two
     size, so that a slot is allocated a few times a ranking, not once a block (fresh
     temporaries of varying sizes fragment the C heap)."""
