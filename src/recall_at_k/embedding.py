@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Literal, NamedTuple, SupportsIndex, cast, over
 import torch
 from torch import Tensor
 
-from recall_at_k import _audit, _audit_sharded, _embedding_checks, _items, _sync
+from recall_at_k import _embedding_checks, _items, _sync
+from recall_at_k import audit as _audit
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
 from recall_at_k._outcomes import QueryOutcomes, embedding_outcomes
@@ -550,11 +551,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """The audit's codes of every process's rows (a collective), made on demand."""
 
         def codes() -> _audit.Codes:
-            width = source.shape[1]
-            dtype = torch.promote_types(source.dtype, _sync.FLOAT_FLOOR)
-            local = _sync.LocalBlocks(source.local, width, dtype, source.device)
             labels, groups = meta[:, _items.LABEL], meta[:, _items.GROUP]
-            return _audit_sharded.sharded_codes(local, source.counts, labels, groups, source.group)
+            sizes = _budget.sharded_audit_sizes()
+            return _audit.sharded_codes(
+                source.local, source.counts, labels, groups, source.group, sizes
+            )
 
         return codes
 
@@ -751,7 +752,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             scratch = self._scratch_bytes(meta.shape[0])
             share = max(1, scratch // _budget.BLOCK_SHARE)
             block = _budget.block_bytes(scratch, embeddings.shape[1])
-            options = options._replace(block_bytes=block, share=share)
+            options = options._replace(sizes=_budget.audit_sizes(min(block, share)))
         return _audit.audit_directions(stored, sides[: len(self._prefixes)], options)
 
     def _audit(
