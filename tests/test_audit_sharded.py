@@ -180,7 +180,7 @@ def _failures(group: Any) -> None:
     def broken(words: Tensor) -> Tensor:
         raise ArithmeticError("forced failure of the row hash")
 
-    def failing_projection(grid: Any, rows: Tensor) -> Tensor:
+    def failing_projection(*args: Any) -> Tensor:
         raise ArithmeticError("forced failure of a projection")
 
     for hook in ("hash", "project"):

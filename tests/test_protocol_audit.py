@@ -9,7 +9,9 @@ copies, rounding copies (1-2 ulps per coordinate; a Linear layer's output for a 
 of 1 against a batch of 10) and near copies (of the same and of another label) among
 random embeddings, and quantised embeddings whose scores equal the threshold exactly.
 
-The one two-process spawn of the audit and interval tests lives here too.
+Two spawns of two gloo processes run every case too, the states gathered and
+``sharded=True`` (the interval tests' two-process case rides on the first); the
+audit's codes over sharded rows: ``test_audit_sharded.py``.
 """
 
 from __future__ import annotations

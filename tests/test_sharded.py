@@ -38,7 +38,7 @@ from helpers import TIES, assert_recall_close, run_distributed
 from memory_probe import ENV
 from torch import Tensor
 
-from recall_at_k import EmbeddingRecallAtK, _audit_sharded, _sync
+from recall_at_k import EmbeddingRecallAtK, _sync
 from recall_at_k.ranking import sharded as sharded_ranking
 
 NEAR = {"cosine": 0.75, "dot": 3.0, "euclidean": -2.0}
@@ -548,11 +548,6 @@ def test_the_sharded_ranking_adds_under_0_6x_the_gathered_bytes(
         assert result["report"] == report
 
 
-@pytest.mark.xfail(
-    getattr(_audit_sharded, "PLACEHOLDER", False),
-    reason="the audit's codes still gather every row (placeholder)",
-    strict=True,
-)
 def test_sharded_compute_adds_under_0_6x_the_gathered_bytes(
     memory: list[dict[str, Any]],
 ) -> None:

@@ -1,22 +1,22 @@
 """Per direction, the queries with identical items and copies in their gallery, the
 gallery's duplicates, the report dicts and the warning.
 
-Each count is "gallery items with the query's key" -- a tally of the gallery's codes read
-at the query's code -- by inclusion-exclusion over the ignore rules, less the query's own
-sample where it would be counted: O(N) gathers and sorts of codes, no pairs. The copies
-up to rounding are looked up per (query, class equal up to rounding) pair, none on
-ordinary data.
+A query's count of gallery items of class ``c`` is a binary search in the gallery's
+sorted composite keys, with the ignore rules by inclusion-exclusion and less the query's
+own sample: over (query, its own class) for the identical items, (query, a class equal
+to its own up to rounding) for the rounding copies -- none on ordinary data -- and (query,
+any class) for the counted queries. O(N log N), no pairs of items.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from recall_at_k.audit.bitwise import CODE32_LIMIT, code, code_dtype, composite, sorted_parts
+from recall_at_k.audit.bitwise import CODE32_LIMIT, code, code_dtype, composite, expand, sorted_copy
 from recall_at_k.ranking.budget import AuditSizes
 
 
@@ -32,7 +32,7 @@ class Codes(NamedTuple):
 def codes_of(
     klass: Tensor, adjacent: Tensor, labels: Tensor, groups: Tensor | None, sizes: AuditSizes
 ) -> Codes:
-    """:class:`Codes` from the bitwise classes, their rounding pairs and the metadata."""
+    """:class:`Codes` of the bitwise classes, their rounding pairs and the metadata."""
     dtype = code_dtype(klass.shape[0])
     group = torch.zeros(0, dtype=dtype) if groups is None else code(groups, sizes)
     return Codes(klass.to(dtype), code(labels, sizes), group.to(klass.device), adjacent)
@@ -52,104 +52,87 @@ class DirectionAudit(NamedTuple):
     def known(self) -> Tensor:
         """bool ``[2, Q]``: queries whose near positive / negative is certain (an identical
         item or a rounding copy), whatever its score (the ranking's ``known``)."""
-        return torch.stack(
-            [
-                self.identical_positive | self.rounding_positive,
-                self.identical_negative | self.rounding_negative,
-            ]
-        )
-
-
-def tally(code: Tensor, rows: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """``[N]``: how many of ``rows`` (None: every item) have each code."""
-    values = code if rows is None else code[rows]
-    table = torch.zeros(code.shape[0], dtype=dtype, device=code.device)
-    return table.index_add_(
-        0, values, torch.ones(1, dtype=dtype, device=code.device).expand(values.shape[0])
-    )
+        positive = self.identical_positive | self.rounding_positive
+        return torch.stack([positive, self.identical_negative | self.rounding_negative])
 
 
 def audit_direction(
     keys: Codes, sides: Any, exclude: str, empty_target_action: str, sizes: AuditSizes
 ) -> DirectionAudit:
-    """Identical and rounding positives / negatives of each query and the gallery's
-    duplicates. ``sides``: ``((rows, identity), (rows, identity))`` of the queries and the
-    gallery (rows into the items; the gallery's identities distinct)."""
+    """The audit of one direction. ``sides``: ``((rows, identity), (rows, identity))`` of
+    its queries and gallery (rows into the items; the gallery's identities distinct)."""
     (q_rows, q_identity), (g_rows, g_identity) = sides
-    num = keys.klass.shape[0]
-    counts = code_dtype(g_rows.shape[0])
-    q_every, g_every = (
-        r.shape[0] == num and (num < 2 or bool((r[1:] > r[:-1]).all())) for r in (q_rows, g_rows)
-    )  # a side of every item in order reads the codes as they are
-
-    def of_queries(code: Tensor) -> Tensor:
-        return code if q_every else code[q_rows]
-
-    def in_gallery(code: Tensor) -> Tensor:
-        """Per query: the gallery items that share the query's ``code``."""
-        return tally(code, None if g_every else g_rows, counts)[of_queries(code)]
-
+    num, queries, device = keys.klass.shape[0], q_rows.shape[0], q_rows.device
     has_self, self_row = own_samples(q_rows, q_identity, g_rows, g_identity, num, sizes)
-    loo = self_row is q_rows  # each query's own sample is its own row
-    same_class = (
-        has_self.clone() if loo else has_self & (keys.klass[self_row] == of_queries(keys.klass))
-    )
-    same_label = (
-        torch.ones_like(has_self) if loo else keys.label[self_row] == of_queries(keys.label)
-    )
     grouped, group_rule = exclude != "none", exclude == "same_group"
-    same_group = torch.zeros_like(same_label)
-    label_group = class_label_group = None
-    if grouped:
-        if keys.group.shape[0] != num:
-            raise ValueError(f"exclude={exclude!r} needs the codes made with the groups")
-        same_group = (
-            torch.ones_like(has_self) if loo else keys.group[self_row] == of_queries(keys.group)
-        )
-        label_group = composite(keys.label, keys.group, sizes=sizes)
-    # Valid positives (which queries compute() counts), then the identical ones; each
-    # count turned into flags before the next (one composite key at a time).
-    self_positive = has_self & same_label & ~(same_group & grouped)
-    positives = in_gallery(keys.label).sub_(self_positive.to(counts))
-    if label_group is not None:
-        positives -= in_gallery(label_group)
-    skip = empty_target_action in ("skip", "error")
-    counted = positives > 0 if skip else torch.ones_like(positives, dtype=torch.bool)
-    del positives
-    class_label = composite(keys.klass, keys.label, sizes=sizes)
-    identical = in_gallery(class_label).sub_((self_positive & same_class).to(counts))
-    if label_group is not None:
-        class_label_group = composite(class_label, keys.group, sizes=sizes)
-        identical -= in_gallery(class_label_group)
-    identical_positive = counted & (identical > 0)
-    # Identical negatives: another label; only "same_group" ignores negatives.
-    identical = in_gallery(keys.klass).sub_(in_gallery(class_label))
-    del class_label
-    identical -= (same_class & ~same_label & ~(same_group & group_rule)).to(counts)
-    if group_rule and class_label_group is not None:
-        identical += in_gallery(class_label_group)
-        identical -= in_gallery(composite(keys.klass, keys.group, sizes=sizes))
-    identical_negative = counted & (identical > 0)
-    del identical, class_label_group
-    classes = tally(keys.klass, None if g_every else g_rows, counts)
-    duplicates = int(g_rows.shape[0]) - int(torch.count_nonzero(classes))
-    del classes
-    rounding_pos = rounding_neg = torch.zeros_like(counted)
-    rounding_duplicates = 0
+    label_group = composite(keys.label, keys.group, sizes=sizes) if grouped else keys.label
+
+    def present(klass: Tensor, pairs: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item of class
+        ``c`` (of ``klass``) for one of their ``pairs`` (query, int64 ``c``), another
+        sample, of the query's label / of another: the gallery's sorted keys counted by
+        binary search, the ignore rules by inclusion-exclusion, less the query's own
+        sample where it is of class ``c``."""
+
+        def table(more: Tensor | None = None) -> Tensor:
+            key = klass[g_rows].to(torch.int64)
+            return sorted_copy(key if more is None else key.mul_(num).add_(more[g_rows]), sizes)[0]
+
+        def count(table: Tensor, key: Tensor) -> Tensor:
+            return torch.searchsorted(table, key, right=True) - torch.searchsorted(table, key)
+
+        by_class, by_label = table(), table(keys.label)
+        by_label_group = table(label_group) if grouped else by_label
+        by_group = table(keys.group) if group_rule else by_class
+        positive = torch.zeros(queries, dtype=torch.bool, device=device)
+        negative = torch.zeros_like(positive)
+        for query, c in pairs:
+            row, own = q_rows[query], self_row[query]
+            label = keys.label[row]
+            pos = count(by_label, c * num + label)
+            neg = count(by_class, c) - pos
+            same_group = torch.zeros_like(pos, dtype=torch.bool)
+            if grouped:
+                in_label_group = count(by_label_group, c * num + label_group[row])
+                pos -= in_label_group
+                same_group = keys.group[own] == keys.group[row]
+                if group_rule:
+                    neg += in_label_group - count(by_group, c * num + keys.group[row])
+            mine = has_self[query] & (klass[own] == c)
+            same_label = keys.label[own] == label
+            pos -= (mine & same_label & ~(same_group & grouped)).long()
+            neg -= (mine & ~same_label & ~(same_group & group_rule)).long()
+            positive[query[pos > 0]] = True
+            negative[query[neg > 0]] = True
+        return positive, negative
+
+    def own(klass: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        for at in range(0, queries, sizes.sort_items):
+            query = torch.arange(at, min(queries, at + sizes.sort_items), device=device)
+            yield query, klass[q_rows[query]].long()
+
+    counted = torch.ones(queries, dtype=torch.bool, device=device)
+    if empty_target_action in ("skip", "error"):  # a valid positive of any class
+        anyone = torch.zeros_like(keys.klass)
+        counted = present(anyone, own(anyone))[0]
+    identical = present(keys.klass, own(keys.klass))
+    rounding = (torch.zeros_like(counted), torch.zeros_like(counted))
     if keys.adjacent.numel():
-        selves = (has_self, self_row)
-        rounding_pos, rounding_neg = rounding_flags(
-            keys, q_rows, g_rows, selves, exclude, label_group, sizes
-        )
-        rounding_duplicates = rounding_duplicate_items(keys, g_rows)
+        starts, q_class = keys.adjacent[:, 0].contiguous(), keys.klass[q_rows]
+        begin = torch.searchsorted(starts, q_class)
+        size = torch.searchsorted(starts, q_class, right=True) - begin
+        adjacent = expand(begin, size, sizes.candidate_pairs)
+        rounding = present(keys.klass, ((q, keys.adjacent[at, 1]) for q, at in adjacent))
+    seen = torch.zeros(num, dtype=torch.bool, device=device)
+    seen.index_fill_(0, keys.klass[g_rows].long(), True)
     return DirectionAudit(
         counted,
-        identical_positive,
-        identical_negative,
-        duplicates,
-        counted & rounding_pos,
-        counted & rounding_neg,
-        rounding_duplicates,
+        counted & identical[0],
+        counted & identical[1],
+        g_rows.shape[0] - int(seen.sum()),
+        counted & rounding[0],
+        counted & rounding[1],
+        rounding_duplicates(keys, g_rows) if keys.adjacent.numel() else 0,
     )
 
 
@@ -162,10 +145,10 @@ def own_samples(
     sizes: AuditSizes,
 ) -> tuple[Tensor, Tensor]:
     """The query's own sample in the gallery (the ranking ignores it): bool ``[Q]`` whether
-    it is there, and its row (:func:`code_dtype` of ``num``; the query's own row where it
-    is not). Identities in ``[0, num)`` (the metric's) are looked up in a table of
-    gallery positions; others through a sort of the gallery's identities in parts."""
-    dtype, size = code_dtype(num), g_identity.shape[0]
+    it is there, and its row (:func:`code_dtype` of ``num``; the query's row where it is
+    not). Identities in ``[0, num)`` (the metric's) are looked up in a table of gallery
+    positions; others through a sort of the gallery's identities in parts."""
+    dtype, size, device = code_dtype(num), g_identity.shape[0], g_identity.device
     if size == 0 or q_identity.shape[0] == 0:
         return torch.zeros_like(q_rows, dtype=torch.bool), q_rows.to(dtype)
     if (
@@ -174,7 +157,6 @@ def own_samples(
         and torch.equal(q_identity, g_identity)
     ):
         return torch.ones_like(q_rows, dtype=torch.bool), q_rows  # leave-one-out
-    device = g_identity.device
     low = min(int(g_identity.min()), int(q_identity.min()))
     high = max(int(g_identity.max()), int(q_identity.max()))
     if low >= 0 and high < num:
@@ -183,15 +165,9 @@ def own_samples(
         position = position[q_identity]
         has_self = position >= 0
     else:
-        ident = torch.empty(size, dtype=torch.int64, device=device)
-        order = torch.empty(size, dtype=code_dtype(size), device=device)
-        at = 0
-        for part, values in sorted_parts(g_identity.to(torch.int64), sizes):
-            ident[at : at + part.shape[0]], order[at : at + part.shape[0]] = values, part
-            at += part.shape[0]
+        ident, order = sorted_copy(g_identity.to(torch.int64), sizes)
         found = torch.searchsorted(ident, q_identity, out_int32=size <= CODE32_LIMIT)
-        found.clamp_(max=size - 1)
-        has_self = ident[found] == q_identity
+        has_self = ident[found.clamp_(max=size - 1)] == q_identity
         del ident
         position = order[found]
         del order, found
@@ -199,72 +175,7 @@ def own_samples(
     return has_self, self_row
 
 
-def rounding_flags(
-    keys: Codes,
-    q_rows: Tensor,
-    g_rows: Tensor,
-    selves: tuple[Tensor, Tensor],
-    exclude: str,
-    label_group: Tensor | None,
-    sizes: AuditSizes,
-) -> tuple[Tensor, Tensor]:
-    """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item, another
-    sample, of a class equal to the query's up to rounding, of the query's label / of
-    another. Per (query, adjacent class ``b``) pair, ``candidate_pairs`` at a time, the
-    gallery items of class ``b`` with the query's key are counted by binary search in
-    the gallery's sorted composite keys, the ignore rules by inclusion-exclusion as in
-    :func:`audit_direction`, less the query's own sample where it is of class ``b``."""
-    num, device = keys.klass.shape[0], q_rows.device
-    positive = torch.zeros(q_rows.shape, dtype=torch.bool, device=device)
-    negative = torch.zeros_like(positive)
-    starts = keys.adjacent[:, 0].contiguous()
-    q_class = keys.klass[q_rows]
-    begin = torch.searchsorted(starts, q_class)
-    degree = torch.searchsorted(starts, q_class, right=True) - begin
-    ends = torch.cumsum(degree, dim=0)
-    total = int(ends[-1]) if ends.numel() else 0
-
-    def table(*codes: Tensor) -> Tensor:
-        key = codes[0][g_rows].to(torch.int64)
-        for more in codes[1:]:
-            key = key * num + more[g_rows]
-        return torch.sort(key)[0]
-
-    def count(sorted_keys: Tensor, key: Tensor) -> Tensor:
-        return torch.searchsorted(sorted_keys, key, right=True) - torch.searchsorted(
-            sorted_keys, key
-        )
-
-    grouped, group_rule = label_group is not None, exclude == "same_group"
-    by_class, by_label = table(keys.klass), table(keys.klass, keys.label)
-    by_label_group = table(keys.klass, label_group) if label_group is not None else None
-    by_group = table(keys.klass, keys.group) if group_rule else None
-    has_self, self_row = selves
-    for start in range(0, total, sizes.candidate_pairs):
-        pair = torch.arange(start, min(start + sizes.candidate_pairs, total), device=device)
-        query = torch.searchsorted(ends, pair, right=True)
-        other = keys.adjacent[begin[query] + pair - (ends[query] - degree[query]), 1]
-        row, own = q_rows[query], self_row[query]
-        label = keys.label[row]
-        pos = count(by_label, other * num + label)
-        neg = count(by_class, other) - pos
-        same_group = torch.zeros_like(own, dtype=torch.bool)
-        if label_group is not None and by_label_group is not None:
-            in_label_group = count(by_label_group, other * num + label_group[row])
-            pos -= in_label_group
-            same_group = keys.group[own] == keys.group[row]
-            if by_group is not None:
-                neg += in_label_group - count(by_group, other * num + keys.group[row])
-        mine = has_self[query] & (keys.klass[own] == other)
-        same_label = keys.label[own] == label
-        pos -= (mine & same_label & ~(same_group & grouped)).long()
-        neg -= (mine & ~same_label & ~(same_group & group_rule)).long()
-        positive[query[pos > 0]] = True
-        negative[query[neg > 0]] = True
-    return positive, negative
-
-
-def rounding_duplicate_items(keys: Codes, g_rows: Tensor) -> int:
+def rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
     """Gallery items whose class first appears in the gallery after a class equal to it
     up to rounding (the bitwise repeats are ``duplicate_gallery_items``)."""
     num, size = keys.klass.shape[0], g_rows.shape[0]
@@ -274,8 +185,7 @@ def rounding_duplicate_items(keys: Codes, g_rows: Tensor) -> int:
     a, b = keys.adjacent[:, 0], keys.adjacent[:, 1]
     later = (first[a] < first[b]) & (first[b] < size)
     flagged = torch.zeros(num, dtype=torch.bool, device=g_rows.device)
-    flagged[b[later]] = True
-    return int(flagged.sum())
+    return int(flagged.index_fill_(0, b[later], True).sum())
 
 
 def counted_queries(
@@ -288,34 +198,33 @@ def counted_queries(
 
 
 def direction_report(
-    queries: int, audit: DirectionAudit, near: Tensor | None, empty_target_action: str
+    queries: int, audit: DirectionAudit | None, near: Tensor | None, empty_target_action: str
 ) -> dict[str, int]:
-    """One direction's report, its keys in the documented order (``near``: the ranking's
-    near counts: positive, negative, negative without a valid positive, hits at 1)."""
-    result = {
-        "queries": queries,
-        "identical_positive": int(audit.identical_positive.sum()),
-        "identical_negative": int(audit.identical_negative.sum()),
-        "rounding_positive": int(audit.rounding_positive.sum()),
-        "rounding_negative": int(audit.rounding_negative.sum()),
-    }
+    """One direction's report, its keys in the documented order (``audit`` None: every
+    count 0; ``near``: the ranking's near counts -- positive, negative, negative without a
+    valid positive, hits at 1 -- or None without a threshold)."""
+    names = ["identical_positive", "identical_negative", "rounding_positive", "rounding_negative"]
+    result = {"queries": queries}
+    result.update((name, 0 if audit is None else int(getattr(audit, name).sum())) for name in names)
     if near is not None:
         positive, negative, negative_alone, hits = (int(v) for v in near.tolist())
-        counts_all = empty_target_action not in ("skip", "error")
-        result["near_positive"] = positive
-        result["near_negative"] = negative + (negative_alone if counts_all else 0)
-        result["near_hits_at_1"] = hits
-    result["duplicate_gallery_items"] = audit.duplicate_gallery_items
-    result["rounding_duplicate_gallery_items"] = audit.rounding_duplicate_gallery_items
+        alone = negative_alone if empty_target_action not in ("skip", "error") else 0
+        result.update(near_positive=positive, near_negative=negative + alone, near_hits_at_1=hits)
+    for name in ("duplicate_gallery_items", "rounding_duplicate_gallery_items"):
+        result[name] = 0 if audit is None else getattr(audit, name)
     return result
 
 
-def empty_report(near: bool) -> dict[str, int]:
-    """The report of a direction without queries or gallery: every count 0."""
-    keys = ["queries", "identical_positive", "identical_negative"]
-    keys += ["rounding_positive", "rounding_negative"]
-    keys += ["near_positive", "near_negative", "near_hits_at_1"] if near else []
-    return dict.fromkeys([*keys, "duplicate_gallery_items", "rounding_duplicate_gallery_items"], 0)
+FINDINGS = (
+    ("identical_positive", "have a bitwise-identical item of their own label in their gallery"),
+    (
+        "rounding_positive",
+        "have an item of their own label equal to them up to float rounding in their gallery",
+    ),
+    ("duplicate_gallery_items", "are bitwise-identical to another gallery item"),
+    ("rounding_duplicate_gallery_items", "are equal up to float rounding to another gallery item"),
+)
+"""What the warning names: the report's key and what it counts."""
 
 
 def warning_message(
@@ -326,27 +235,18 @@ def warning_message(
     ``directions``: each direction's sides, or None."""
     findings = []
     for name, found, sides in zip(names, reports, directions, strict=False):
-        where = f"direction {name!r}: " if name else ""
-        queries, size = found["queries"], 0 if sides is None else int(sides[1][0].shape[0])
-        for key, what in (
-            ("identical_positive", "a bitwise-identical item of their own label"),
-            ("rounding_positive", "an item of their own label equal to them up to float rounding"),
-        ):
+        gallery = 0 if sides is None else int(sides[1][0].shape[0])
+        for key, what in FINDINGS:
+            whole, of, why = (
+                (found["queries"], "counted queries", "a guaranteed hit (leakage)")
+                if key.endswith("positive")
+                else (gallery, "gallery items", "so every query ranks each repeat again")
+            )
             if found[key]:
+                where = f"direction {name!r}: " if name else ""
+                share = found[key] / max(whole, 1)
                 findings.append(
-                    f"{where}{found[key]} of {queries} counted queries"
-                    f" ({found[key] / queries:.1%}) have {what} in their gallery, a"
-                    f" guaranteed hit (leakage) [{key}]"
-                )
-        for key, what in (
-            ("duplicate_gallery_items", "bitwise-identical to"),
-            ("rounding_duplicate_gallery_items", "equal up to float rounding to"),
-        ):
-            if found[key]:
-                findings.append(
-                    f"{where}{found[key]} of {size} gallery items"
-                    f" ({found[key] / max(size, 1):.1%}) are {what} another gallery item, so"
-                    f" every query ranks each repeat again [{key}]"
+                    f"{where}{found[key]} of {whole} {of} ({share:.1%}) {what}, {why} [{key}]"
                 )
     if not findings:
         return None
