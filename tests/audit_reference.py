@@ -3,14 +3,15 @@ moved by a few ulps, colliding row hashes, and the audit's codes and pairs of ro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import torch
 from torch import Tensor
 
 from recall_at_k import audit
-from recall_at_k.audit import Codes
+from recall_at_k.audit import Codes, bitwise
 from recall_at_k.ranking import budget
 
 SIZES = budget.audit_sizes(2**20)
@@ -47,27 +48,38 @@ def ulps(rows: Tensor, steps: Tensor) -> Tensor:
     return out
 
 
-def zero_hash(words: Tensor) -> Tensor:
+def zero_hash(words: Tensor, workspace: object) -> Tensor:
     """Every row the same hash: every run splits by comparison alone."""
     return torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
 
 
-def first_word_hash(words: Tensor) -> Tensor:
+def first_word_hash(words: Tensor, workspace: object) -> Tensor:
     """A hash of the first word only: collides where rows share it."""
     return words[:, 0].long()
 
 
-HASHES: dict[str | None, Callable[[Tensor], Tensor] | None] = {
-    None: None,
+HASHES: dict[str, Callable[[Tensor, object], Tensor]] = {
     "zero": zero_hash,
     "first_word": first_word_hash,
 }
 
 
-def codes_of(rows: Tensor, sizes: budget.AuditSizes = SIZES, **kwargs: object) -> Codes:
+@contextlib.contextmanager
+def row_hash(name: str | None) -> Iterator[None]:
+    """The audit's row hash replaced by one of :data:`HASHES` (None: the real one)."""
+    plain = bitwise.hash_words
+    if name is not None:
+        bitwise.hash_words = HASHES[name]  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        bitwise.hash_words = plain  # type: ignore[assignment]
+
+
+def codes_of(rows: Tensor, sizes: budget.AuditSizes = SIZES) -> Codes:
     """The audit's codes of ``rows`` (labels and groups all 0)."""
     zeros = torch.zeros(rows.shape[0], dtype=torch.int64)
-    return audit.codes(rows, zeros, zeros, sizes, **kwargs)  # type: ignore[arg-type]
+    return audit.codes(rows, zeros, zeros, sizes)
 
 
 def pairs(rows: Tensor, sizes: budget.AuditSizes = SIZES) -> set[tuple[int, int]]:

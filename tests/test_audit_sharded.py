@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-from audit_reference import HASHES, SIZES, codes_of, ulps
+from audit_reference import SIZES, codes_of, row_hash, ulps
 from helpers import run_distributed
 from torch import Tensor
 
 from recall_at_k import audit
-from recall_at_k.audit import Codes, rounding
+from recall_at_k.audit import Codes, bitwise, rounding
 from recall_at_k.ranking import budget
 
 
@@ -137,17 +137,9 @@ def _run_scenarios(group: Any) -> list[list[Codes]]:
             mine = case.parts[me]
             blocks = _strided(mine) if sizes is TINY and mine.shape[1] else [mine]
             assert sizes is DEFAULT or all(b.stride(-1) != 1 for b in blocks if b.shape[1])
-            results.append(
-                audit.sharded_codes(
-                    blocks,
-                    counts,
-                    case.labels,
-                    case.groups,
-                    group,
-                    sizes,
-                    hashes=HASHES[case.hook],
-                )
-            )
+            with row_hash(case.hook):
+                codes = audit.sharded_codes(blocks, counts, case.labels, case.groups, group, sizes)
+            results.append(codes)
         found.append(results)
     return found
 
@@ -177,27 +169,21 @@ def _failures(group: Any) -> None:
     counts = [part.shape[0] for part in parts]
     labels = torch.zeros(sum(counts), dtype=torch.int64)
 
-    def broken(words: Tensor) -> Tensor:
-        raise ArithmeticError("forced failure of the row hash")
+    def broken(*args: Any) -> Tensor:
+        raise ArithmeticError("forced failure of the row hash or of a projection")
 
-    def failing_projection(*args: Any) -> Tensor:
-        raise ArithmeticError("forced failure of a projection")
-
-    for hook in ("hash", "project"):
-        plain = rounding.project
-        hashes = broken if hook == "hash" and me == 1 else None
-        if hook == "project" and me == 1:
-            rounding.project = failing_projection  # type: ignore[assignment]
+    for module, name in ((bitwise, "hash_words"), (rounding, "project")):
+        plain = getattr(module, name)
+        if me == 1:
+            setattr(module, name, broken)
         expected = (ArithmeticError, "forced failure")
         if me != 1:
             expected = (RuntimeError, "failed on another process")  # type: ignore[assignment]
         try:
             with pytest.raises(expected[0], match=expected[1]):
-                audit.sharded_codes(
-                    [parts[me]], counts, labels, labels, group, DEFAULT, hashes=hashes
-                )
+                audit.sharded_codes([parts[me]], counts, labels, labels, group, DEFAULT)
         finally:
-            rounding.project = plain  # type: ignore[assignment]
+            setattr(module, name, plain)
     got = audit.sharded_codes([parts[me]], counts, labels, labels, group, DEFAULT)
     assert int(got.klass.max()) + 1 == sum(counts) - 1  # one bitwise copy
 

@@ -26,12 +26,12 @@ from typing import Any
 import pytest
 import torch
 from audit_reference import (
-    HASHES,
     SIZES,
     codes_of,
     pairs,
     pairs_brute_force,
     rounding_copy,
+    row_hash,
     ulps,
 )
 from embedding_reference import Batch, canonical_score, prepared_row
@@ -823,7 +823,8 @@ def test_bitwise_classes_are_exact_whatever_the_hash(dtype: torch.dtype, hashes:
     rows = torch.randint(-2, 3, (300, 3), generator=gen).to(dtype) / 2
     rows[7] = torch.tensor([-0.0, 0.0, 0.0]).to(dtype)
     rows[8] = torch.tensor([0.0, 0.0, 0.0]).to(dtype)
-    classes = codes_of(rows, hashes=HASHES[hashes]).klass
+    with row_hash(hashes):
+        classes = codes_of(rows).klass
     bits = rows.view(torch.int16)
     same_bits = (bits.unsqueeze(0) == bits.unsqueeze(1)).all(dim=2)
     assert torch.equal(classes.unsqueeze(0) == classes.unsqueeze(1), same_bits)
@@ -897,10 +898,10 @@ def test_rounding_pairs_equal_the_brute_force(monkeypatch: pytest.MonkeyPatch) -
 def test_audit_blocks_on_worker_threads_give_the_same_codes(
     threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At ``threads`` torch threads :func:`audit.codes` hashes, compares, projects and
-    checks its rows in blocks on that many worker threads (each running torch on one
-    thread, at least ``blocks_per_worker`` blocks each): the codes are those of one
-    thread, the rounding pairs the brute force's; a hash that collides, likewise."""
+    """At ``threads`` torch threads :func:`audit.codes` hashes and projects its rows in
+    blocks on that many worker threads (each running torch on one thread, at least
+    ``blocks_per_worker`` blocks each): the codes are those of one thread, the rounding
+    pairs the brute force's; a hash that collides, likewise."""
     rows = _tricky_rows()
     rows = torch.cat([rows, rows[:60], rows[90:]])  # bitwise copies in other blocks
     labels = torch.arange(rows.shape[0]) % 5
@@ -910,7 +911,8 @@ def test_audit_blocks_on_worker_threads_give_the_same_codes(
     torch.set_num_threads(1)
     try:
         one = audit.codes(rows, labels, groups, sizes)
-        collide = audit.codes(rows, labels, groups, sizes, hashes=HASHES["zero"])
+        with row_hash("zero"):
+            collide = audit.codes(rows, labels, groups, sizes)
         torch.set_num_threads(threads)
         seen: list[tuple[str, int]] = []
         original = bitwise.run_task
@@ -929,7 +931,8 @@ def test_audit_blocks_on_worker_threads_give_the_same_codes(
             assert torch.equal(a, b)
         found = {(int(a), int(b)) for a, b in many.adjacent.tolist()}
         assert found == pairs_brute_force(rows) and len(found) > 30 * 29
-        exact = audit.codes(rows, labels, groups, sizes, hashes=HASHES["zero"])
+        with row_hash("zero"):
+            exact = audit.codes(rows, labels, groups, sizes)
         for a, b, c in zip(one, collide, exact, strict=True):
             assert torch.equal(a, b) and torch.equal(a, c)
     finally:
@@ -1193,9 +1196,9 @@ def test_rounding_pairs_of_float64_rows_at_the_ends_of_the_range() -> None:
 
 @pytest.mark.parametrize("offset", [0, 2**40])
 def test_own_samples_equal_the_brute_force(offset: int) -> None:
-    """The query's own sample in the gallery (the gallery's identities distinct): looked
-    up in a table for identities ``0..n-1`` (the metric's), through a sort for others
-    (``offset``: ids beyond the items); a side of every item in order (leave-one-out)."""
+    """The query's own sample in the gallery (the gallery's identities distinct), for
+    identities ``0..n-1`` (the metric's) and others (``offset``: ids beyond the items); a
+    side of every item in order (leave-one-out)."""
     gen = torch.Generator().manual_seed(5)
     num = 40
     identity = torch.randperm(num, generator=gen) // 2 * 3 + offset  # pairs share one
@@ -1208,7 +1211,7 @@ def test_own_samples_equal_the_brute_force(offset: int) -> None:
     alone = torch.arange(num) * 3 + offset
     for queries, gallery, ids in [(q_rows, g_rows, identity), (every, every, alone)]:
         q_id, g_id = ids[queries.long()], ids[gallery.long()]
-        has_self, self_row = own_samples(queries, q_id, gallery, g_id, num, SIZES)
+        has_self, self_row = own_samples(((queries, q_id), (gallery, g_id)), num, SIZES)
         assert self_row.dtype == torch.int32
         for q, (row, ident) in enumerate(zip(queries.tolist(), q_id.tolist(), strict=True)):
             match = [
@@ -1218,7 +1221,7 @@ def test_own_samples_equal_the_brute_force(offset: int) -> None:
             assert int(self_row[q]) == (match[0] if match else row)
     empty = torch.zeros(0, dtype=torch.int64)
     q_id = identity[q_rows.long()]
-    has_self, self_row = own_samples(q_rows, q_id, empty, empty, num, SIZES)
+    has_self, self_row = own_samples(((q_rows, q_id), (empty, empty)), num, SIZES)
     assert not has_self.any() and torch.equal(self_row, q_rows)
 
 

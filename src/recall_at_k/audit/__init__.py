@@ -76,18 +76,13 @@ def check_near_duplicate(value: object) -> float | None:
 
 
 def codes(
-    embeddings: Tensor,
-    labels: Tensor,
-    groups: Tensor | None,
-    sizes: budget.AuditSizes,
-    *,
-    hashes: Callable[[Tensor], Tensor] | None = None,
+    embeddings: Tensor, labels: Tensor, groups: Tensor | None, sizes: budget.AuditSizes
 ) -> Codes:
     """The keys the audit counts with, of the rows of ``embeddings`` ``[N, D]`` (bit
     patterns as stored) and their ``labels`` / ``groups`` ``[N]`` (None: no group codes):
-    the one-process case of :func:`sharded_codes`. ``hashes``: the row hash (tests)."""
+    :func:`sharded_codes` of one process on its own."""
     shard = sharded.Shard([embeddings], [embeddings.shape[0]], False, sizes, embeddings.device)
-    return shard.codes(labels, groups, hashes)
+    return shard.codes(labels, groups)
 
 
 Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]

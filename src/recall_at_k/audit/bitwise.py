@@ -1,6 +1,6 @@
 """Classes of bitwise-equal rows, and the integer codes and sorts the audit counts with.
 
-Each row's bits get a 62-bit hash (:func:`hash_rows`); the items of one hash form a run
+Each row's bits get a 62-bit hash (:func:`hash_words`); the items of one hash form a run
 and each is compared bit for bit with its run's first item (:func:`bitwise_classes`),
 so the classes are exact whatever the hash. O(N log N + N D): sorts run in parts
 (:func:`sorted_parts`), rows are read a block at a time (:class:`Blocks`), never whole.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -26,10 +26,8 @@ CODE32_LIMIT = 2**31 - 1
 """Codes of up to this many items are int32 (the dtype's range), int64 beyond."""
 
 HASH_PRIME = 2**21 - 9
-"""The hash's sums are taken modulo this prime."""
-
-HASH_TERMS = 2**15
-"""Words summed before a reduction modulo the prime: terms below 2^37, so exact in float64."""
+"""The hash's sums are taken modulo this prime; a sum of up to 2^15 terms (each below
+2^37) is an integer below 2^53, exact in float64 in any order."""
 
 ROWS_SLOT = "audit_rows"
 """The workspace slot of a block's float64 rows (the hash's, then the projections')."""
@@ -48,13 +46,11 @@ def run_task(task: Callable[[Workspace], Result], workspace: Workspace) -> Resul
 class Blocks:
     """Block work on the ranking's worker threads (``torch.get_num_threads()`` on CPU, each
     running torch on one thread; the caller alone elsewhere), as a context manager. A
-    block's result depends on its rows alone and results come in order: the same audit
-    for every thread count."""
+    block's result depends on its rows alone: the same audit for every thread count."""
 
-    def __init__(self, device: torch.device, sizes: AuditSizes, count: int | None = None) -> None:
-        self.count = worker_count(device) if count is None else count
-        self.device, self.sizes = device, sizes
-        self.workers: Workers[Callable[[Workspace], Any], Any]
+    def __init__(self, device: torch.device, sizes: AuditSizes) -> None:
+        self.count, self.sizes = worker_count(device), sizes
+        self.workers: Workers[Callable[[Workspace], None], None]
         self.workers = Workers(run_task, self.count, Workspace())
 
     def __enter__(self) -> Blocks:
@@ -64,21 +60,20 @@ class Blocks:
     def __exit__(self, *exc: object) -> None:
         self.workers.__exit__(*exc)
 
-    def map(self, function: Callable[[Any, Workspace], Result], items: Iterable[Any]) -> list[Any]:
-        """``function(item, workspace)`` of each item, in order; then every thread's scratch
-        is freed (a phase's buffers are not kept beside the next's)."""
-        found = list(self.workers.map(functools.partial(function, item) for item in items))
-        self.workers.workspace.clear()
-        self.workers.local = threading.local()
-        return found
-
-    def slices(self, num: int, row_bytes: int, total: int | None = None) -> list[slice]:
-        """``num`` rows cut into blocks: each thread's share of ``total`` (the block bytes)
-        at ``row_bytes`` a row, smaller where a thread would get under its blocks."""
-        step = max(1, (total or self.sizes.block_bytes) // max(1, self.count * row_bytes))
+    def run(
+        self, task: Callable[[slice, Workspace], None], num: int, row_bytes: int, total: int
+    ) -> None:
+        """``task(rows, workspace)`` for blocks of the ``num`` rows, each thread's share of
+        ``total`` bytes at ``row_bytes`` a row (smaller where a thread would get under
+        ``blocks_per_worker`` blocks); then every thread's scratch is freed."""
+        step = max(1, total // max(1, self.count * row_bytes))
         if self.count > 1:
             step = max(1, min(step, -(-num // (self.sizes.blocks_per_worker * self.count))))
-        return [slice(at, at + step) for at in range(0, num, step)]
+        parts = (slice(at, at + step) for at in range(0, num, step))
+        for _ in self.workers.map(functools.partial(task, part) for part in parts):
+            pass
+        self.workers.workspace.clear()
+        self.workers.local = threading.local()
 
 
 def words(rows: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -96,40 +91,32 @@ def same_bits(first: Tensor, second: Tensor) -> Tensor:
     return (words(first) == words(second)).all(dim=1)
 
 
-def hash_rows(
-    rows: Tensor,
-    blocks: Blocks,
-    out: Tensor,
-    hashes: Callable[[Tensor], Tensor] | None = None,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """Write each row's hash into int64 ``out`` ``[m]``, from its bits alone (in ``dtype``).
-
-    Three sums of the row's int16 words (shifted to ``[0, 2^16)``) times fixed coefficients
-    below a prime ``p``, each modulo ``p``, as ``(k0 p + k1) p + k2``: a float64 product of
-    integers below 2^53, exact in any order, blocking, device or process. Rows are widened
-    a block at a time on ``blocks``. ``hashes``: a hash of the words instead (tests)."""
-    width = rows.shape[1] * (dtype or rows.dtype).itemsize // 2
+def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
+    """int64 ``[m]``: the hash of each row of int16 words ``bits``: three sums of its words
+    (shifted to ``[0, 2^16)``) times fixed coefficients below :data:`HASH_PRIME` ``p``,
+    each modulo ``p``, as ``(k0 p + k1) p + k2``; a float64 product of integers, exact in
+    any order, blocking, device or process."""
     generator = torch.Generator().manual_seed(20261203)
-    coefficients = torch.randint(1, HASH_PRIME, (width, 3), generator=generator)
-    coefficients = coefficients.to(device=rows.device, dtype=torch.float64)
+    coefficients = torch.randint(1, HASH_PRIME, (bits.shape[1], 3), generator=generator)
+    coefficients = coefficients.to(device=bits.device, dtype=torch.float64)
+    wide = workspace.get(ROWS_SLOT, tuple(bits.shape), torch.float64, bits.device)
+    wide.copy_(bits).add_(2**15)
+    keys = torch.zeros((bits.shape[0], 3), dtype=torch.float64, device=bits.device)
+    for at in range(0, bits.shape[1], 2**15):
+        keys.addmm_(wide[:, at : at + 2**15], coefficients[at : at + 2**15]).remainder_(HASH_PRIME)
+    key = keys.to(torch.int64)
+    return key[:, 0].mul(HASH_PRIME).add_(key[:, 1]).mul_(HASH_PRIME).add_(key[:, 2])
+
+
+def hash_rows(rows: Tensor, blocks: Blocks, out: Tensor, dtype: torch.dtype) -> None:
+    """Write into int64 ``out`` ``[m]`` the :func:`hash_words` of each row's bits in
+    ``dtype``, a block of rows at a time on ``blocks``."""
 
     def hash_block(part: slice, workspace: Workspace) -> None:
-        bits, into = words(rows[part], dtype), out[part]
-        if hashes is not None:
-            into.copy_(hashes(bits))
-            return
-        wide = workspace.get(ROWS_SLOT, tuple(bits.shape), torch.float64, rows.device)
-        wide.copy_(bits).add_(2**15)  # the words in [0, 2^16)
-        keys = torch.zeros((bits.shape[0], 3), dtype=torch.float64, device=rows.device)
-        for at in range(0, width, HASH_TERMS):
-            term = slice(at, at + HASH_TERMS)
-            keys.addmm_(wide[:, term], coefficients[term]).remainder_(HASH_PRIME)
-        key = keys.to(torch.int64)
-        torch.mul(key[:, 0], HASH_PRIME, out=into).add_(key[:, 1]).mul_(HASH_PRIME)
-        into.add_(key[:, 2])
+        out[part] = hash_words(words(rows[part], dtype), workspace)
 
-    blocks.map(hash_block, blocks.slices(rows.shape[0], 8 * width))
+    width = rows.shape[1] * dtype.itemsize // 2
+    blocks.run(hash_block, rows.shape[0], 8 * width, blocks.sizes.block_bytes)
 
 
 def bitwise_classes(
@@ -138,12 +125,11 @@ def bitwise_classes(
     """``[N]`` codes: the classes of bitwise-equal items, ``0..C-1`` in the order of each
     class's first item; and ``[C]`` those first items.
 
-    ``hashes``: int64 ``[N]``, each item's :func:`hash_rows` (freed once coded).
-    ``same(items, firsts)``: bool per pair of int64 item indices, whether their rows have
-    the same bits, called with the same pairs wherever ``hashes`` is the same (for a
-    collective). Items are walked ``candidate_pairs`` at a time; those unequal to their run's
-    first (a hash collision, chance about ``N^2 / 2^62``) leave it together and only
-    they are compared again, with their own first."""
+    ``hashes``: int64 ``[N]``, each item's row hash (freed once coded). ``same(items,
+    firsts)``: bool per pair of int64 item indices, whether their rows have the same bits,
+    called with the same pairs wherever ``hashes`` is the same (for a collective). Items
+    are walked ``candidate_pairs`` at a time; those unequal to their run's first (a hash
+    collision) leave it together and only they are compared again, with their own first."""
     num, device = hashes.shape[0], hashes.device
     run = code(hashes, sizes)
     del hashes
@@ -154,9 +140,7 @@ def bitwise_classes(
         for at in range(0, num, sizes.candidate_pairs):
             index = torch.arange(at, min(num, at + sizes.candidate_pairs), device=device)
             earliest = first[run[index]].long()
-            todo = earliest != index
-            if pending is not None:
-                todo &= pending[index]
+            todo = (earliest != index) & (True if pending is None else pending[index])
             if bool(todo.any()):
                 moved[index[todo][~same(index[todo], earliest[todo])]] = True
         if not bool(moved.any()):
@@ -173,9 +157,8 @@ def first_items(codes: Tensor, sizes: AuditSizes) -> Tensor:
     num = codes.shape[0]
     first = torch.full((int(codes.max()) + 1,), num, dtype=codes.dtype, device=codes.device)
     for at in range(0, num, sizes.sort_items):
-        stop = min(num, at + sizes.sort_items)
-        where = torch.arange(at, stop, dtype=codes.dtype, device=codes.device)
-        first.scatter_reduce_(0, codes[at:stop].long(), where, reduce="amin")
+        where = torch.arange(at, min(num, at + sizes.sort_items), device=codes.device)
+        first.scatter_reduce_(0, codes[where].long(), where.to(codes.dtype), reduce="amin")
     return first
 
 
@@ -241,18 +224,15 @@ def code(values: Tensor, sizes: AuditSizes) -> Tensor:
     return codes
 
 
-def composite(*parts: Tensor, sizes: AuditSizes) -> Tensor:
-    """The code of the tuple of codes ``parts`` (each ``[N]`` in ``[0, N)``), made pair by
-    pair, each step coded back into ``[0, N)`` (an int32 key where the pairs fit one)."""
-    result = parts[0]
-    for part in parts[1:]:
-        if result.numel() == 0:
-            return result.clone()
-        radix = int(part.max()) + 1
-        fits = (int(result.max()) + 1) * radix <= CODE32_LIMIT + 1
-        key = result.to(torch.int32 if fits else torch.int64) * radix
-        result = code(key.add_(part.to(key.dtype)), sizes)
-    return result
+def pair_code(first: Tensor, second: Tensor, sizes: AuditSizes) -> Tensor:
+    """The code of each pair of codes (``[N]`` each, in ``[0, N)``), in ``[0, N)`` (made of
+    an int32 key where the pairs fit one)."""
+    if first.numel() == 0:
+        return first.clone()
+    radix = int(second.max()) + 1
+    fits = (int(first.max()) + 1) * radix <= CODE32_LIMIT + 1
+    key = first.to(torch.int32 if fits else torch.int64) * radix
+    return code(key.add_(second.to(key.dtype)), sizes)
 
 
 def expand(begin: Tensor, size: Tensor, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:

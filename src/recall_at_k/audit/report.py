@@ -1,11 +1,11 @@
 """Per direction, the queries with identical items and copies in their gallery, the
 gallery's duplicates, the report dicts and the warning.
 
-A query's count of gallery items of class ``c`` is a binary search in the gallery's
-sorted composite keys, with the ignore rules by inclusion-exclusion and less the query's
-own sample: over (query, its own class) for the identical items, (query, a class equal
-to its own up to rounding) for the rounding copies -- none on ordinary data -- and (query,
-any class) for the counted queries. O(N log N), no pairs of items.
+A query's gallery items of class ``c`` are counted by binary search in the gallery's
+sorted keys (class and label, ...), the ignore rules by inclusion-exclusion, less the
+query's own sample: for each query and its own class (identical items), each class equal
+to its own up to rounding (rounding copies, none on ordinary data) or any class (the
+counted queries). O(N log N), no pairs of items.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from recall_at_k.audit.bitwise import CODE32_LIMIT, code, code_dtype, composite, expand, sorted_copy
+from recall_at_k.audit.bitwise import code, code_dtype, expand, pair_code, sorted_copy
 from recall_at_k.ranking.budget import AuditSizes
 
 
@@ -61,20 +61,18 @@ def audit_direction(
 ) -> DirectionAudit:
     """The audit of one direction. ``sides``: ``((rows, identity), (rows, identity))`` of
     its queries and gallery (rows into the items; the gallery's identities distinct)."""
-    (q_rows, q_identity), (g_rows, g_identity) = sides
+    (q_rows, _), (g_rows, _) = sides
     num, queries, device = keys.klass.shape[0], q_rows.shape[0], q_rows.device
-    has_self, self_row = own_samples(q_rows, q_identity, g_rows, g_identity, num, sizes)
+    has_self, self_row = own_samples(sides, num, sizes)
     grouped, group_rule = exclude != "none", exclude == "same_group"
-    label_group = composite(keys.label, keys.group, sizes=sizes) if grouped else keys.label
+    label_group = pair_code(keys.label, keys.group, sizes) if grouped else keys.label
 
     def present(klass: Tensor, pairs: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item of class
-        ``c`` (of ``klass``) for one of their ``pairs`` (query, int64 ``c``), another
-        sample, of the query's label / of another: the gallery's sorted keys counted by
-        binary search, the ignore rules by inclusion-exclusion, less the query's own
-        sample where it is of class ``c``."""
+        """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item, another
+        sample, of class ``c`` (of ``klass``) for one of their ``pairs`` (query, int64
+        ``c``), of the query's label / of another."""
 
-        def table(more: Tensor | None = None) -> Tensor:
+        def table(more: Tensor | None = None) -> Tensor:  # the gallery's sorted keys
             key = klass[g_rows].to(torch.int64)
             return sorted_copy(key if more is None else key.mul_(num).add_(more[g_rows]), sizes)[0]
 
@@ -88,18 +86,17 @@ def audit_direction(
         negative = torch.zeros_like(positive)
         for query, c in pairs:
             row, own = q_rows[query], self_row[query]
-            label = keys.label[row]
-            pos = count(by_label, c * num + label)
+            pos = count(by_label, c * num + keys.label[row])
             neg = count(by_class, c) - pos
             same_group = torch.zeros_like(pos, dtype=torch.bool)
-            if grouped:
+            if grouped:  # both rules ignore same-group items of the query's label
                 in_label_group = count(by_label_group, c * num + label_group[row])
                 pos -= in_label_group
                 same_group = keys.group[own] == keys.group[row]
                 if group_rule:
                     neg += in_label_group - count(by_group, c * num + keys.group[row])
             mine = has_self[query] & (klass[own] == c)
-            same_label = keys.label[own] == label
+            same_label = keys.label[own] == keys.label[row]
             pos -= (mine & same_label & ~(same_group & grouped)).long()
             neg -= (mine & ~same_label & ~(same_group & group_rule)).long()
             positive[query[pos > 0]] = True
@@ -107,8 +104,8 @@ def audit_direction(
         return positive, negative
 
     def own(klass: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
-        for at in range(0, queries, sizes.sort_items):
-            query = torch.arange(at, min(queries, at + sizes.sort_items), device=device)
+        for at in range(0, queries, sizes.candidate_pairs):
+            query = torch.arange(at, min(queries, at + sizes.candidate_pairs), device=device)
             yield query, klass[q_rows[query]].long()
 
     counted = torch.ones(queries, dtype=torch.bool, device=device)
@@ -121,8 +118,8 @@ def audit_direction(
         starts, q_class = keys.adjacent[:, 0].contiguous(), keys.klass[q_rows]
         begin = torch.searchsorted(starts, q_class)
         size = torch.searchsorted(starts, q_class, right=True) - begin
-        adjacent = expand(begin, size, sizes.candidate_pairs)
-        rounding = present(keys.klass, ((q, keys.adjacent[at, 1]) for q, at in adjacent))
+        pairs = expand(begin, size, sizes.candidate_pairs)
+        rounding = present(keys.klass, ((q, keys.adjacent[at, 1]) for q, at in pairs))
     seen = torch.zeros(num, dtype=torch.bool, device=device)
     seen.index_fill_(0, keys.klass[g_rows].long(), True)
     return DirectionAudit(
@@ -132,24 +129,17 @@ def audit_direction(
         g_rows.shape[0] - int(seen.sum()),
         counted & rounding[0],
         counted & rounding[1],
-        rounding_duplicates(keys, g_rows) if keys.adjacent.numel() else 0,
+        rounding_duplicates(keys, g_rows),
     )
 
 
-def own_samples(
-    q_rows: Tensor,
-    q_identity: Tensor,
-    g_rows: Tensor,
-    g_identity: Tensor,
-    num: int,
-    sizes: AuditSizes,
-) -> tuple[Tensor, Tensor]:
-    """The query's own sample in the gallery (the ranking ignores it): bool ``[Q]`` whether
-    it is there, and its row (:func:`code_dtype` of ``num``; the query's row where it is
-    not). Identities in ``[0, num)`` (the metric's) are looked up in a table of gallery
-    positions; others through a sort of the gallery's identities in parts."""
-    dtype, size, device = code_dtype(num), g_identity.shape[0], g_identity.device
-    if size == 0 or q_identity.shape[0] == 0:
+def own_samples(sides: Any, num: int, sizes: AuditSizes) -> tuple[Tensor, Tensor]:
+    """The query's own sample in the gallery (the ranking ignores it), found through a
+    sort of the gallery's identities: bool ``[Q]`` whether it is there, and its row
+    (:func:`code_dtype` of ``num``; the query's row where it is not)."""
+    (q_rows, q_identity), (g_rows, g_identity) = sides
+    dtype = code_dtype(num)
+    if g_identity.shape[0] == 0 or q_identity.shape[0] == 0:
         return torch.zeros_like(q_rows, dtype=torch.bool), q_rows.to(dtype)
     if (
         q_rows.dtype == dtype
@@ -157,22 +147,11 @@ def own_samples(
         and torch.equal(q_identity, g_identity)
     ):
         return torch.ones_like(q_rows, dtype=torch.bool), q_rows  # leave-one-out
-    low = min(int(g_identity.min()), int(q_identity.min()))
-    high = max(int(g_identity.max()), int(q_identity.max()))
-    if low >= 0 and high < num:
-        position = torch.full((num,), -1, dtype=code_dtype(size), device=device)
-        position[g_identity] = torch.arange(size, dtype=position.dtype, device=device)
-        position = position[q_identity]
-        has_self = position >= 0
-    else:
-        ident, order = sorted_copy(g_identity.to(torch.int64), sizes)
-        found = torch.searchsorted(ident, q_identity, out_int32=size <= CODE32_LIMIT)
-        has_self = ident[found.clamp_(max=size - 1)] == q_identity
-        del ident
-        position = order[found]
-        del order, found
-    self_row = torch.where(has_self, g_rows[position.clamp_(min=0)], q_rows).to(dtype)
-    return has_self, self_row
+    identity, order = sorted_copy(g_identity.to(torch.int64), sizes)
+    found = torch.searchsorted(identity, q_identity).clamp_(max=g_identity.shape[0] - 1)
+    has_self = identity[found] == q_identity
+    del identity
+    return has_self, torch.where(has_self, g_rows[order[found]], q_rows).to(dtype)
 
 
 def rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
@@ -215,15 +194,13 @@ def direction_report(
     return result
 
 
-FINDINGS = (
-    ("identical_positive", "have a bitwise-identical item of their own label in their gallery"),
-    (
-        "rounding_positive",
-        "have an item of their own label equal to them up to float rounding in their gallery",
-    ),
-    ("duplicate_gallery_items", "are bitwise-identical to another gallery item"),
-    ("rounding_duplicate_gallery_items", "are equal up to float rounding to another gallery item"),
-)
+FINDINGS = {
+    "identical_positive": "have a bitwise-identical item of their own label in their gallery",
+    "rounding_positive": "have an item of their own label equal to them up to float rounding"
+    " in their gallery",
+    "duplicate_gallery_items": "are bitwise-identical to another gallery item",
+    "rounding_duplicate_gallery_items": "are equal up to float rounding to another gallery item",
+}
 """What the warning names: the report's key and what it counts."""
 
 
@@ -236,15 +213,14 @@ def warning_message(
     findings = []
     for name, found, sides in zip(names, reports, directions, strict=False):
         gallery = 0 if sides is None else int(sides[1][0].shape[0])
-        for key, what in FINDINGS:
+        for key, what in FINDINGS.items():
             whole, of, why = (
                 (found["queries"], "counted queries", "a guaranteed hit (leakage)")
                 if key.endswith("positive")
                 else (gallery, "gallery items", "so every query ranks each repeat again")
             )
             if found[key]:
-                where = f"direction {name!r}: " if name else ""
-                share = found[key] / max(whole, 1)
+                where, share = f"direction {name!r}: " if name else "", found[key] / max(whole, 1)
                 findings.append(
                     f"{where}{found[key]} of {whole} {of} ({share:.1%}) {what}, {why} [{key}]"
                 )

@@ -4,11 +4,12 @@ Each class's first row is projected on random directions (of the normalised row)
 placed in a grid whose cells are as wide as a copy's projections can differ, whatever
 their rounding: a copy lies in the same or a neighbouring cell in every projection. One
 sort finds the few candidates of neighbouring cells, each checked by the definition
-(:func:`within`), on its two rows alone. O(N D), a sort in parts, O(candidates x D).
+(:func:`within`) on its two rows alone. O(N D), a sort in parts, O(candidates x D).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -45,8 +46,7 @@ NOT_FINITE = 2**63 - 1
 
 
 class Grid(NamedTuple):
-    """The random projections (float64 ``[D, FILTERS]``), the width of a cell and the
-    radix of a cell key."""
+    """The random projections (float64 ``[D, FILTERS]``), a cell's width, a key's radix."""
 
     weights: Tensor
     cell: float
@@ -98,64 +98,59 @@ class Places(NamedTuple):
     key: Tensor  # int64 [C]
     others: Tensor  # int16 [C]
 
-    def place(self, grid: Grid, projected: Tensor, rows: slice) -> None:
-        """Write the places of :func:`project`'s ``projected`` as ``rows``."""
-        finite = projected.isfinite().all(dim=1)
-        index = projected.div_(grid.cell).floor_().masked_fill_(~finite.unsqueeze(1), 0.0)
-        key = self.key[rows].zero_()
-        for k in range(PROJECTIONS):
-            key.mul_(grid.radix).add_(index[:, k].to(torch.int64) + grid.radix // 2)
-        key.masked_fill_(~finite, NOT_FINITE)
-        low = index[:, PROJECTIONS:].remainder_(8)  # integers: exact
-        packing = 8.0 ** torch.arange(FILTERS - PROJECTIONS, dtype=low.dtype, device=low.device)
-        self.others[rows] = (low @ packing).to(torch.int16)
-
 
 def place_rows(
     grid: Grid, rows_of: Callable[[Tensor], Tensor], items: Tensor, row_bytes: int, blocks: Blocks
 ) -> Places:
     """The places of the rows ``rows_of(items)`` (``row_bytes`` a row with its float64
     copy), projected ``project_bytes`` at a time on ``blocks``."""
-    count, device = items.shape[0], items.device
-    key = torch.empty(count, dtype=torch.int64, device=device)
-    places = Places(key, torch.empty(count, dtype=torch.int16, device=device))
+    device, other = items.device, FILTERS - PROJECTIONS
+    places = Places(
+        torch.empty(items.shape[0], dtype=torch.int64, device=device),
+        torch.empty(items.shape[0], dtype=torch.int16, device=device),
+    )
+    packing = 8.0 ** torch.arange(other, dtype=torch.float64, device=device)
 
     def block(part: slice, workspace: Workspace) -> None:
         rows = rows_of(items[part])
-        wide = workspace.get(ROWS_SLOT, tuple(rows.shape), torch.float64, device)
-        places.place(grid, project(grid, rows, wide), part)
+        scratch = workspace.get(ROWS_SLOT, tuple(rows.shape), torch.float64, device)
+        projected = project(grid, rows, scratch)
+        finite = projected.isfinite().all(dim=1)
+        index = projected.div_(grid.cell).floor_().masked_fill_(~finite.unsqueeze(1), 0.0)
+        key = places.key[part].zero_()
+        for k in range(PROJECTIONS):
+            key.mul_(grid.radix).add_(index[:, k].to(torch.int64) + grid.radix // 2)
+        key.masked_fill_(~finite, NOT_FINITE)
+        low = index[:, PROJECTIONS:].remainder_(8)  # integers: exact
+        places.others[part] = (low @ packing).to(torch.int16)
 
-    blocks.map(block, blocks.slices(count, row_bytes, blocks.sizes.project_bytes))
+    blocks.run(block, items.shape[0], row_bytes, blocks.sizes.project_bytes)
     return places
 
 
 def candidates(grid: Grid, places: Places, sizes: AuditSizes) -> Iterator[tuple[Tensor, Tensor]]:
     """The candidate pairs ``(a, b)`` of classes (rows of ``places``), each unordered pair
-    once, in chunks of at most ``candidate_pairs``: the finite rows in the same or
-    a neighbouring cell (the 13 of one half-space) whose other projections are within a
-    cell too. Processes holding the same places walk the same chunks."""
+    once, ``candidate_pairs`` at a time: the finite rows in the same or a neighbouring cell
+    (the 13 of one half-space) whose other projections are within a cell too. Processes
+    holding the same places walk the same chunks."""
     key, members = sorted_copy(places.key, sizes)
-    device, chunk = key.device, sizes.candidate_pairs
-    key = key[: int(torch.searchsorted(key, torch.tensor(NOT_FINITE, device=device)))]
-    shifts: list[tuple[int, ...]] = [()]
-    for _ in range(PROJECTIONS):
-        shifts = [(*s, d) for s in shifts for d in (-1, 0, 1)]
-    offsets = [sum(d * grid.radix**k for k, d in enumerate(s[::-1])) for s in shifts]
-    offsets = [o for o, s in zip(offsets, shifts, strict=True) if s > (0,) * PROJECTIONS]
-    low = 3 * torch.arange(FILTERS - PROJECTIONS, dtype=torch.int32, device=device)
-    step = max(1, chunk // (1 + len(offsets)))
-    for row_start in range(0, key.shape[0] if key.shape[0] > 1 else 0, step):
-        position = torch.arange(row_start, min(key.shape[0], row_start + step), device=device)
-        own = key[position]
-        begin = [position + 1]  # the own cell: the rows after this one
-        size = [torch.searchsorted(key, own, right=True) - position - 1]
-        for offset in offsets:
-            begin.append(torch.searchsorted(key, own + offset))
-            size.append(torch.searchsorted(key, own + offset, right=True) - begin[-1])
-        starts, counts = torch.stack(begin, dim=1).view(-1), torch.stack(size, dim=1).view(-1)
-        for owner, other in expand(starts, counts, chunk):
-            a = members[position[owner // (1 + len(offsets))]].long()
-            b = members[other].long()
+    key = key[: int(torch.searchsorted(key, torch.tensor(NOT_FINITE, device=key.device)))]
+    steps = itertools.product((-1, 0, 1), repeat=PROJECTIONS)
+    offsets = sorted(
+        o for s in steps if (o := sum(d * grid.radix**k for k, d in enumerate(s))) >= 0
+    )
+    low = 3 * torch.arange(FILTERS - PROJECTIONS, dtype=torch.int32, device=key.device)
+    step = max(1, sizes.candidate_pairs // len(offsets))
+    for start in range(0, key.shape[0] if key.shape[0] > 1 else 0, step):
+        position = torch.arange(start, min(key.shape[0], start + step), device=key.device)
+        own, begin, size = key[position], [], []
+        for offset in offsets:  # the own cell: the rows after this one
+            lo = position + 1 if offset == 0 else torch.searchsorted(key, own + offset)
+            begin.append(lo)
+            size.append(torch.searchsorted(key, own + offset, right=True) - lo)
+        begins, sizes_ = torch.stack(begin, dim=1).view(-1), torch.stack(size, dim=1).view(-1)
+        for owner, other in expand(begins, sizes_, sizes.candidate_pairs):
+            a, b = members[position[owner // len(offsets)]].long(), members[other].long()
             cells = [(places.others[c].to(torch.int32).unsqueeze(1) >> low) & 7 for c in (a, b)]
             close = (((cells[0] - cells[1] + 1) & 7) <= 2).all(dim=1)
             yield a[close], b[close]

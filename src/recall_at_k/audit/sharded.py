@@ -34,8 +34,6 @@ def sharded_codes(
     groups: Tensor | None,
     group: Any,
     sizes: AuditSizes,
-    *,
-    hashes: Callable[[Tensor], Tensor] | None = None,
 ) -> Codes:
     """:func:`recall_at_k.audit.codes` of every process's rows in process order.
 
@@ -49,11 +47,10 @@ def sharded_codes(
         group: the process group (None: the default one, or one process without
             torch.distributed).
         sizes: the blocks and chunks to work in.
-        hashes: the row hash (tests pass colliding ones).
     """
     distributed = dist.is_available() and dist.is_initialized()
     shard = Shard(blocks, counts, group if distributed else False, sizes, labels.device)
-    return shard.codes(labels, groups, hashes)
+    return shard.codes(labels, groups)
 
 
 class Shard:
@@ -96,8 +93,8 @@ class Shard:
         self.step = max(1, sizes.block_bytes // max(1, self.width * self.dtype.itemsize))
         self.pairs = max(1, sizes.block_bytes // max(1, 64 * self.width))  # float64 work
 
-    def codes(self, labels: Tensor, groups: Tensor | None, hashes: Any) -> Codes:
-        """The codes of every process's rows (``hashes``: the row hash, or None)."""
+    def codes(self, labels: Tensor, groups: Tensor | None) -> Codes:
+        """The codes of every process's rows."""
         device, sizes = self.device, self.sizes
         if self.width == 0:  # no bits: every row in one class
             klass = torch.zeros(self.starts[-1], dtype=torch.int64, device=device)
@@ -110,7 +107,7 @@ class Shard:
             return self.check(first[a], first[b], rounding.within)
 
         with bitwise.Blocks(device, sizes) as blocks:
-            klass, first = bitwise.bitwise_classes(self.hashes(blocks, hashes), same, sizes)
+            klass, first = bitwise.bitwise_classes(self.hashes(blocks), same, sizes)
             adjacent = rounding.both_orientations([], first.shape[0], device)
             if first.shape[0] > 1:
                 grid = rounding.grid(self.width, device)
@@ -119,12 +116,12 @@ class Shard:
         self.raise_any()
         return codes_of(klass, adjacent, labels, groups, sizes)
 
-    def hashes(self, blocks: bitwise.Blocks, hashes: Any) -> Tensor:
+    def hashes(self, blocks: bitwise.Blocks) -> Tensor:
         """Every process's rows' hashes (int64 ``[N]``), each process hashing its own."""
         mine = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
         for block, end in zip(self.blocks, self.block_ends, strict=True):
             into = mine[end - block.shape[0] : end]
-            self.guarded(None, bitwise.hash_rows, block, blocks, into, hashes, self.dtype)
+            self.guarded(None, bitwise.hash_rows, block, blocks, into, self.dtype)
         return self.spread(mine, self.counts)
 
     def guarded(self, fallback: T, work: Callable[..., T], *args: Any) -> T:
