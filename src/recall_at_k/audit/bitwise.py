@@ -3,13 +3,12 @@
 Each row's bits get a 62-bit hash (:func:`hash_words`); the items of one hash form a run
 and each is compared bit for bit with its run's first item (:func:`bitwise_classes`),
 so the classes are exact whatever the hash. O(N log N + N D): sorts run in parts
-(:func:`sorted_parts`), rows are read a block at a time (:class:`Blocks`), never whole.
+(:func:`sorted_parts`), rows are read a block at a time (:func:`in_blocks`), never whole.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -43,37 +42,29 @@ def run_task(task: Callable[[Workspace], Result], workspace: Workspace) -> Resul
     return task(workspace)
 
 
-class Blocks:
-    """Block work on the ranking's worker threads (``torch.get_num_threads()`` on CPU, each
-    running torch on one thread; the caller alone elsewhere), as a context manager. A
-    block's result depends on its rows alone: the same audit for every thread count."""
-
-    def __init__(self, device: torch.device, sizes: AuditSizes) -> None:
-        self.count, self.sizes = worker_count(device), sizes
-        self.workers: Workers[Callable[[Workspace], None], None]
-        self.workers = Workers(run_task, self.count, Workspace())
-
-    def __enter__(self) -> Blocks:
-        self.workers.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.workers.__exit__(*exc)
-
-    def run(
-        self, task: Callable[[slice, Workspace], None], num: int, row_bytes: int, total: int
-    ) -> None:
-        """``task(rows, workspace)`` for blocks of the ``num`` rows, each thread's share of
-        ``total`` bytes at ``row_bytes`` a row (smaller where a thread would get under
-        ``blocks_per_worker`` blocks); then every thread's scratch is freed."""
-        step = max(1, total // max(1, self.count * row_bytes))
-        if self.count > 1:
-            step = max(1, min(step, -(-num // (self.sizes.blocks_per_worker * self.count))))
-        parts = (slice(at, at + step) for at in range(0, num, step))
-        for _ in self.workers.map(functools.partial(task, part) for part in parts):
+def in_blocks(
+    task: Callable[[slice, Workspace], None],
+    num: int,
+    row_bytes: int,
+    total: int,
+    sizes: AuditSizes,
+    device: torch.device,
+) -> None:
+    """``task(rows, workspace)`` for blocks of the ``num`` rows, each thread's share of
+    ``total`` bytes at ``row_bytes`` a row (smaller where a thread would get under
+    ``blocks_per_worker`` blocks), on the ranking's worker threads: ``torch.get_num_threads()``
+    on CPU, each running torch on one thread with its own scratch, freed after; the caller
+    alone elsewhere. A block's result depends on its rows alone: the same for every count."""
+    count = worker_count(device)
+    step = max(1, total // max(1, count * row_bytes))
+    if count > 1:
+        step = max(1, min(step, -(-num // (sizes.blocks_per_worker * count))))
+    pool: Workers[Callable[[Workspace], None], None] = Workers(run_task, count, Workspace())
+    with pool:
+        for _ in pool.map(
+            functools.partial(task, slice(at, at + step)) for at in range(0, num, step)
+        ):
             pass
-        self.workers.workspace.clear()
-        self.workers.local = threading.local()
 
 
 def words(rows: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -108,15 +99,22 @@ def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
     return key[:, 0].mul(HASH_PRIME).add_(key[:, 1]).mul_(HASH_PRIME).add_(key[:, 2])
 
 
-def hash_rows(rows: Tensor, blocks: Blocks, out: Tensor, dtype: torch.dtype) -> None:
-    """Write into int64 ``out`` ``[m]`` the :func:`hash_words` of each row's bits in
-    ``dtype``, a block of rows at a time on ``blocks``."""
+def hash_rows(
+    rows_of: Callable[[slice], Tensor],
+    num: int,
+    row_bytes: int,
+    sizes: AuditSizes,
+    device: torch.device,
+) -> Tensor:
+    """int64 ``[num]``: the :func:`hash_words` of the bits of the rows ``rows_of(part)``,
+    a block at a time (``row_bytes`` a row: its float64 words and its copy)."""
+    out = torch.empty(num, dtype=torch.int64, device=device)
 
     def hash_block(part: slice, workspace: Workspace) -> None:
-        out[part] = hash_words(words(rows[part], dtype), workspace)
+        out[part] = hash_words(words(rows_of(part)), workspace)
 
-    width = rows.shape[1] * dtype.itemsize // 2
-    blocks.run(hash_block, rows.shape[0], 8 * width, blocks.sizes.block_bytes)
+    in_blocks(hash_block, num, row_bytes, sizes.block_bytes, sizes, device)
+    return out
 
 
 def bitwise_classes(

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from recall_at_k._kernel import Workspace
-from recall_at_k.audit.bitwise import ROWS_SLOT, Blocks, expand, sorted_copy
+from recall_at_k.audit.bitwise import ROWS_SLOT, expand, in_blocks, sorted_copy
 from recall_at_k.ranking.budget import AuditSizes
 
 TOLERANCE = 2.0**-12
@@ -100,19 +100,23 @@ class Places(NamedTuple):
 
 
 def place_rows(
-    grid: Grid, rows_of: Callable[[Tensor], Tensor], items: Tensor, row_bytes: int, blocks: Blocks
+    grid: Grid,
+    rows_of: Callable[[slice], Tensor],
+    num: int,
+    row_bytes: int,
+    sizes: AuditSizes,
+    device: torch.device,
 ) -> Places:
-    """The places of the rows ``rows_of(items)`` (``row_bytes`` a row with its float64
-    copy), projected ``project_bytes`` at a time on ``blocks``."""
-    device, other = items.device, FILTERS - PROJECTIONS
+    """The places of the rows ``rows_of(part)`` (``row_bytes`` a row with its float64
+    copy), projected ``project_bytes`` at a time."""
     places = Places(
-        torch.empty(items.shape[0], dtype=torch.int64, device=device),
-        torch.empty(items.shape[0], dtype=torch.int16, device=device),
+        torch.empty(num, dtype=torch.int64, device=device),
+        torch.empty(num, dtype=torch.int16, device=device),
     )
-    packing = 8.0 ** torch.arange(other, dtype=torch.float64, device=device)
+    packing = 8.0 ** torch.arange(FILTERS - PROJECTIONS, dtype=torch.float64, device=device)
 
     def block(part: slice, workspace: Workspace) -> None:
-        rows = rows_of(items[part])
+        rows = rows_of(part)
         scratch = workspace.get(ROWS_SLOT, tuple(rows.shape), torch.float64, device)
         projected = project(grid, rows, scratch)
         finite = projected.isfinite().all(dim=1)
@@ -124,7 +128,7 @@ def place_rows(
         low = index[:, PROJECTIONS:].remainder_(8)  # integers: exact
         places.others[part] = (low @ packing).to(torch.int16)
 
-    blocks.run(block, items.shape[0], row_bytes, blocks.sizes.project_bytes)
+    in_blocks(block, num, row_bytes, sizes.project_bytes, sizes, device)
     return places
 
 

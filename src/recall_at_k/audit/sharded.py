@@ -106,23 +106,32 @@ class Shard:
         def within(a: Tensor, b: Tensor) -> Tensor:
             return self.check(first[a], first[b], rounding.within)
 
-        with bitwise.Blocks(device, sizes) as blocks:
-            klass, first = bitwise.bitwise_classes(self.hashes(blocks), same, sizes)
-            adjacent = rounding.both_orientations([], first.shape[0], device)
-            if first.shape[0] > 1:
-                grid = rounding.grid(self.width, device)
-                places = self.places(grid, first, blocks)
-                adjacent = rounding.rounding_pairs(grid, places, within, sizes)
+        klass, first = bitwise.bitwise_classes(self.hashes(), same, sizes)
+        adjacent = rounding.both_orientations([], first.shape[0], device)
+        if first.shape[0] > 1:
+            grid = rounding.grid(self.width, device)
+            adjacent = rounding.rounding_pairs(grid, self.places(grid, first), within, sizes)
         self.raise_any()
         return codes_of(klass, adjacent, labels, groups, sizes)
 
-    def hashes(self, blocks: bitwise.Blocks) -> Tensor:
+    def rows_of(self, first: int, items: Tensor | None = None) -> Callable[[slice], Tensor]:
+        """The rows of ``items[part]`` (global indices; None: ``first + part``) held here."""
+
+        def rows(part: slice) -> Tensor:
+            if items is not None:
+                return self.take(items[part].long())
+            stop = min(self.rows, part.stop) + first
+            return self.take(torch.arange(first + part.start, stop, device=self.device))
+
+        return rows
+
+    def hashes(self) -> Tensor:
         """Every process's rows' hashes (int64 ``[N]``), each process hashing its own."""
-        mine = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
-        for block, end in zip(self.blocks, self.block_ends, strict=True):
-            into = mine[end - block.shape[0] : end]
-            self.guarded(None, bitwise.hash_rows, block, blocks, into, self.dtype)
-        return self.spread(mine, self.counts)
+        row_bytes = 5 * self.width * self.dtype.itemsize  # its float64 words and a copy
+        rows = self.rows_of(self.starts[self.me])
+        placeholder = torch.zeros(1, dtype=torch.int64, device=self.device).expand(self.rows)
+        args = (rows, self.rows, row_bytes, self.sizes, self.device)
+        return self.spread(self.guarded(placeholder, bitwise.hash_rows, *args), self.counts)
 
     def guarded(self, fallback: T, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)``, this process's own work; after a failure here, ``fallback``: the
@@ -181,14 +190,15 @@ class Shard:
             out[chosen] = self.blocks[block].index_select(0, rows).to(self.dtype)
         return out
 
-    def places(self, grid: rounding.Grid, first: Tensor, blocks: bitwise.Blocks) -> rounding.Places:
+    def places(self, grid: rounding.Grid, first: Tensor) -> rounding.Places:
         """The places of the classes whose first items are ``first`` (ascending): each
         process projects those it holds, then they are gathered."""
         bounds = torch.searchsorted(first, torch.tensor(self.starts, device=self.device)).tolist()
-        own = first[bounds[self.me] : bounds[self.me + 1]].long()
+        own = first[bounds[self.me] : bounds[self.me + 1]]
         row_bytes = (8 + self.dtype.itemsize) * self.width
-        failed = rounding.Places(torch.full_like(own, rounding.NOT_FINITE), own.to(torch.int16))
-        local = self.guarded(failed, rounding.place_rows, grid, self.take, own, row_bytes, blocks)
+        failed = rounding.Places(torch.full_like(own.long(), rounding.NOT_FINITE), own.short())
+        args = (grid, self.rows_of(0, own), own.shape[0], row_bytes, self.sizes, self.device)
+        local = self.guarded(failed, rounding.place_rows, *args)
         sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
         # The int16 cells travel as pairs of bytes (gloo has no int16).
         others = self.spread(local.others.view(torch.int8).view(-1, 2), sizes)
