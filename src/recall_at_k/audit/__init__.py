@@ -1,55 +1,36 @@
 """The protocol audit of :class:`recall_at_k.EmbeddingRecallAtK`: pure functions, no Metric.
 
 Per direction, :meth:`~recall_at_k.EmbeddingRecallAtK.protocol_report` counts the queries
-whose gallery holds a non-ignored item, another sample, with a bitwise-equal embedding
-(``identical_positive`` / ``identical_negative``: of their label / another) or one equal
-up to float rounding but not bitwise (``rounding_positive`` / ``rounding_negative``,
-:data:`~recall_at_k.audit.rounding.TOLERANCE`), and the gallery items equal to an earlier
-one, bitwise (``duplicate_gallery_items``) or else up to rounding
-(``rounding_duplicate_gallery_items``). With a ``near_duplicate`` threshold the ranking
-counts ``near_positive`` / ``near_negative`` / ``near_hits_at_1`` in its own tiles, the
-copies found here passed in as known (:meth:`DirectionAudit.known`).
-
-:mod:`~recall_at_k.audit.bitwise` makes the classes of bitwise-equal rows (and the codes
-and sorts in parts), :mod:`~recall_at_k.audit.rounding` the pairs of classes equal up to
-rounding, :mod:`~recall_at_k.audit.report` the counts of each direction, the report and
-the warning; :mod:`~recall_at_k.audit.sharded` the same codes over rows sharded across
-processes. Memory: per item its codes (class, label, group) and, while they are made,
-its hash; rows are read a block at a time; every size from :class:`AuditOptions`.
+whose gallery holds a non-ignored item, another sample, bitwise equal to them (of their
+label / another: ``identical_positive`` / ``identical_negative``) or else equal up to
+float rounding (``rounding_*``), and the gallery items equal to an earlier one
+(``duplicate_gallery_items``, ``rounding_duplicate_gallery_items``); the ranking counts
+the ``near_*`` keys in its own tiles, the copies found here passed in as known. The
+parts: :mod:`~recall_at_k.audit.bitwise` (classes of bitwise-equal rows, codes, sorts in
+parts), :mod:`~recall_at_k.audit.rounding` (classes equal up to rounding),
+:mod:`~recall_at_k.audit.report` (the counts, the report, the warning) and
+:mod:`~recall_at_k.audit.sharded` (the codes of rows held by several processes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from recall_at_k.audit import sharded
-from recall_at_k.audit.report import (
-    Codes,
-    DirectionAudit,
-    audit_direction,
-    direction_report,
-)
+from recall_at_k.audit.report import AuditOptions as AuditOptions
+from recall_at_k.audit.report import Codes as Codes
+from recall_at_k.audit.report import DirectionAudit as DirectionAudit
+from recall_at_k.audit.report import audit_direction
 from recall_at_k.audit.report import counted_queries as counted_queries
+from recall_at_k.audit.report import protocol_reports as protocol_reports
 from recall_at_k.audit.report import warning_message as warning_message
 from recall_at_k.audit.sharded import sharded_codes as sharded_codes
 from recall_at_k.ranking import budget
-
-__all__ = ["AuditOptions", "Codes", "DirectionAudit", "audit_directions", "codes"]
-
-
-class AuditOptions(NamedTuple):
-    """The metric's options that the audit reads, and the sizes it works in."""
-
-    exclude: str
-    empty_target_action: str
-    near_duplicate: float | None  # the threshold; None: no near-duplicate counts
-    names: tuple[str, ...]  # the direction names ("" for one direction)
-    sizes: budget.AuditSizes
 
 
 def options_of(metric: Any) -> AuditOptions:
@@ -85,19 +66,15 @@ def codes(
     return shard.codes(labels, groups)
 
 
-Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
 def audit_directions(
     stored: tuple[Tensor, Tensor] | Callable[[], Codes],
-    directions: Sequence[Sides | None],
+    directions: Sequence[Any],
     options: AuditOptions,
 ) -> list[DirectionAudit | None]:
-    """The audit of each direction (None where it is None; a direction with the same sides
-    as the one before is audited once). ``stored``: the embeddings ``[N, D]`` and metadata
-    ``[N, >= 2]`` (label, group first), or a function making their :func:`codes` (a
-    sharded gallery's); ``directions``: ``((query rows, identity), (gallery rows,
-    identity))`` per direction, or None for one without queries or gallery."""
+    """The audit of each direction (None where it is None; a direction with the sides of
+    the one before, once). ``stored``: the embeddings ``[N, D]`` and metadata ``[N, >= 2]``
+    (label, group first), or a function making their :func:`codes` (a sharded gallery's);
+    ``directions``: ``((query rows, identity), (gallery rows, identity))`` or None each."""
     if all(sides is None for sides in directions):
         return [None for _ in directions]
     if callable(stored):
@@ -106,40 +83,16 @@ def audit_directions(
         groups = stored[1][:, 1] if options.exclude != "none" else None
         keys = codes(stored[0], stored[1][:, 0], groups, options.sizes)
     audits: list[DirectionAudit | None] = []
-    for index, sides in enumerate(directions):
-        before = directions[index - 1] if index else None
-        if (
-            sides is not None
-            and before is not None
-            and all(torch.equal(a[0], b[0]) for a, b in zip(before, sides, strict=True))
+    for sides, before in zip(directions, [None, *directions], strict=False):
+        if sides is None:
+            audits.append(None)
+        elif before is not None and all(
+            map(torch.equal, (b[0] for b in before), (s[0] for s in sides))
         ):
             audits.append(audits[-1])
         else:
-            action, sizes = options.empty_target_action, options.sizes
-            audit = sides and audit_direction(keys, sides, options.exclude, action, sizes)
-            audits.append(audit)
+            audits.append(audit_direction(keys, sides, options))
     return audits
-
-
-def protocol_reports(
-    audits: Sequence[DirectionAudit | None],
-    near: Sequence[Tensor | None],
-    counted: Sequence[int | None],
-    options: AuditOptions,
-) -> list[dict[str, int]]:
-    """The report of each direction (the same on every process: its parts are), from its
-    audit (None: without queries or gallery), the ranking's near counts (summed over
-    processes; None: none) and the queries ``compute()`` counted (None: count here)."""
-    with_near, zeros = options.near_duplicate is not None, torch.zeros(4, dtype=torch.int64)
-    return [
-        direction_report(
-            (0 if audit is None else int(audit.counted.sum())) if queries is None else queries,
-            audit,
-            (zeros if audit is None else found) if with_near else None,
-            options.empty_target_action,
-        )
-        for audit, found, queries in zip(audits, near, counted, strict=True)
-    ]
 
 
 def stale_anywhere(metric: Any, stale: bool) -> bool:

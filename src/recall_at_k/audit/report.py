@@ -38,6 +38,16 @@ def codes_of(
     return Codes(klass.to(dtype), code(labels, sizes), group.to(klass.device), adjacent)
 
 
+class AuditOptions(NamedTuple):
+    """The metric's options that the audit reads, and the sizes it works in."""
+
+    exclude: str
+    empty_target_action: str
+    near_duplicate: float | None  # the threshold; None: no near-duplicate counts
+    names: tuple[str, ...]  # the direction names ("" for one direction)
+    sizes: AuditSizes
+
+
 class DirectionAudit(NamedTuple):
     """The audit of one direction's queries, per query (``[Q]`` bool)."""
 
@@ -56,13 +66,12 @@ class DirectionAudit(NamedTuple):
         return torch.stack([positive, self.identical_negative | self.rounding_negative])
 
 
-def audit_direction(
-    keys: Codes, sides: Any, exclude: str, empty_target_action: str, sizes: AuditSizes
-) -> DirectionAudit:
+def audit_direction(keys: Codes, sides: Any, options: AuditOptions) -> DirectionAudit:
     """The audit of one direction. ``sides``: ``((rows, identity), (rows, identity))`` of
     its queries and gallery (rows into the items; the gallery's identities distinct)."""
     (q_rows, _), (g_rows, _) = sides
     num, queries, device = keys.klass.shape[0], q_rows.shape[0], q_rows.device
+    sizes, exclude = options.sizes, options.exclude
     has_self, self_row = own_samples(sides, num, sizes)
     grouped, group_rule = exclude != "none", exclude == "same_group"
     label_group = pair_code(keys.label, keys.group, sizes) if grouped else keys.label
@@ -109,7 +118,7 @@ def audit_direction(
             yield query, klass[q_rows[query]].long()
 
     counted = torch.ones(queries, dtype=torch.bool, device=device)
-    if empty_target_action in ("skip", "error"):  # a valid positive of any class
+    if options.empty_target_action in ("skip", "error"):  # a valid positive of any class
         anyone = torch.zeros_like(keys.klass)
         counted = present(anyone, own(anyone))[0]
     identical = present(keys.klass, own(keys.klass))
@@ -176,22 +185,32 @@ def counted_queries(
     return [None if h is None else int(h[1][0]) + (0 if skip else int(h[1][1])) for h in histograms]
 
 
-def direction_report(
-    queries: int, audit: DirectionAudit | None, near: Tensor | None, empty_target_action: str
-) -> dict[str, int]:
-    """One direction's report, its keys in the documented order (``audit`` None: every
-    count 0; ``near``: the ranking's near counts -- positive, negative, negative without a
-    valid positive, hits at 1 -- or None without a threshold)."""
-    names = ["identical_positive", "identical_negative", "rounding_positive", "rounding_negative"]
-    result = {"queries": queries}
-    result.update((name, 0 if audit is None else int(getattr(audit, name).sum())) for name in names)
-    if near is not None:
-        positive, negative, negative_alone, hits = (int(v) for v in near.tolist())
-        alone = negative_alone if empty_target_action not in ("skip", "error") else 0
-        result.update(near_positive=positive, near_negative=negative + alone, near_hits_at_1=hits)
-    for name in ("duplicate_gallery_items", "rounding_duplicate_gallery_items"):
-        result[name] = 0 if audit is None else getattr(audit, name)
-    return result
+def protocol_reports(
+    audits: Sequence[DirectionAudit | None],
+    near: Sequence[Tensor | None],
+    counted: Sequence[int | None],
+    options: AuditOptions,
+) -> list[dict[str, int]]:
+    """The report of each direction, its keys in the documented order (the same on every
+    process: its parts are), from its audit (None: without queries or gallery), the
+    ranking's near counts (positive, negative, negative without a valid positive, hits at
+    1, summed over processes; None: none) and the queries ``compute()`` counted (None:
+    counted here)."""
+    reports, counts_all = [], options.empty_target_action not in ("skip", "error")
+    for audit, found, queries in zip(audits, near, counted, strict=True):
+        if queries is None:
+            queries = 0 if audit is None else int(audit.counted.sum())
+        report = {"queries": queries}
+        for name in [*DirectionAudit._fields[1:3], *DirectionAudit._fields[4:6]]:
+            report[name] = 0 if audit is None else int(getattr(audit, name).sum())
+        if options.near_duplicate is not None:
+            positive, negative, alone, hits = [0] * 4 if found is None else found.tolist()
+            report.update(near_positive=positive, near_negative=negative + alone * counts_all)
+            report["near_hits_at_1"] = hits
+        for name in ("duplicate_gallery_items", "rounding_duplicate_gallery_items"):
+            report[name] = 0 if audit is None else getattr(audit, name)
+        reports.append(report)
+    return reports
 
 
 FINDINGS = {

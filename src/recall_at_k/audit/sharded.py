@@ -35,19 +35,12 @@ def sharded_codes(
     group: Any,
     sizes: AuditSizes,
 ) -> Codes:
-    """:func:`recall_at_k.audit.codes` of every process's rows in process order.
-
-    Args:
-        blocks: this process's rows, ``[b, D]`` blocks of any float dtype and strides (the
-            stored views, never copied whole; compared in the widest dtype any process
-            holds, widened exactly).
-        counts: the rows of each process of ``group``, in process order.
-        labels, groups: int64 ``[sum(counts)]``, every process's in the same order
-            (``groups`` None: no group codes).
-        group: the process group (None: the default one, or one process without
-            torch.distributed).
-        sizes: the blocks and chunks to work in.
-    """
+    """:func:`recall_at_k.audit.codes` of every process's rows in process order: this
+    process's rows as ``[b, D]`` ``blocks`` of any float dtype and strides (stored views,
+    never copied whole; compared in the widest dtype any process holds, widened exactly),
+    ``counts`` the rows of each process of ``group`` (None: the default group, or one
+    process without torch.distributed), ``labels`` / ``groups`` int64 ``[sum(counts)]``
+    of every process in the same order (``groups`` None: no group codes)."""
     distributed = dist.is_available() and dist.is_initialized()
     shard = Shard(blocks, counts, group if distributed else False, sizes, labels.device)
     return shard.codes(labels, groups)
@@ -77,8 +70,8 @@ class Shard:
             )
         self.blocks = [block for block in blocks if block.shape[0]]
         self.device = self.blocks[0].device if self.blocks else device
-        self.block_ends = list(itertools.accumulate(block.shape[0] for block in self.blocks))
-        self.rows = self.block_ends[-1] if self.blocks else 0
+        self.ends = [*itertools.accumulate(block.shape[0] for block in self.blocks)]
+        self.rows = self.ends[-1] if self.blocks else 0
         width = max((block.shape[1] for block in self.blocks), default=0)
         itemsize = max((block.dtype.itemsize for block in self.blocks), default=4)
         every = torch.tensor([[self.rows, width, itemsize]] * self.world, device=self.device)
@@ -95,43 +88,45 @@ class Shard:
 
     def codes(self, labels: Tensor, groups: Tensor | None) -> Codes:
         """The codes of every process's rows."""
-        device, sizes = self.device, self.sizes
+        device, sizes, size = self.device, self.sizes, self.dtype.itemsize * self.width
         if self.width == 0:  # no bits: every row in one class
             klass = torch.zeros(self.starts[-1], dtype=torch.int64, device=device)
             return codes_of(klass, rounding.both_orientations([], 1, device), labels, groups, sizes)
 
+        def hashes() -> Tensor:  # each process hashes its own rows (their words, a copy)
+            own = torch.arange(
+                self.starts[self.me], self.starts[self.me] + self.rows, device=device
+            )
+            args = (lambda part: self.take(own[part]), self.rows, 5 * size, sizes, device)
+            return self.spread(
+                self.guarded(torch.zeros_like(own), bitwise.hash_rows, *args), self.counts
+            )
+
         def same(a: Tensor, b: Tensor) -> Tensor:
             return self.check(a, b, bitwise.same_bits)
 
-        def within(a: Tensor, b: Tensor) -> Tensor:
-            return self.check(first[a], first[b], rounding.within)
-
-        klass, first = bitwise.bitwise_classes(self.hashes(), same, sizes)
+        klass, first = bitwise.bitwise_classes(hashes(), same, sizes)  # freed once coded
         adjacent = rounding.both_orientations([], first.shape[0], device)
-        if first.shape[0] > 1:
+        if first.shape[0] > 1:  # each process projects the classes whose first row it holds
             grid = rounding.grid(self.width, device)
-            adjacent = rounding.rounding_pairs(grid, self.places(grid, first), within, sizes)
+            bounds = torch.searchsorted(first, torch.tensor(self.starts, device=device)).tolist()
+            mine = first[bounds[self.me] : bounds[self.me + 1]].long()
+            failed = rounding.Places(torch.full_like(mine, rounding.NOT_FINITE), mine.short())
+            rows = (lambda part: self.take(mine[part]), mine.shape[0], 8 * self.width + size)
+            local = self.guarded(failed, rounding.place_rows, grid, *rows, sizes, device)
+            shares = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+            # The int16 cells travel as pairs of bytes (gloo has no int16).
+            others = self.spread(local.others.view(torch.int8).view(-1, 2), shares)
+            places = rounding.Places(
+                self.spread(local.key, shares), others.view(torch.int16).view(-1)
+            )
+
+            def within(a: Tensor, b: Tensor) -> Tensor:
+                return self.check(first[a], first[b], rounding.within)
+
+            adjacent = rounding.rounding_pairs(grid, places, within, sizes)
         self.raise_any()
         return codes_of(klass, adjacent, labels, groups, sizes)
-
-    def rows_of(self, first: int, items: Tensor | None = None) -> Callable[[slice], Tensor]:
-        """The rows of ``items[part]`` (global indices; None: ``first + part``) held here."""
-
-        def rows(part: slice) -> Tensor:
-            if items is not None:
-                return self.take(items[part].long())
-            stop = min(self.rows, part.stop) + first
-            return self.take(torch.arange(first + part.start, stop, device=self.device))
-
-        return rows
-
-    def hashes(self) -> Tensor:
-        """Every process's rows' hashes (int64 ``[N]``), each process hashing its own."""
-        row_bytes = 5 * self.width * self.dtype.itemsize  # its float64 words and a copy
-        rows = self.rows_of(self.starts[self.me])
-        placeholder = torch.zeros(1, dtype=torch.int64, device=self.device).expand(self.rows)
-        args = (rows, self.rows, row_bytes, self.sizes, self.device)
-        return self.spread(self.guarded(placeholder, bitwise.hash_rows, *args), self.counts)
 
     def guarded(self, fallback: T, work: Callable[..., T], *args: Any) -> T:
         """``work(*args)``, this process's own work; after a failure here, ``fallback``: the
@@ -182,27 +177,12 @@ class Shard:
         local = index - self.starts[self.me]
         if out is None:
             out = torch.empty((index.shape[0], self.width), dtype=self.dtype, device=self.device)
-        ends = torch.tensor(self.block_ends, device=self.device)
-        which = torch.searchsorted(ends, local, right=True)
+        which = torch.searchsorted(torch.tensor(self.ends, device=self.device), local, right=True)
         for block in torch.unique(which).tolist():
             chosen = (which == block).nonzero().view(-1)
-            rows = local[chosen] - (self.block_ends[block] - self.blocks[block].shape[0])
+            rows = local[chosen] - (self.ends[block] - self.blocks[block].shape[0])
             out[chosen] = self.blocks[block].index_select(0, rows).to(self.dtype)
         return out
-
-    def places(self, grid: rounding.Grid, first: Tensor) -> rounding.Places:
-        """The places of the classes whose first items are ``first`` (ascending): each
-        process projects those it holds, then they are gathered."""
-        bounds = torch.searchsorted(first, torch.tensor(self.starts, device=self.device)).tolist()
-        own = first[bounds[self.me] : bounds[self.me + 1]]
-        row_bytes = (8 + self.dtype.itemsize) * self.width
-        failed = rounding.Places(torch.full_like(own.long(), rounding.NOT_FINITE), own.short())
-        args = (grid, self.rows_of(0, own), own.shape[0], row_bytes, self.sizes, self.device)
-        local = self.guarded(failed, rounding.place_rows, *args)
-        sizes = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-        # The int16 cells travel as pairs of bytes (gloo has no int16).
-        others = self.spread(local.others.view(torch.int8).view(-1, 2), sizes)
-        return rounding.Places(self.spread(local.key, sizes), others.view(torch.int16).view(-1))
 
     def check(self, a: Tensor, b: Tensor, test: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """bool per pair of items ``(a, b)`` (global indices, the same on every process):
@@ -223,8 +203,10 @@ class Shard:
             lo = int(torch.searchsorted(wanted, batch[:1]))
             hi = int(torch.searchsorted(wanted, batch[-1:], right=True))
             for at in range(lo, hi, self.pairs):
-                part = slice(at, min(hi, at + self.pairs))
-                pairs, b_at = mine[part], wanted[part]
+                pairs, b_at = (
+                    mine[at : min(hi, at + self.pairs)],
+                    wanted[at : min(hi, at + self.pairs)],
+                )
                 ok[pairs] = test(self.take(a[pairs]), rows[torch.searchsorted(batch, b_at)])
 
         sent = torch.unique(b[owner_a != owner_b])  # sorted, so grouped by owner
