@@ -1,16 +1,14 @@
 """The protocol audit of :class:`recall_at_k.EmbeddingRecallAtK`: pure functions, no Metric.
 
-Per direction, :meth:`~recall_at_k.EmbeddingRecallAtK.protocol_report` counts the queries
-whose gallery holds a non-ignored item, another sample, bitwise equal to them (of their
-label / another: ``identical_positive`` / ``identical_negative``) or else equal up to
-float rounding (``rounding_*``), and the gallery items equal to an earlier one
-(``duplicate_gallery_items``, ``rounding_duplicate_gallery_items``); the ranking counts
-the ``near_*`` keys in its own tiles, the copies found here passed in as known. The
-parts: :mod:`~recall_at_k.audit.bitwise` (classes of bitwise-equal rows, codes, sorts in
-parts), :mod:`~recall_at_k.audit.rounding` (classes equal up to rounding),
-:mod:`~recall_at_k.audit.report` (the counts, the report, the warning) and
-:mod:`~recall_at_k.audit.sharded` (the codes of rows held by several processes).
-"""
+Per direction it counts the queries whose gallery holds a non-ignored item, another
+sample, bitwise equal to them (``identical_positive`` / ``identical_negative``: of their
+label / another) or else equal up to float rounding (``rounding_*``), and the gallery
+items equal to an earlier one (``duplicate_gallery_items``, ``rounding_duplicate_...``);
+the ranking counts the ``near_*`` keys in its tiles, these copies passed in as known.
+:mod:`~recall_at_k.audit.bitwise`: classes of bitwise-equal rows, codes, sorts in parts;
+:mod:`~recall_at_k.audit.rounding`: classes equal up to rounding;
+:mod:`~recall_at_k.audit.report`: the counts, the report, the warning;
+:mod:`~recall_at_k.audit.sharded`: the codes of rows held by several processes."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Per direction, the queries with identical items and copies in their gallery, the
-gallery's duplicates, the report dicts and the warning.
-
-A query's gallery items of class ``c`` are counted by binary search in the gallery's
-sorted keys (class and label, ...), the ignore rules by inclusion-exclusion, less the
-query's own sample: for each query and its own class (identical items), each class equal
-to its own up to rounding (rounding copies, none on ordinary data) or any class (the
-counted queries). O(N log N), no pairs of items.
-"""
+"""Per direction, the queries with copies in their gallery and the gallery's duplicates;
+the report dicts and the warning. A query's gallery items of class ``c`` are counted by
+binary search in the gallery's sorted keys, the ignore rules by inclusion-exclusion: for
+its own class (identical items), each class equal to it up to rounding (none on ordinary
+data) or any class (the counted queries). O(N log N), no pairs of items."""
 
 from __future__ import annotations
 
@@ -185,6 +181,10 @@ def counted_queries(
     return [None if h is None else int(h[1][0]) + (0 if skip else int(h[1][1])) for h in histograms]
 
 
+PER_QUERY = ("identical_positive", "identical_negative", "rounding_positive", "rounding_negative")
+"""The report's counts of queries flagged by the audit, in the documented order."""
+
+
 def protocol_reports(
     audits: Sequence[DirectionAudit | None],
     near: Sequence[Tensor | None],
@@ -201,7 +201,7 @@ def protocol_reports(
         if queries is None:
             queries = 0 if audit is None else int(audit.counted.sum())
         report = {"queries": queries}
-        for name in [*DirectionAudit._fields[1:3], *DirectionAudit._fields[4:6]]:
+        for name in PER_QUERY:
             report[name] = 0 if audit is None else int(getattr(audit, name).sum())
         if options.near_duplicate is not None:
             positive, negative, alone, hits = [0] * 4 if found is None else found.tolist()

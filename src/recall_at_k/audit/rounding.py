@@ -1,11 +1,9 @@
 """Copies equal up to float rounding: the pairs of bitwise classes that are such copies.
 
-Each class's first row is projected on random directions (of the normalised row) and
-placed in a grid whose cells are as wide as a copy's projections can differ, whatever
-their rounding: a copy lies in the same or a neighbouring cell in every projection. One
-sort finds the few candidates of neighbouring cells, each checked by the definition
-(:func:`within`) on its two rows alone. O(N D), a sort in parts, O(candidates x D).
-"""
+Each class's first row, normalised, is projected on random directions and placed in a
+grid whose cells are as wide as a copy's projections can differ, whatever their rounding:
+a copy lies in the same or a neighbouring cell. One sort finds these few candidates, each
+checked by the definition (:func:`within`). O(N D), a sort in parts, O(candidates x D)."""
 
 from __future__ import annotations
 
@@ -22,14 +20,11 @@ from recall_at_k.ranking.budget import AuditSizes
 
 TOLERANCE = 2.0**-12
 """Finite embeddings ``x``, ``y`` with different bits are *equal up to float rounding* when
-``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)``, as stored, decided in float64 with each sum in
-the order ``d = 0 .. D-1`` (both rows scaled by one power of two, so that no square
-underflows): the same decision on every device, thread and process. Why ``2^-12``: a
-model's output for the same input in another batch shape differs by a few float32 units
-(``2^-24``), a float16 output by one unit in the few coordinates whose rounding flips,
-both far below; distinct points of an integer grid differ by at least 1, so grid rows of
-norm below 4,096 steps (int8 codes of up to 1,040 dimensions, binary or ternary codes)
-are never copies. A bfloat16 unit (``2^-8``) is coarser: such copies need ``ids=``."""
+``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)`` as stored, decided in float64 with each sum in the
+order ``d = 0 .. D-1`` (both rows scaled by one power of two): the same everywhere. A
+model's output in another batch shape differs by a few float32 units (``2^-24``), a float16
+output by a unit where rounding flips, both far below; integer grid rows of norm below
+4,096 steps (int8, binary or ternary codes) are never copies; bfloat16 copies need ``ids=``."""
 
 IN_ORDER_MARGIN = 2.0**-30
 """Pairs whose sums in any order lie within this relative distance of the boundary are

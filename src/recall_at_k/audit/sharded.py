@@ -1,14 +1,11 @@
 """The audit's codes of rows sharded across processes (one process: a shard of its own).
 
-The one-process steps, run alike on every process over small gathered per-item data:
-each process hashes its own rows and the hashes are gathered (8 bytes an item);
-:func:`~recall_at_k.audit.bitwise.bitwise_classes` sorts them; each process projects the
-first rows of the classes whose first item it holds and the places are gathered (10 bytes
-a class); :func:`~recall_at_k.audit.rounding.rounding_pairs` walks the same candidates
-everywhere. Both compare rows through :meth:`Shard.check`, which moves only the rows of
-the pairs compared, each once, a block at a time. Collective: every process of the group
-calls :func:`sharded_codes` together; a failure on one process raises on every process.
-"""
+Every process runs the one-process steps alike on small gathered per-item data: the
+hashes of its own rows (8 bytes an item) for :func:`~recall_at_k.audit.bitwise.bitwise_classes`,
+the grid places of the classes whose first row it holds (10 bytes a class) for
+:func:`~recall_at_k.audit.rounding.rounding_pairs`; :meth:`Shard.check` moves only the
+rows of the pairs they compare, each once, a block at a time. Collective: every process
+calls :func:`sharded_codes` together; a failure on one process raises on every process."""
 
 from __future__ import annotations
 
