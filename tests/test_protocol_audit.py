@@ -915,13 +915,16 @@ def test_audit_blocks_on_worker_threads_give_the_same_codes(
             collide = audit.codes(rows, labels, groups, sizes)
         torch.set_num_threads(threads)
         seen: list[tuple[str, int]] = []
-        original = bitwise.run_task
 
-        def spy(task: Any, workspace: Any) -> Any:
-            seen.append((threading.current_thread().name, torch.get_num_threads()))
-            return original(task, workspace)
+        def spy(original: Any) -> Any:
+            def task(*args: Any) -> Any:
+                seen.append((threading.current_thread().name, torch.get_num_threads()))
+                return original(*args)
 
-        monkeypatch.setattr(bitwise, "run_task", spy)
+            return task
+
+        monkeypatch.setattr(bitwise, "hash_words", spy(bitwise.hash_words))
+        monkeypatch.setattr(rounding, "project", spy(rounding.project))
         many = audit.codes(rows, labels, groups, sizes)
         assert torch.get_num_threads() == threads
         workers = {name for name, _ in seen}

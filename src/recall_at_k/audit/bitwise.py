@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -18,8 +17,6 @@ from torch import Tensor
 from recall_at_k._kernel import Workspace
 from recall_at_k.ranking.budget import AuditSizes
 from recall_at_k.ranking.workers import Workers, worker_count
-
-Result = TypeVar("Result")
 
 CODE32_LIMIT = 2**31 - 1
 """Codes of up to this many items are int32 (the dtype's range), int64 beyond."""
@@ -35,11 +32,6 @@ ROWS_SLOT = "audit_rows"
 def code_dtype(num: int) -> torch.dtype:
     """The dtype of the codes of ``num`` items: int32 where they fit."""
     return torch.int32 if num <= CODE32_LIMIT else torch.int64
-
-
-def run_task(task: Callable[[Workspace], Result], workspace: Workspace) -> Result:
-    """Run one block's ``task`` with its thread's scratch."""
-    return task(workspace)
 
 
 def in_blocks(
@@ -59,7 +51,8 @@ def in_blocks(
     step = max(1, total // max(1, count * row_bytes))
     if count > 1:
         step = max(1, min(step, -(-num // (sizes.blocks_per_worker * count))))
-    pool: Workers[Callable[[Workspace], None], None] = Workers(run_task, count, Workspace())
+    pool: Workers[Callable[[Workspace], None], None]
+    pool = Workers(lambda block, workspace: block(workspace), count, Workspace())
     with pool:
         for _ in pool.map(
             functools.partial(task, slice(at, at + step)) for at in range(0, num, step)
