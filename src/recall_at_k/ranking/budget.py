@@ -119,9 +119,9 @@ class AuditSizes(NamedTuple):
 
     block_bytes: int  # rows hashed, compared or checked at a time, all threads together
     project_bytes: int  # rows projected at a time (a copy and a float64 copy)
-    sort_items: int  # keys sorted at a time (and item ranges walked at a time)
+    sort_items: int  # keys sorted (or scattered) at a time
     sort_passes: int  # passes over the keys of one sort in parts, at most
-    candidate_pairs: int  # candidate pairs enumerated and checked at a time
+    candidate_pairs: int  # pairs (or queries) enumerated and checked at a time
     blocks_per_worker: int  # blocks each worker thread gets at least
 
 
