@@ -436,9 +436,11 @@ def engine_recall(
     chunk_bytes: int | None = None,
     near_duplicate: float | None = None,
     validate_args: bool = True,
+    raw: bool = False,
 ) -> dict[str, float]:
     """Recall@K of ``batches`` through the engine's interface (plan, prepare, rank),
-    as the metric ranks them, walking the blocks in ``route``'s mode."""
+    as the metric ranks them, walking the blocks in ``route``'s mode (``raw``: the
+    engine's rankings themselves)."""
     ks = (ks,) if isinstance(ks, int) else tuple(ks)
     mode, route_bytes = route
     chunk = route_bytes if chunk_bytes is None else chunk_bytes
@@ -465,8 +467,11 @@ def engine_recall(
     options = engine.RankOptions(
         similarity, exclude, ties, max(ks), validate_args, near_duplicate, False, mode
     )
+    rankings = engine.rank(planned, options)
+    if raw:
+        return rankings  # type: ignore[return-value]
     out: dict[str, float] = {}
-    for index, ranked in enumerate(engine.rank(planned, options)):
+    for index, ranked in enumerate(rankings):
         assert ranked is not None
         values, _, _ = recall_from_histogram(ranked.hist, ranked.queries, ks, empty_target_action)
         values = values.to(torch.get_default_dtype())  # as the metric returns them

@@ -1,40 +1,28 @@
-"""``sharded_codes``: the protocol audit's item codes over rows sharded across real gloo
-processes equal ``codes()`` over the rows concatenated in process order -- the same
-classes (up to their numbering, the same on every process) and the same pairs of
-rounding copies -- over random rows, bitwise and rounding copies across processes, all
-rows equal, zeros of both signs, forced hash collisions, float64 and mixed dtypes, rows
-that are not finite, uneven shares, a process without rows and a process group covering
-some of the processes; with the batches of rows and pairs at their defaults and tiny."""
+"""``audit.sharded_codes``: the protocol audit's item codes over rows sharded across real
+gloo processes equal ``audit.codes()`` over the rows concatenated in process order -- the
+same classes (numbered alike on every process) and the same pairs of rounding copies --
+over random rows, bitwise and rounding copies across processes, all rows equal, zeros of
+both signs, forced hash collisions, float64 and mixed dtypes, rows that are not finite,
+uneven shares, a process without rows and a process group covering some of the
+processes; with the blocks of rows and pairs at their defaults and tiny, the rows stored
+in blocks of one or two rows whose strides are not 1. (The protocol report over sharded
+states, against the brute force: ``test_protocol_audit.py``.)"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
+from audit_reference import SIZES, codes_of, row_hash, ulps
 from helpers import run_distributed
 from torch import Tensor
 
-from recall_at_k import _audit, _audit_sharded, _sync
-from recall_at_k._audit import Codes
-
-
-def _zero_hash(words: Tensor) -> Tensor:
-    return torch.zeros(words.shape[0], dtype=torch.int64, device=words.device)
-
-
-def _first_word_hash(words: Tensor) -> Tensor:
-    return words[:, 0].long()
-
-
-HOOKS: dict[str | None, Callable[[Tensor], Tensor] | None] = {
-    None: None,
-    "zero": _zero_hash,
-    "first_word": _first_word_hash,
-}
+from recall_at_k import audit
+from recall_at_k.audit import Codes, bitwise, rounding
+from recall_at_k.ranking import budget
 
 
 class Scenario(NamedTuple):
@@ -43,16 +31,6 @@ class Scenario(NamedTuple):
     labels: Tensor
     groups: Tensor
     hook: str | None  # the row hash sharded_codes uses (None: the real one)
-
-
-def _ulps(rows: Tensor, steps: Tensor) -> Tensor:
-    """``rows`` moved by ``steps`` (-2..2) units in the last place, coordinate-wise."""
-    out = rows.clone()
-    for _ in range(int(steps.abs().max())):
-        move = steps.sign() * (steps.abs() > 0)
-        out = torch.where(move != 0, torch.nextafter(out, out + move.to(out.dtype)), out)
-        steps = steps - move
-    return out
 
 
 def _split(rows: Tensor, world: int, pattern: int) -> list[Tensor]:
@@ -83,8 +61,8 @@ def scenarios(world: int) -> list[Scenario]:
     cases.append(("bitwise_duplicates", padded, None, 0))
     base = torch.randn(25, 6, generator=gen)
     base[:4] *= torch.tensor([1e30, 1e-30, 1e3, 1e-3]).unsqueeze(1)
-    copies = _ulps(base[:10], torch.randint(-2, 3, (10, 6), generator=gen))
-    chain = _ulps(copies[:5], torch.randint(-2, 3, (5, 6), generator=gen))
+    copies = ulps(base[:10], torch.randint(-2, 3, (10, 6), generator=gen))
+    chain = ulps(copies[:5], torch.randint(-2, 3, (5, 6), generator=gen))
     edge = torch.zeros(3, 6)
     edge[:, 0] = 1.0
     edge[1, 1] = 2.0**-12  # at the tolerance: a copy of the first
@@ -99,12 +77,12 @@ def scenarios(world: int) -> list[Scenario]:
     cases.append(("every_hash_equal", few, "zero", 0))
     cases.append(("first_word_hash", few, "first_word", 2))
     wide = torch.randn(20, 4, generator=gen, dtype=torch.float64)
-    near = _ulps(wide[:6], torch.randint(-2, 3, (6, 4), generator=gen))
+    near = ulps(wide[:6], torch.randint(-2, 3, (6, 4), generator=gen))
     near[5] = wide[5] * (1 + 2.0**-30)  # a copy in float32's units too
     cases.append(("float64", shuffled(torch.cat([wide, near, wide[7:10]])), None, 0))
     narrow = torch.randn(12, 3, generator=gen)
     later = torch.cat(
-        [narrow[5:], narrow[:4], _ulps(narrow[:3], torch.ones(3, 3, dtype=torch.int64))]
+        [narrow[5:], narrow[:4], ulps(narrow[:3], torch.ones(3, 3, dtype=torch.int64))]
     )
     mixed = [narrow.double()[:5], *_split(later, world - 1, 0)]
     if world == 1:
@@ -125,47 +103,59 @@ def scenarios(world: int) -> list[Scenario]:
     return out
 
 
-TINY = {"_COMPARE_BYTES": 40, "_HASH_ROW_BYTES": 48, "ROUNDING_CHUNK": 3}
-"""Batches of one or two rows and chunks of three pairs: every batching path runs."""
+DEFAULT = budget.sharded_audit_sizes()
+TINY = budget.AuditSizes(
+    block_bytes=40,
+    project_bytes=48,
+    sort_items=4,
+    sort_passes=3,
+    candidate_pairs=3,
+    blocks_per_worker=1,
+)
+"""Blocks of one or two rows, sorts of four items, chunks of three pairs: every batching
+path runs."""
+
+
+def _strided(rows: Tensor) -> list[Tensor]:
+    """``rows`` stored as blocks of one or two rows whose strides are not 1 (each a slice
+    ``x[:, ::2]`` of a twice wider tensor), as views of an update's rows may be."""
+    blocks = []
+    for block in torch.split(rows, 2):
+        wide = torch.stack([block, torch.full_like(block, 7.0)], dim=2)
+        blocks.append(wide.reshape(block.shape[0], 2 * block.shape[1])[:, ::2])
+    return blocks
 
 
 def _run_scenarios(group: Any) -> list[list[Codes]]:
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     found: list[list[Codes]] = []
-    defaults = {name: getattr(_audit, name) for name in TINY}
-    for sizes in (defaults, TINY):
-        for name, value in sizes.items():
-            setattr(_audit, name, value)
+    for sizes in (DEFAULT, TINY):
         results = []
         for case in scenarios(world):
             counts = [part.shape[0] for part in case.parts]
-            local: Tensor | _sync.LocalBlocks = case.parts[me]
-            if sizes is TINY:  # the stored blocks of two rows, read without a copy
-                blocks = list(torch.split(local, 2))
-                dtype = _sync.widest_float([local.dtype])
-                local = _sync.LocalBlocks(blocks, local.shape[1], dtype, local.device)
-            results.append(
-                _audit_sharded.sharded_codes(
-                    local, counts, case.labels, case.groups, group, hashes=HOOKS[case.hook]
-                )
-            )
+            mine = case.parts[me]
+            blocks = _strided(mine) if sizes is TINY and mine.shape[1] else [mine]
+            assert sizes is DEFAULT or all(b.stride(-1) != 1 for b in blocks if b.shape[1])
+            with row_hash(case.hook):
+                codes = audit.sharded_codes(blocks, counts, case.labels, case.groups, group, sizes)
+            results.append(codes)
         found.append(results)
-    for name, value in defaults.items():
-        setattr(_audit, name, value)
     return found
 
 
 def _refusals(group: Any) -> None:
     """Counts that do not describe the processes' rows are refused (on every process)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    rows, labels = torch.zeros(me + 1, 2), torch.zeros(0, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"`local` must be this process's rows"):
-        _audit_sharded.sharded_codes(rows, [me + 1] * (world + 1), labels, labels, group)
+    rows, labels = [torch.zeros(me + 1, 2)], torch.zeros(0, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"`blocks` must be this process's rows"):
+        audit.sharded_codes(rows, [me + 1] * (world + 1), labels, labels, group, DEFAULT)
+    with pytest.raises(ValueError, match=r"`blocks` must be this process's rows"):
+        audit.sharded_codes([torch.zeros(2)], [1] * world, labels, labels, group, DEFAULT)
     wrong = [r + 2 for r in range(world)]
     wrong[me] = me + 1  # right about itself, wrong about the others
     with pytest.raises(ValueError, match=r"`counts` must be the rows each process holds"):
-        _audit_sharded.sharded_codes(rows, wrong, labels, labels, group)
+        audit.sharded_codes(rows, wrong, labels, labels, group, DEFAULT)
 
 
 def _failures(group: Any) -> None:
@@ -179,31 +169,22 @@ def _failures(group: Any) -> None:
     counts = [part.shape[0] for part in parts]
     labels = torch.zeros(sum(counts), dtype=torch.int64)
 
-    def broken(words: Tensor) -> Tensor:
-        raise ArithmeticError("forced failure of the row hash")
+    def broken(*args: Any) -> Tensor:
+        raise ArithmeticError("forced failure of the row hash or of a projection")
 
-    def failing_projection(grid: Any, rows: Tensor) -> Tensor:
-        raise ArithmeticError("forced failure of a projection")
-
-    for hook in ("hash", "project"):
-        plain = _audit.project
-        hashes = broken if hook == "hash" and me == 1 else None
-        if hook == "project" and me == 1:
-            _audit.project = failing_projection  # type: ignore[assignment]
+    for module, name in ((bitwise, "hash_words"), (rounding, "project")):
+        plain = getattr(module, name)
+        if me == 1:
+            setattr(module, name, broken)
+        expected = (ArithmeticError, "forced failure")
+        if me != 1:
+            expected = (RuntimeError, "failed on another process")  # type: ignore[assignment]
         try:
-            if me == 1:
-                with pytest.raises(ArithmeticError, match="forced failure"):
-                    _audit_sharded.sharded_codes(
-                        parts[me], counts, labels, labels, group, hashes=hashes
-                    )
-            else:
-                with pytest.raises(RuntimeError, match="failed on another process"):
-                    _audit_sharded.sharded_codes(
-                        parts[me], counts, labels, labels, group, hashes=hashes
-                    )
+            with pytest.raises(expected[0], match=expected[1]):
+                audit.sharded_codes([parts[me]], counts, labels, labels, group, DEFAULT)
         finally:
-            _audit.project = plain  # type: ignore[assignment]
-    got = _audit_sharded.sharded_codes(parts[me], counts, labels, labels, group)
+            setattr(module, name, plain)
+    got = audit.sharded_codes([parts[me]], counts, labels, labels, group, DEFAULT)
     assert int(got.klass.max()) + 1 == sum(counts) - 1  # one bitwise copy
 
 
@@ -246,7 +227,7 @@ def _check(results: list[list[list[Codes]]], world: int) -> None:
     cases = scenarios(world)
     for sizes in range(2):
         for index, case in enumerate(cases):
-            want = _audit.codes(torch.cat(case.parts), case.labels, case.groups)
+            want = audit.codes(torch.cat(case.parts), case.labels, case.groups, SIZES)
             first = results[0][sizes][index]
             for rank, found in enumerate(results):
                 got = found[sizes][index]
@@ -267,12 +248,11 @@ def test_the_cases_test_what_they_name() -> None:
         cases = {case.name: case for case in scenarios(world)}
         for name in ("bitwise_duplicates", "all_equal", "signed_zeros", "every_hash_equal"):
             case = cases[name]
-            assert _spans(case.parts, _audit.bitwise_classes(torch.cat(case.parts))), name
+            assert _spans(case.parts, codes_of(torch.cat(case.parts)).klass), name
         for name in ("rounding_copies", "float64", "mixed_dtypes", "not_finite"):
             case = cases[name]
             rows = torch.cat(case.parts)
-            klass = _audit.bitwise_classes(rows)
-            adjacent = _audit.rounding_pairs(rows, klass)
+            klass, _, _, adjacent = codes_of(rows)
             assert adjacent.numel(), name
             owner = torch.cat([torch.full((p.shape[0],), r) for r, p in enumerate(case.parts)])
             first = [int((klass == c).nonzero()[0]) for c in range(int(klass.max()) + 1)]
@@ -281,7 +261,7 @@ def test_the_cases_test_what_they_name() -> None:
         assert any(part.shape[0] == 0 for part in cases["random"].parts[1:2])
         assert len({p.shape[0] for p in cases["random"].parts}) > 1
         rows = torch.cat(cases["every_hash_equal"].parts)
-        assert len(set(_audit.bitwise_classes(rows).tolist())) > 20
+        assert len(set(codes_of(rows).klass.tolist())) > 20
         words = rows.contiguous().view(torch.int16)
         first_word = words[:, 0].unsqueeze(1) == words[:, 0].unsqueeze(0)
         same = (words.unsqueeze(0) == words.unsqueeze(1)).all(dim=2)
@@ -302,10 +282,12 @@ def test_three_processes_and_a_group_of_two_give_the_codes_of_the_concatenation(
 
 def test_one_process_without_torch_distributed_is_codes() -> None:
     for case in scenarios(1):
-        want = _audit.codes(case.parts[0], case.labels, case.groups)
+        want = audit.codes(case.parts[0], case.labels, case.groups, SIZES)
         counts = [case.parts[0].shape[0]]
-        got = _audit_sharded.sharded_codes(case.parts[0], counts, case.labels, case.groups, None)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), case.name
+        for sizes in (DEFAULT, TINY):
+            blocks = _strided(case.parts[0]) if case.parts[0].shape[1] else case.parts
+            got = audit.sharded_codes(blocks, counts, case.labels, case.groups, None, sizes)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), case.name
 
 
 def test_within_decides_on_the_two_rows_alone() -> None:
@@ -317,11 +299,11 @@ def test_within_decides_on_the_two_rows_alone() -> None:
     scale = 2.0**-12 * base.norm(dim=1, keepdim=True) / 33**0.5
     shifts = torch.tensor([0.5, 0.999, 1.0, 1.001, 2.0]).repeat(13)[:64].unsqueeze(1)
     other = base + scale * shifts * torch.sign(torch.randn(64, 33, generator=gen))
-    other[::7] = _ulps(base[::7], torch.randint(-2, 3, base[::7].shape, generator=gen))
-    whole = _audit.within(base, other)
+    other[::7] = ulps(base[::7], torch.randint(-2, 3, base[::7].shape, generator=gen))
+    whole = rounding.within(base, other)
     assert 0 < int(whole.sum()) < 64  # both decisions occur
-    one_by_one = torch.cat([_audit.within(base[n : n + 1], other[n : n + 1]) for n in range(64)])
+    one_by_one = torch.cat([rounding.within(base[n : n + 1], other[n : n + 1]) for n in range(64)])
     order = torch.randperm(64, generator=gen)
     assert torch.equal(whole, one_by_one)
-    assert torch.equal(whole, _audit.within(other, base))
-    assert torch.equal(whole[order], _audit.within(base[order], other[order].double()))
+    assert torch.equal(whole, rounding.within(other, base))
+    assert torch.equal(whole[order], rounding.within(base[order], other[order].double()))

@@ -2,7 +2,7 @@
 written out here, for the dense, flat and embedding forms; and the band of ``plot()``.
 
 The two-process case (a gloo pair must give the one-process interval) is part of the
-single spawn in ``test_protocol_audit.py``.
+gathered-states spawn in ``test_protocol_audit.py``.
 """
 
 from __future__ import annotations

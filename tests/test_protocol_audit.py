@@ -9,7 +9,9 @@ copies, rounding copies (1-2 ulps per coordinate; a Linear layer's output for a 
 of 1 against a batch of 10) and near copies (of the same and of another label) among
 random embeddings, and quantised embeddings whose scores equal the threshold exactly.
 
-The one two-process spawn of the audit and interval tests lives here too.
+Two spawns of two gloo processes run every case too, the states gathered and
+``sharded=True`` (the interval tests' two-process case rides on the first); the
+audit's codes over sharded rows: ``test_audit_sharded.py``.
 """
 
 from __future__ import annotations
@@ -19,17 +21,27 @@ import math
 import threading
 import warnings
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 import pytest
 import torch
-from embedding_reference import Batch, canonical_score, prepared_row
+from audit_reference import (
+    SIZES,
+    codes_of,
+    pairs,
+    pairs_brute_force,
+    rounding_copy,
+    row_hash,
+    ulps,
+)
+from embedding_reference import ROUTES, Batch, canonical_score, engine_recall, prepared_row
 from helpers import run_distributed
-from recall_at_k.ranking.bands import Route
 from torch import Tensor
 
-from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, _audit
+from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, audit
+from recall_at_k.audit import bitwise, rounding
+from recall_at_k.audit.report import own_samples
+from recall_at_k.ranking import budget
 
 DIM = 16
 
@@ -48,23 +60,6 @@ def _bits(row: Tensor) -> Tensor:
 def dot(queries: Tensor, gallery: Tensor) -> Tensor:
     """A callable similarity (module level: the two-process test pickles it)."""
     return queries @ gallery.T
-
-
-TOLERANCE = 2.0**-12
-
-
-def rounding_copy(x: Tensor, y: Tensor) -> bool:
-    """Equal up to float rounding, literally: finite, not the same bits, and
-    ``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)`` -- squared, in exact rational arithmetic
-    (``fractions.Fraction``), so that the metric's float64 sums, within 2^-30 of the
-    boundary nowhere here, must agree."""
-    if torch.equal(_bits(x), _bits(y)) or not (x.isfinite().all() and y.isfinite().all()):
-        return False
-    a = [Fraction(v) for v in x.tolist()]
-    b = [Fraction(v) for v in y.tolist()]
-    gap = sum(((u - v) ** 2 for u, v in zip(a, b, strict=True)), Fraction(0))
-    norms = max(sum((u * u for u in a), Fraction(0)), sum((v * v for v in b), Fraction(0)))
-    return gap <= Fraction(TOLERANCE) ** 2 * norms
 
 
 def _score(query: Tensor, item: Tensor, similarity: Any) -> float:
@@ -169,16 +164,6 @@ def _brute_force(case: Case) -> dict[str, Any]:
     if not options.get("bidirectional", False):
         return reports[names[0]]
     return reports
-
-
-def ulps(row: Tensor, steps: Tensor) -> Tensor:
-    """``row`` moved by ``steps[d]`` float32 ulps in coordinate ``d`` (-2..2)."""
-    out = row.clone()
-    for _ in range(int(steps.abs().max())):
-        move = steps.sign() * (steps.abs() > 0)
-        out = torch.where(move != 0, torch.nextafter(out, out + move), out)
-        steps = steps - move
-    return out
 
 
 def planted(seed: int, num: int = 48, classes: int = 6, groups: int = 3) -> Batch:
@@ -442,31 +427,17 @@ def test_report_does_not_depend_on_tiles_or_batches(case: Case) -> None:
     assert small.protocol_report() == brute_force(case)
 
 
-# Every route the ranking takes: the automatic choice, the symmetric blocks of
-# leave-one-out (of a few rows; and giving up after the first block), CPU panels of a
-# few columns, whole tiles, dense masks.
-ROUTES = (
-    Route(),
-    Route("symmetric", block_bytes=100),
-    Route("symmetric", block_bytes=400, pending_pairs=0),
-    Route("panels", panel_bytes=8),
-    Route("tiles"),
-    Route("dense"),
-)
-
-
-@pytest.mark.parametrize("route", ROUTES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_near_counts_on_every_route(case: Case, route: Route) -> None:
-    """The near counts come from the ranking's own tiles, on every route, in tiles of a
-    few queries: the same report."""
-    metric = metric_of(case, chunk_bytes=700)
-    metric._route = route
-    feed(metric, case.batches)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        metric.compute()
-    assert metric.protocol_report() == brute_force(case)
+def test_near_counts_on_every_route(case: Case) -> None:
+    """The near counts come from the ranking's own tiles: every way the engine walks the
+    gallery, in tiles of a few queries or whole, counts the same."""
+    options = {**case.options, "near_duplicate": case.options.get("near_duplicate", 0.9)}
+    options = {k: v for k, v in options.items() if k != "chunk_bytes"}
+    counts = []
+    for route in (*ROUTES, ("panels", 700), ("squares", 700)):
+        ranked = engine_recall(case.batches, (1, 2), route, raw=True, **options)
+        counts.append([None if r is None else r.near.tolist() for r in ranked])  # type: ignore[union-attr]
+    assert all(c == counts[0] for c in counts), counts
 
 
 def test_compute_is_unchanged_and_warns_once_per_instance() -> None:
@@ -643,8 +614,8 @@ def _interval_cases() -> dict[str, tuple[dict[str, Any], list[tuple[Any, ...]]]]
     }
 
 
-def _run_one(case: Case, batches: list[Batch]) -> tuple[Any, Any, Any]:
-    metric = metric_of(case)
+def _run_one(case: Case, batches: list[Batch], **extra: Any) -> tuple[Any, Any, Any]:
+    metric = metric_of(case, **extra)
     feed(metric, batches)
     on_demand = metric.protocol_report()
     with warnings.catch_warnings():
@@ -664,9 +635,32 @@ def _interval_of(kwargs: dict[str, Any], batches: list[tuple[Any, ...]]) -> Any:
     return metric.confidence_interval(0.8)
 
 
+def _width_one_batches(rank: int, world_size: int) -> list[Batch]:
+    """Embeddings of width 1 fed as single-row batches whose strides are not 1: each a
+    ``[1, 1]`` slice ``x[:, ::2]`` of a ``[1, 2]`` tensor (bitwise copies among them)."""
+    values = torch.tensor([0.5, -1.0, 0.5, 2.0, 0.5, -1.0, 3.0, 2.0, -0.0, 0.0])
+    labels = torch.tensor([0, 1, 0, 1, 1, 0, 1, 1, 0, 0])
+    out = []
+    for i in range(rank, values.shape[0], world_size):
+        wide = torch.stack([values[i : i + 1], torch.full((1,), 7.0)], dim=1)
+        out.append(Batch(wide[:, ::2], labels[i : i + 1]))
+    return out
+
+
+WIDTH_ONE = Case("width_one", [], {"similarity": "dot", "near_duplicate": 1.0})
+
+
 def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
+    """Every case split over the processes, their metrics ``sharded`` or not (the
+    states gathered)."""
+    sharded = payload["sharded"]
     results: dict[str, Any] = {}
+    strided = _width_one_batches(rank, world_size)
+    assert all(b.embeddings.shape == (1, 1) and b.embeddings.stride(-1) != 1 for b in strided)
+    results[WIDTH_ONE.name] = _run_one(WIDTH_ONE, strided, sharded=sharded)
     for case in CASES:
+        if sharded and callable(case.options.get("similarity")):
+            continue  # sharded=True needs a built-in similarity
         # Uneven shards: rank 0 takes the first batch only; a process may hold nothing
         # of one role (the query/gallery cases).
         batches = [b for i, b in enumerate(case.batches) if (i == 0) == (rank == 0)]
@@ -675,13 +669,14 @@ def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
             cut = whole.labels.shape[0] // 3
             part = slice(0, cut) if rank == 0 else slice(cut, None)
             batches = [whole.take(part)]
-        results[case.name] = _run_one(case, batches)
+        results[case.name] = _run_one(case, batches, sharded=sharded)
     for name, (kwargs, batches) in _interval_cases().items():
-        results["interval/" + name] = _interval_of(kwargs, batches[rank::world_size])
+        if not sharded:
+            results["interval/" + name] = _interval_of(kwargs, batches[rank::world_size])
     # Uneven updates after a compute(): only rank 1 adds data; the reports (on demand
     # and from compute) follow on both processes, none waits for the other forever.
     case = CASES[0]
-    metric = metric_of(case)
+    metric = metric_of(case, sharded=sharded)
     feed(metric, case.batches[rank::world_size])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -697,13 +692,23 @@ def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
     return results
 
 
-def test_two_processes_equal_one_process() -> None:
+@pytest.fixture(scope="module", params=[False, True], ids=["gathered", "sharded"])
+def two_processes(request: pytest.FixtureRequest) -> tuple[bool, list[dict[str, Any]]]:
+    """Two gloo processes running :func:`_worker`, the states gathered or sharded."""
+    sharded: bool = request.param
+    return sharded, run_distributed(_worker, world_size=2, payload={"sharded": sharded})
+
+
+def test_two_processes_equal_one_process(two_processes: tuple[bool, list[Any]]) -> None:
     """Two gloo processes: every report and interval equals the one-process result, on
     every process (embedding cases: reports with and without compute, values and
-    intervals; dense, flat and embedding intervals)."""
-    results = run_distributed(_worker, world_size=2)
+    intervals; dense, flat and embedding intervals), the states gathered or sharded."""
+    sharded, results = two_processes
     assert results[0].keys() == results[1].keys()
     for case in CASES:
+        if case.name not in results[0]:
+            assert sharded and callable(case.options["similarity"])
+            continue
         expected = brute_force(case)
         single = _run_one(case, case.batches)
         for result in results:
@@ -720,6 +725,9 @@ def test_two_processes_equal_one_process() -> None:
         assert before == brute_force(CASES[0])
         assert after_update == after_compute == brute_force(more)
     for name, (kwargs, batches) in _interval_cases().items():
+        if sharded:
+            assert "interval/" + name not in results[0]
+            continue
         single = _interval_of(kwargs, batches)
         for result in results:
             got = result["interval/" + name]
@@ -728,6 +736,26 @@ def test_two_processes_equal_one_process() -> None:
             else:
                 assert got.keys() == single.keys()
                 assert all(torch.equal(got[k], single[k]) for k in single), name
+
+
+def test_width_one_single_row_strided_batches_on_two_processes(
+    two_processes: tuple[bool, list[Any]],
+) -> None:
+    """Embeddings of width 1 fed as single-row batches whose strides are not 1 (each a
+    ``[1, 1]`` slice ``x[:, ::2]`` of a ``[1, 2]`` tensor) on two processes, gathered
+    or ``sharded=True``: the values and report of one process on the same items (the
+    sharded audit once failed to read such rows' bits)."""
+    _, results = two_processes
+    items = [b for rank in range(2) for b in _width_one_batches(rank, 2)]
+    single = _run_one(WIDTH_ONE, items)
+    case = Case(WIDTH_ONE.name, items, WIDTH_ONE.options)
+    assert single[0] == brute_force(case)
+    assert single[0]["identical_positive"] > 0 and single[0]["duplicate_gallery_items"] > 0
+    for result in results:
+        on_demand, after, (values, interval) = result[WIDTH_ONE.name]
+        assert on_demand == after == single[0]
+        assert values == single[2][0]
+        assert all(torch.equal(interval[k], single[2][1][k]) for k in interval)
 
 
 def test_expected_ties_count_certain_near_hits_and_forward_keeps_no_report() -> None:
@@ -751,16 +779,14 @@ def test_expected_ties_count_certain_near_hits_and_forward_keeps_no_report() -> 
 def test_interval_after_compute_reuses_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
     """``confidence_interval()`` after ``compute()`` ranks again but does not audit again;
     a report made on demand still lets ``compute()`` warn."""
-    import recall_at_k._audit
-
     calls = []
-    original = recall_at_k._audit.protocol_reports
+    original = audit.protocol_reports
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(recall_at_k._audit, "protocol_reports", counting)
+    monkeypatch.setattr(audit, "protocol_reports", counting)
     case = CASES[0]
     metric = metric_of(case)
     feed(metric, case.batches)
@@ -772,11 +798,7 @@ def test_interval_after_compute_reuses_the_report(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize(
-    "hashes",
-    [None, lambda words: torch.zeros(words.shape[0], dtype=torch.int64), lambda w: w[:, 0].long()],
-    ids=["hashed", "every_hash_equal", "first_word_only"],
-)
+@pytest.mark.parametrize("hashes", [None, "zero", "first_word"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_bitwise_classes_are_exact_whatever_the_hash(dtype: torch.dtype, hashes: Any) -> None:
     """Rows share a class exactly when their bits are equal: with the real hash, and with
@@ -786,7 +808,8 @@ def test_bitwise_classes_are_exact_whatever_the_hash(dtype: torch.dtype, hashes:
     rows = torch.randint(-2, 3, (300, 3), generator=gen).to(dtype) / 2
     rows[7] = torch.tensor([-0.0, 0.0, 0.0]).to(dtype)
     rows[8] = torch.tensor([0.0, 0.0, 0.0]).to(dtype)
-    classes = _audit.bitwise_classes(rows, hashes)
+    with row_hash(hashes):
+        classes = codes_of(rows).klass
     bits = rows.view(torch.int16)
     same_bits = (bits.unsqueeze(0) == bits.unsqueeze(1)).all(dim=2)
     assert torch.equal(classes.unsqueeze(0) == classes.unsqueeze(1), same_bits)
@@ -814,26 +837,6 @@ def test_report_on_demand_leaves_the_last_compute_attributes() -> None:
 # ------------------------------------------------------------------ rounding copies
 
 
-def _pairs_brute_force(rows: Tensor) -> set[tuple[int, int]]:
-    """The pairs of bitwise classes (numbered as ``bitwise_classes`` numbers them) that
-    are rounding copies, literally."""
-    classes = _audit.bitwise_classes(rows).tolist()
-    first: dict[int, int] = {}
-    for n, c in enumerate(classes):
-        first.setdefault(c, n)
-    out = set()
-    for a, i in first.items():
-        for b, j in first.items():
-            if a != b and rounding_copy(rows[i], rows[j]):
-                out.add((a, b))
-    return out
-
-
-def _pairs(rows: Tensor) -> set[tuple[int, int]]:
-    found = _audit.rounding_pairs(rows, _audit.bitwise_classes(rows))
-    return {(int(a), int(b)) for a, b in found.tolist()}
-
-
 def _tricky_rows() -> Tensor:
     """Random rows and their rounding copies (1-2 ulps per coordinate, chains of them),
     copies exactly at the tolerance and one float beyond it, rows of very different
@@ -859,65 +862,67 @@ def test_rounding_pairs_equal_the_brute_force(monkeypatch: pytest.MonkeyPatch) -
     """Every pair of rounding copies is found, and only those, whatever the chunking of
     the candidate pairs (chunks of 3)."""
     rows = _tricky_rows()
-    expected = _pairs_brute_force(rows)
+    expected = pairs_brute_force(rows)
     assert len(expected) > 30 * 29  # the collapsed cluster alone
-    classes = _audit.bitwise_classes(rows)
+    classes = codes_of(rows).klass
     at = {(int(classes[i]), int(classes[j])) for i, j in ((40 + 15 + 8, 40 + 15 + 8 + 1),)}
     assert at <= expected  # the copy at the tolerance
     beyond = (int(classes[40 + 15 + 8]), int(classes[40 + 15 + 8 + 2]))
     assert beyond not in expected
-    assert _pairs(rows) == expected
-    monkeypatch.setattr(_audit, "ROUNDING_CHUNK", 3)
-    assert _pairs(rows) == expected
+    assert pairs(rows) == expected
+    assert pairs(rows, SIZES._replace(candidate_pairs=3)) == expected
     # Every pair summed in the fixed order (not only those near the boundary).
-    monkeypatch.setattr(_audit, "IN_ORDER_MARGIN", math.inf)
-    assert _pairs(rows) == expected
+    monkeypatch.setattr(rounding, "IN_ORDER_MARGIN", math.inf)
+    assert pairs(rows) == expected
     # In float64 storage and reordered: the same pairs of rows.
     order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(2))
-    assert _pairs(rows[order]) == _pairs_brute_force(rows[order])
+    assert pairs(rows[order]) == pairs_brute_force(rows[order])
 
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_audit_blocks_on_worker_threads_give_the_same_codes(
     threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At ``threads`` torch threads :func:`_audit.codes` hashes, compares, projects and
-    checks its rows in blocks on that many worker threads (each running torch on one
-    thread, at least BLOCKS_PER_WORKER blocks each): the codes are those of one thread,
-    the rounding pairs the brute force's; a hash that collides falls back as on one."""
+    """At ``threads`` torch threads :func:`audit.codes` hashes and projects its rows in
+    blocks on that many worker threads (each running torch on one thread, at least
+    ``blocks_per_worker`` blocks each): the codes are those of one thread, the rounding
+    pairs the brute force's; a hash that collides, likewise."""
     rows = _tricky_rows()
     rows = torch.cat([rows, rows[:60], rows[90:]])  # bitwise copies in other blocks
     labels = torch.arange(rows.shape[0]) % 5
     groups = torch.arange(rows.shape[0]) % 3
-    block = 4 * 2**10  # several blocks a worker even at one thread
+    sizes = budget.audit_sizes(4 * 2**10)  # several blocks a worker even at one thread
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = _audit.codes(rows, labels, groups, block_bytes=block)
+        one = audit.codes(rows, labels, groups, sizes)
+        with row_hash("zero"):
+            collide = audit.codes(rows, labels, groups, sizes)
         torch.set_num_threads(threads)
         seen: list[tuple[str, int]] = []
-        original = _audit._call
 
-        def spy(task: Any, workspace: Any) -> Any:
-            seen.append((threading.current_thread().name, torch.get_num_threads()))
-            return original(task, workspace)
+        def spy(original: Any) -> Any:
+            def task(*args: Any) -> Any:
+                seen.append((threading.current_thread().name, torch.get_num_threads()))
+                return original(*args)
 
-        monkeypatch.setattr(_audit, "_call", spy)
-        many = _audit.codes(rows, labels, groups, block_bytes=block)
+            return task
+
+        monkeypatch.setattr(bitwise, "hash_words", spy(bitwise.hash_words))
+        monkeypatch.setattr(rounding, "project", spy(rounding.project))
+        many = audit.codes(rows, labels, groups, sizes)
         assert torch.get_num_threads() == threads
         workers = {name for name, _ in seen}
         assert len(workers) == threads and all(n.startswith("recall-at-k") for n in workers)
         assert all(count == 1 for _, count in seen) and len(seen) > 3 * threads
         for a, b in zip(one, many, strict=True):
             assert torch.equal(a, b)
-        pairs = {(int(a), int(b)) for a, b in many.adjacent.tolist()}
-        assert pairs == _pairs_brute_force(rows) and len(pairs) > 30 * 29
-        collide = lambda words: torch.zeros(words.shape[0], dtype=torch.int64)  # noqa: E731
-        with _audit.Blocks(rows.device) as blocks:
-            exact = _audit.bitwise_classes(rows, collide, block, blocks)
-        assert torch.equal(exact, _audit.bitwise_classes(rows, collide, block))
-        same = exact.unsqueeze(0) == exact.unsqueeze(1)
-        assert torch.equal(same, one.klass.unsqueeze(0) == one.klass.unsqueeze(1))
+        found = {(int(a), int(b)) for a, b in many.adjacent.tolist()}
+        assert found == pairs_brute_force(rows) and len(found) > 30 * 29
+        with row_hash("zero"):
+            exact = audit.codes(rows, labels, groups, sizes)
+        for a, b, c in zip(one, collide, exact, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
     finally:
         torch.set_num_threads(before)
 
@@ -925,12 +930,12 @@ def test_audit_blocks_on_worker_threads_give_the_same_codes(
 def test_rounding_pairs_ignore_rows_that_are_not_finite() -> None:
     rows = torch.tensor([[1.0, 2.0], [math.inf, 2.0], [math.inf, 2.0 + 1e-6], [math.nan, 0.0]])
     rows = torch.cat([rows, torch.nextafter(rows[:1], torch.zeros(1, 2))])
-    assert _pairs(rows) == _pairs_brute_force(rows)
-    assert len(_pairs(rows)) == 2  # rows 0 and 4, both ways
+    assert pairs(rows) == pairs_brute_force(rows)
+    assert len(pairs(rows)) == 2  # rows 0 and 4, both ways
 
 
 def _no_copies(rows: Tensor) -> None:
-    assert _pairs(rows) == set()
+    assert pairs(rows) == set()
     metric = EmbeddingRecallAtK(k=1)
     metric.update(rows, torch.arange(rows.shape[0]) % 7)
     with warnings.catch_warnings():
@@ -975,15 +980,15 @@ def test_the_documented_limits_of_the_tolerance() -> None:
     assert float(codes.norm()) < 4096
     stepped = codes.clone()
     stepped[0, 5] -= 1
-    assert _pairs(torch.cat([codes, stepped])) == set()
+    assert pairs(torch.cat([codes, stepped])) == set()
     gen = torch.Generator().manual_seed(12)
     row = torch.randn(1, 64, generator=gen).bfloat16()
     away = torch.nextafter(row, torch.full_like(row, math.inf))
-    assert _pairs(torch.cat([row, away]).float()) == set()
+    assert pairs(torch.cat([row, away]).float()) == set()
     half = torch.randn(1, 512, generator=gen).half()
     flipped = half.clone()
     flipped[0, :8] = torch.nextafter(half[0, :8], torch.full_like(half[0, :8], math.inf))
-    assert len(_pairs(torch.cat([half, flipped]).float())) == 2
+    assert len(pairs(torch.cat([half, flipped]).float())) == 2
 
 
 def test_a_padded_repeat_from_another_batch_shape_warns() -> None:
@@ -1112,8 +1117,8 @@ def test_one_id_with_different_embeddings_in_its_two_roles() -> None:
 # ------------------------------------------------------------------ the audit's own memory
 
 
-def test_sorted_parts_equal_one_stable_sort(monkeypatch: pytest.MonkeyPatch) -> None:
-    """:func:`_audit.sorted_parts` in many passes (keys that fill a range alone, runs
+def test_sorted_parts_equal_one_stable_sort() -> None:
+    """:func:`bitwise.sorted_parts` in many passes (keys that fill a range alone, runs
     of equal keys, negative and extreme keys) gives the stable sort of the whole, each
     key in one part only."""
     gen = torch.Generator().manual_seed(5)
@@ -1122,15 +1127,14 @@ def test_sorted_parts_equal_one_stable_sort(monkeypatch: pytest.MonkeyPatch) -> 
     keys[5] = -(2**63)
     keys[6] = 2**63 - 1
     keys[100:400] = torch.randint(-(2**62), 2**62, (300,), generator=gen)
-    monkeypatch.setattr(_audit, "SORT_MIN_ITEMS", 16)
-    parts = list(_audit.sorted_parts(keys, block_bytes=_audit.SORT_BYTES * 100))
+    parts = list(bitwise.sorted_parts(keys, SIZES._replace(sort_items=100)))
     assert len(parts) > 10
     values, order = torch.sort(keys, stable=True)
     assert torch.equal(torch.cat([o for o, _ in parts]), order)
     assert torch.equal(torch.cat([v for _, v in parts]), values)
     last = [int(v[-1]) for _, v in parts]
     assert all(int(v[0]) > before for (_, v), before in zip(parts[1:], last, strict=False))
-    assert len(list(_audit.sorted_parts(keys))) == 1  # 3,000 items: one sort
+    assert len(list(bitwise.sorted_parts(keys, SIZES))) == 1  # 3,000 items: one sort
 
 
 @pytest.mark.parametrize("limit", ["int32", "int64"])
@@ -1140,15 +1144,18 @@ def test_report_whatever_the_code_type_and_sort_passes(
     """The codes are int32 up to ``CODE32_LIMIT`` items, int64 beyond (forced here: a
     limit of 10), and their sorts run in many passes (forced: 16 items a sort): every
     report equals the brute force."""
-    monkeypatch.setattr(_audit, "SORT_MIN_ITEMS", 16)
-    monkeypatch.setattr(_audit, "SORT_BYTES", 2**20)
+    monkeypatch.setattr(budget, "AUDIT_SORT_MIN_ITEMS", 16)
+    monkeypatch.setattr(budget, "AUDIT_SORT_BYTES", 2**20)
     if limit == "int64":
-        monkeypatch.setattr(_audit, "CODE32_LIMIT", 10)
+        monkeypatch.setattr(bitwise, "CODE32_LIMIT", 10)
     rows = _tricky_rows()
-    keys = _audit.codes(rows, torch.arange(rows.shape[0]) % 5, torch.arange(rows.shape[0]) % 3)
+    sizes = budget.audit_sizes(2**20)
+    assert sizes.sort_items == 16
+    num = rows.shape[0]
+    keys = audit.codes(rows, torch.arange(num) % 5, torch.arange(num) % 3, sizes)
     assert all(getattr(keys, name).dtype == getattr(torch, limit) for name in ("klass", "label"))
-    pairs = {(int(a), int(b)) for a, b in keys.adjacent.tolist()}
-    assert pairs == _pairs_brute_force(rows)
+    found = {(int(a), int(b)) for a, b in keys.adjacent.tolist()}
+    assert found == pairs_brute_force(rows)
     for case in CASES:
         metric = metric_of(case)
         feed(metric, case.batches)
@@ -1166,21 +1173,20 @@ def test_rounding_pairs_of_float64_rows_at_the_ends_of_the_range() -> None:
     rows = torch.cat([base[4 * i : 4 * i + 4] * s for i, s in enumerate(scales.tolist())])
     moved = torch.nextafter(rows, torch.full_like(rows, math.inf))
     rows = torch.cat([rows, moved, rows[:2] * 3])
-    expected = _pairs_brute_force(rows)
-    classes = _audit.bitwise_classes(rows)
+    expected = pairs_brute_force(rows)
+    classes = codes_of(rows).klass
     subnormal = {(int(classes[i]), int(classes[i + 12])) for i in range(4)}
     assert subnormal <= expected
-    assert _pairs(rows) == expected
-    zeros = torch.zeros(rows.shape[0], dtype=torch.int64)
-    codes = _audit.codes(rows, zeros, zeros)
-    assert {(int(a), int(b)) for a, b in codes.adjacent.tolist()} == expected
+    assert pairs(rows) == expected
+    small = SIZES._replace(block_bytes=64, project_bytes=64, candidate_pairs=2)
+    assert pairs(rows, small) == expected
 
 
 @pytest.mark.parametrize("offset", [0, 2**40])
 def test_own_samples_equal_the_brute_force(offset: int) -> None:
-    """The query's own sample in the gallery (the gallery's identities distinct): looked
-    up in a table for identities ``0..n-1`` (the metric's), through a sort for others
-    (``offset``: ids beyond the items); a side of every item in order (leave-one-out)."""
+    """The query's own sample in the gallery (the gallery's identities distinct), for
+    identities ``0..n-1`` (the metric's) and others (``offset``: ids beyond the items); a
+    side of every item in order (leave-one-out)."""
     gen = torch.Generator().manual_seed(5)
     num = 40
     identity = torch.randperm(num, generator=gen) // 2 * 3 + offset  # pairs share one
@@ -1193,7 +1199,7 @@ def test_own_samples_equal_the_brute_force(offset: int) -> None:
     alone = torch.arange(num) * 3 + offset
     for queries, gallery, ids in [(q_rows, g_rows, identity), (every, every, alone)]:
         q_id, g_id = ids[queries.long()], ids[gallery.long()]
-        has_self, self_row = _audit.own_samples(queries, q_id, gallery, g_id, num)
+        has_self, self_row = own_samples(((queries, q_id), (gallery, g_id)), num, SIZES)
         assert self_row.dtype == torch.int32
         for q, (row, ident) in enumerate(zip(queries.tolist(), q_id.tolist(), strict=True)):
             match = [
@@ -1202,20 +1208,21 @@ def test_own_samples_equal_the_brute_force(offset: int) -> None:
             assert bool(has_self[q]) == bool(match)
             assert int(self_row[q]) == (match[0] if match else row)
     empty = torch.zeros(0, dtype=torch.int64)
-    has_self, self_row = _audit.own_samples(q_rows, identity[q_rows.long()], empty, empty, num)
+    q_id = identity[q_rows.long()]
+    has_self, self_row = own_samples(((q_rows, q_id), (empty, empty)), num, SIZES)
     assert not has_self.any() and torch.equal(self_row, q_rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_sorted_parts_equal_a_stable_sort(dtype: torch.dtype) -> None:
-    """The parts of :func:`_audit.sorted_parts` (many here: 1,024 items a sort) are a
+    """The parts of :func:`bitwise.sorted_parts` (many here: 1,024 items a sort) are a
     stable sort of the keys, equal keys never in two parts; a key that fills its range
     alone (half the items share one) is one part whose values are one broadcast key."""
     gen = torch.Generator().manual_seed(8)
     keys = torch.randint(-(2**30), 2**30, (6000,), generator=gen, dtype=torch.int64)
     keys[torch.randperm(6000, generator=gen)[:3000]] = 7
     keys = keys.to(dtype)
-    parts = list(_audit.sorted_parts(keys, 1024 * _audit.SORT_BYTES))
+    parts = list(bitwise.sorted_parts(keys, SIZES._replace(sort_items=1024)))
     assert len(parts) > 3
     order = torch.cat([part[0] for part in parts])
     values = torch.cat([part[1] for part in parts])

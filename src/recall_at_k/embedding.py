@@ -12,7 +12,8 @@ from typing import Any, ClassVar, Literal, NamedTuple, SupportsIndex, cast, over
 import torch
 from torch import Tensor
 
-from recall_at_k import _audit, _audit_sharded, _embedding_checks, _items
+from recall_at_k import _embedding_checks, _items
+from recall_at_k import audit as _audit
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
 from recall_at_k._outcomes import QueryOutcomes, embedding_outcomes
@@ -27,7 +28,7 @@ from recall_at_k._types import (
     Similarity,
     Ties,
 )
-from recall_at_k.ranking import engine, plan
+from recall_at_k.ranking import budget, engine, plan
 from recall_at_k.ranking.blocks import Processes
 from recall_at_k.ranking.progress import check_progress
 from recall_at_k.ranking.stored import (
@@ -522,17 +523,20 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         if self._in_forward or (kept is not None and group is None and not kept[1]):
             return None
         options = _audit.options_of(self)
-        block = planned.budget.row_block_bytes
-        options = options._replace(block_bytes=block, share=block)
+        options = options._replace(sizes=budget.audit_sizes(planned.budget.row_block_bytes))
         stored: tuple[Tensor, Tensor] | Callable[[], _audit.Codes]
         if sharded:
             rows = cast(BroadcastRows, planned.rows)
 
             def stored() -> _audit.Codes:
-                local = rows.local.blocks
-                mine = torch.cat(local) if local else torch.zeros(0, rows.shape[1])
-                return _audit_sharded.sharded_codes(
-                    mine.to(rows.dtype), rows.counts, planned.labels, planned.groups, rows.group
+                groups = planned.groups if self.exclude != "none" else None
+                return _audit.sharded_codes(
+                    rows.local.blocks,
+                    rows.counts,
+                    planned.labels,
+                    groups,
+                    rows.group,
+                    budget.sharded_audit_sizes(),
                 )
         else:
             assert planned.embeddings is not None

@@ -350,7 +350,12 @@ class LocalSource:
             embeddings if self.stats.dtype == embeddings.dtype else embeddings.to(self.stats.dtype)
         )
         self.gallery = gallery_block(
-            canonical, self.fast[index], plan.labels[index], plan.groups[index], identity, self.stats
+            canonical,
+            self.fast[index],
+            plan.labels[index],
+            plan.groups[index],
+            identity,
+            self.stats,
         )
         lo, hi = share
         narrow = index_dtype(hi)

@@ -200,3 +200,68 @@ def budget(chunk_bytes: int, items: int, width: int) -> Budget:
         max(1, scratch // RUN_SHARE),
         row_block,
     )
+
+
+# --- the protocol audit
+
+AUDIT_SHARE = 4
+"""The audit of one process reads rows in blocks of at most ``chunk_bytes / AUDIT_SHARE``."""
+
+AUDIT_SORT_BYTES = 40
+"""Bytes an item of a sort of int64 keys (sorted copy, order, scratch): sizes a sort part."""
+
+AUDIT_SORT_MIN_ITEMS = 1024
+"""The fewest keys a part of the audit's sort in parts sorts at a time."""
+
+AUDIT_SORT_MAX_PASSES = 1024
+"""The most passes over the keys that the audit's sort in parts makes."""
+
+AUDIT_CANDIDATE_BYTES = 256
+"""Bytes a candidate pair of rounding copies takes while enumerated: sizes the pairs at a time."""
+
+AUDIT_CANDIDATE_PAIRS = (64, 2**16)
+"""The fewest and most candidate pairs of rounding copies enumerated and checked at a time."""
+
+AUDIT_BLOCKS_PER_WORKER = 4
+"""Blocks of rows each worker thread gets at least, so that the threads finish together."""
+
+AUDIT_SHARDED_BLOCK_BYTES = 2**20
+"""A sharded audit's rows hashed, compared or sent at a time: a fixed cost beside its codes."""
+
+AUDIT_SHARDED_PROJECT_BYTES = 2**17
+"""A sharded audit's rows (and their float64 copies) projected at a time."""
+
+AUDIT_SHARDED_CANDIDATE_PAIRS = 2**13
+"""A sharded audit's candidate pairs enumerated at a time (every process the same chunks)."""
+
+
+class AuditSizes(NamedTuple):
+    """Every size the protocol audit (:mod:`recall_at_k.audit`) works in."""
+
+    block_bytes: int  # rows hashed, compared or checked at a time, all threads together
+    project_bytes: int  # rows projected at a time (a copy and a float64 copy)
+    sort_items: int  # keys sorted (or scattered) at a time
+    sort_passes: int  # passes over the keys of one sort in parts, at most
+    candidate_pairs: int  # pairs (or queries) enumerated and checked at a time
+    blocks_per_worker: int  # blocks each worker thread gets at least
+
+
+def audit_sizes(block_bytes: int) -> AuditSizes:
+    """The audit's sizes in one process, its rows read ``block_bytes`` at a time."""
+    least, most = AUDIT_CANDIDATE_PAIRS
+    return AuditSizes(
+        block_bytes=max(1, block_bytes),
+        project_bytes=max(1, block_bytes),
+        sort_items=max(AUDIT_SORT_MIN_ITEMS, block_bytes // AUDIT_SORT_BYTES),
+        sort_passes=AUDIT_SORT_MAX_PASSES,
+        candidate_pairs=max(least, min(most, block_bytes // AUDIT_CANDIDATE_BYTES)),
+        blocks_per_worker=AUDIT_BLOCKS_PER_WORKER,
+    )
+
+
+def sharded_audit_sizes() -> AuditSizes:
+    """The audit's sizes over rows sharded across processes: fixed buffers."""
+    return audit_sizes(AUDIT_SHARDED_BLOCK_BYTES)._replace(
+        project_bytes=AUDIT_SHARDED_PROJECT_BYTES,
+        candidate_pairs=AUDIT_SHARDED_CANDIDATE_PAIRS,
+    )

@@ -130,7 +130,9 @@ class _Waiting:
         count = int(found.rows.shape[0])
         need = self.size + count
         if self.buffer is None or need > self.buffer.shape[1]:
-            grown = torch.empty((3, max(16, need + need // 2)), dtype=torch.float64, device=self.device)
+            grown = torch.empty(
+                (3, max(16, need + need // 2)), dtype=torch.float64, device=self.device
+            )
             if self.buffer is not None:
                 grown[:, : self.size] = self.buffer[:, : self.size]
             self.buffer = grown

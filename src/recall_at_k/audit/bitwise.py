@@ -1,0 +1,237 @@
+"""Classes of bitwise-equal rows, and the integer codes and sorts the audit counts with.
+
+Each row's bits get a 62-bit hash (:func:`hash_words`); the items of one hash form a run
+and each is compared bit for bit with its run's first item (:func:`bitwise_classes`),
+so the classes are exact whatever the hash. O(N log N + N D): sorts run in parts
+(:func:`sorted_parts`), rows are read a block at a time (:func:`in_blocks`), never whole.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from recall_at_k._kernel import Workspace
+from recall_at_k.ranking.budget import AuditSizes
+from recall_at_k.ranking.workers import Workers, worker_count
+
+CODE32_LIMIT = 2**31 - 1
+"""Codes of up to this many items are int32 (the dtype's range), int64 beyond."""
+
+HASH_PRIME = 2**21 - 9
+"""The hash's sums are taken modulo this prime; a sum of up to 2^15 terms (each below
+2^37) is an integer below 2^53, exact in float64 in any order."""
+
+ROWS_SLOT = "audit_rows"
+"""The workspace slot of a block's float64 rows (the hash's, then the projections')."""
+
+
+def code_dtype(num: int) -> torch.dtype:
+    """The dtype of the codes of ``num`` items: int32 where they fit."""
+    return torch.int32 if num <= CODE32_LIMIT else torch.int64
+
+
+def in_blocks(
+    task: Callable[[slice, Workspace], None],
+    num: int,
+    row_bytes: int,
+    total: int,
+    sizes: AuditSizes,
+    device: torch.device,
+) -> None:
+    """``task(rows, workspace)`` for blocks of the ``num`` rows, each thread's share of
+    ``total`` bytes at ``row_bytes`` a row (smaller where a thread would get under
+    ``blocks_per_worker`` blocks), on the ranking's worker threads: ``torch.get_num_threads()``
+    on CPU, each running torch on one thread with its own scratch, freed after; the caller
+    alone elsewhere. A block's result depends on its rows alone: the same for every count."""
+    count = worker_count(device)
+    step = max(1, total // max(1, count * row_bytes))
+    if count > 1:
+        step = max(1, min(step, -(-num // (sizes.blocks_per_worker * count))))
+    pool: Workers[Callable[[Workspace], None], None]
+    pool = Workers(lambda block, workspace: block(workspace), count, Workspace())
+    with pool:
+        for _ in pool.map(
+            functools.partial(task, slice(at, at + step)) for at in range(0, num, step)
+        ):
+            pass
+
+
+def words(rows: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The bits of float ``rows`` ``[m, D]`` (widened exactly to ``dtype``) as int16 words
+    ``[m, W]``; a row-major copy where they are not (stored views have any strides: a
+    single row of width 1 too, which ``contiguous()`` leaves as it is)."""
+    rows = rows if dtype is None else rows.to(dtype)
+    if rows.stride(-1) != 1 or not rows.is_contiguous():
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows.view(torch.int16)
+
+
+def same_bits(first: Tensor, second: Tensor) -> Tensor:
+    """bool per pair of rows (``[m, D]`` each, one dtype): the same bit pattern."""
+    return (words(first) == words(second)).all(dim=1)
+
+
+def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
+    """int64 ``[m]``: the hash of each row of int16 words ``bits``: three sums of its words
+    (shifted to ``[0, 2^16)``) times fixed coefficients below :data:`HASH_PRIME` ``p``,
+    each modulo ``p``, as ``(k0 p + k1) p + k2``; a float64 product of integers, exact in
+    any order, blocking, device or process."""
+    generator = torch.Generator().manual_seed(20261203)
+    coefficients = torch.randint(1, HASH_PRIME, (bits.shape[1], 3), generator=generator)
+    coefficients = coefficients.to(device=bits.device, dtype=torch.float64)
+    wide = workspace.get(ROWS_SLOT, tuple(bits.shape), torch.float64, bits.device)
+    wide.copy_(bits).add_(2**15)
+    keys = torch.zeros((bits.shape[0], 3), dtype=torch.float64, device=bits.device)
+    for at in range(0, bits.shape[1], 2**15):
+        keys.addmm_(wide[:, at : at + 2**15], coefficients[at : at + 2**15]).remainder_(HASH_PRIME)
+    key = keys.to(torch.int64)
+    return key[:, 0].mul(HASH_PRIME).add_(key[:, 1]).mul_(HASH_PRIME).add_(key[:, 2])
+
+
+def hash_rows(
+    rows_of: Callable[[slice], Tensor],
+    num: int,
+    row_bytes: int,
+    sizes: AuditSizes,
+    device: torch.device,
+) -> Tensor:
+    """int64 ``[num]``: the :func:`hash_words` of the bits of the rows ``rows_of(part)``,
+    a block at a time (``row_bytes`` a row: its float64 words and its copy)."""
+    out = torch.empty(num, dtype=torch.int64, device=device)
+
+    def hash_block(part: slice, workspace: Workspace) -> None:
+        out[part] = hash_words(words(rows_of(part)), workspace)
+
+    in_blocks(hash_block, num, row_bytes, sizes.block_bytes, sizes, device)
+    return out
+
+
+def bitwise_classes(
+    hashes: Tensor, same: Callable[[Tensor, Tensor], Tensor], sizes: AuditSizes
+) -> tuple[Tensor, Tensor]:
+    """``[N]`` codes: the classes of bitwise-equal items, ``0..C-1`` in the order of each
+    class's first item; and ``[C]`` those first items.
+
+    ``hashes``: int64 ``[N]``, each item's row hash (freed once coded). ``same(items,
+    firsts)``: bool per pair of int64 item indices, whether their rows have the same bits,
+    called with the same pairs wherever ``hashes`` is the same (for a collective). Items
+    are walked ``candidate_pairs`` at a time; those unequal to their run's first (a hash
+    collision) leave it together and only they are compared again, with their own first."""
+    num, device = hashes.shape[0], hashes.device
+    run = code(hashes, sizes)
+    del hashes
+    pending: Tensor | None = None  # None: every item
+    while num:
+        first = first_items(run, sizes)
+        moved = torch.zeros(num, dtype=torch.bool, device=device)
+        for at in range(0, num, sizes.candidate_pairs):
+            index = torch.arange(at, min(num, at + sizes.candidate_pairs), device=device)
+            earliest = first[run[index]].long()
+            todo = (earliest != index) & (True if pending is None else pending[index])
+            if bool(todo.any()):
+                moved[index[todo][~same(index[todo], earliest[todo])]] = True
+        if not bool(moved.any()):
+            break
+        run, pending = code(run.long() * 2 + moved, sizes), moved
+    first, by_first = torch.sort(first_items(run, sizes) if num else run)
+    renumber = torch.empty_like(first)
+    renumber[by_first] = torch.arange(first.shape[0], dtype=first.dtype, device=device)
+    return renumber[run.long()], first
+
+
+def first_items(codes: Tensor, sizes: AuditSizes) -> Tensor:
+    """``[C]`` (the codes' dtype): the first item of each code ``0..C-1``."""
+    num = codes.shape[0]
+    first = torch.full((int(codes.max()) + 1,), num, dtype=codes.dtype, device=codes.device)
+    for at in range(0, num, sizes.sort_items):
+        where = torch.arange(at, min(num, at + sizes.sort_items), device=codes.device)
+        first.scatter_reduce_(0, codes[where].long(), where.to(codes.dtype), reduce="amin")
+    return first
+
+
+def sorted_parts(keys: Tensor, sizes: AuditSizes) -> Iterator[tuple[Tensor, Tensor]]:
+    """The stable ascending sort of integer ``keys`` ``[N]`` in consecutive parts ``(order,
+    values)``, about ``sort_items`` items each where the keys allow, equal keys in one.
+
+    The ranges come from a regular sample of the keys: a key that fills a range alone is a
+    part of its own, its values one key broadcast (every item of a collapsed model);
+    between such keys, the keys strictly between. A part costs a pass over the keys."""
+    num = keys.shape[0]
+    if num <= sizes.sort_items:
+        values, order = torch.sort(keys, stable=True)
+        yield order, values
+        return
+    passes = min(sizes.sort_passes, -(-num // sizes.sort_items))
+    sample = torch.sort(keys[:: max(1, num // (64 * passes))])[0]  # ~64 samples a pass
+    at = torch.arange(1, passes, device=keys.device) * sample.shape[0] // passes
+    lowest: int | None = None
+    for splitter in [*torch.unique_consecutive(sample[at]).tolist(), None]:
+        mask = torch.ones(num, dtype=torch.bool, device=keys.device)
+        if lowest is not None:
+            torch.gt(keys, lowest, out=mask)
+        if splitter is not None:
+            mask &= keys < splitter
+        index = mask.nonzero().view(-1)
+        if index.numel():
+            values, order = torch.sort(keys[index], stable=True)
+            yield index[order], values
+            del values, order
+        if splitter is not None:  # the keys equal to the splitter, in item order
+            index = torch.eq(keys, splitter, out=mask).nonzero().view(-1)
+            del mask
+            if index.numel():
+                yield index, keys.new_full((1,), splitter).expand(index.shape[0])
+            lowest = splitter
+        del index
+
+
+def sorted_copy(keys: Tensor, sizes: AuditSizes) -> tuple[Tensor, Tensor]:
+    """:func:`sorted_parts` as one sorted copy of ``keys`` and its order (code dtype)."""
+    values = torch.empty_like(keys)
+    order = torch.empty(keys.shape[0], dtype=code_dtype(keys.shape[0]), device=keys.device)
+    at = 0
+    for part, ascending in sorted_parts(keys, sizes):
+        values[at : at + part.shape[0]], order[at : at + part.shape[0]] = ascending, part
+        at += part.shape[0]
+    return values, order
+
+
+def code(values: Tensor, sizes: AuditSizes) -> Tensor:
+    """The codes ``0..K-1`` (:func:`code_dtype`) of integer ``values``, in their order."""
+    codes = torch.empty(values.shape[0], dtype=code_dtype(values.shape[0]), device=values.device)
+    keys = values if values.dtype in (torch.int32, torch.int64) else values.to(torch.int64)
+    offset = 0
+    for order, ascending in sorted_parts(keys, sizes) if keys.numel() else ():
+        starts = torch.ones(ascending.shape[0], dtype=torch.bool, device=values.device)
+        torch.ne(ascending[1:], ascending[:-1], out=starts[1:])
+        runs = torch.cumsum(starts, dim=0, dtype=codes.dtype).add_(offset - 1)
+        del starts
+        codes[order] = runs
+        offset = int(runs[-1]) + 1
+    return codes
+
+
+def pair_code(first: Tensor, second: Tensor, sizes: AuditSizes) -> Tensor:
+    """The code of each pair of codes (``[N]`` each, in ``[0, N)``), in ``[0, N)`` (made of
+    an int32 key where the pairs fit one)."""
+    if first.numel() == 0:
+        return first.clone()
+    radix = int(second.max()) + 1
+    fits = (int(first.max()) + 1) * radix <= CODE32_LIMIT + 1
+    key = first.to(torch.int32 if fits else torch.int64) * radix
+    return code(key.add_(second.to(key.dtype)), sizes)
+
+
+def expand(begin: Tensor, size: Tensor, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(owner, index)`` in chunks of at most ``chunk``: for each owner ``i`` (a position
+    in ``begin``) the indices ``begin[i] .. begin[i] + size[i] - 1``."""
+    ends = torch.cumsum(size, dim=0)
+    total = int(ends[-1]) if ends.numel() else 0
+    for at in range(0, total, chunk):
+        pair = torch.arange(at, min(at + chunk, total), device=begin.device)
+        owner = torch.searchsorted(ends, pair, right=True)
+        yield owner, begin[owner] + pair - (ends[owner] - size[owner])

@@ -1,0 +1,205 @@
+"""Copies equal up to float rounding: the pairs of bitwise classes that are such copies.
+
+Each class's first row, normalised, is projected on random directions and placed in a
+grid whose cells are as wide as a copy's projections can differ, whatever their rounding:
+a copy lies in the same or a neighbouring cell. One sort finds these few candidates, each
+checked by the definition (:func:`within`). O(N D), a sort in parts, O(candidates x D)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from recall_at_k._kernel import Workspace
+from recall_at_k.audit.bitwise import ROWS_SLOT, expand, in_blocks, sorted_copy
+from recall_at_k.ranking.budget import AuditSizes
+
+TOLERANCE = 2.0**-12
+"""Finite embeddings ``x``, ``y`` with different bits are *equal up to float rounding* when
+``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)`` as stored, decided in float64 with each sum in the
+order ``d = 0 .. D-1`` (both rows scaled by one power of two): the same everywhere. A
+model's output in another batch shape differs by a few float32 units (``2^-24``), a float16
+output by a unit where rounding flips, both far below; integer grid rows of norm below
+4,096 steps (int8, binary or ternary codes) are never copies; bfloat16 copies need ``ids=``."""
+
+IN_ORDER_MARGIN = 2.0**-30
+"""Pairs whose sums in any order lie within this relative distance of the boundary are
+summed again in the fixed order (any order is within ``gamma64_D`` of it, far below)."""
+
+PROJECTIONS = 3
+"""The grid's dimensions: a row's first projections."""
+
+FILTERS = 8
+"""Projections in all: a candidate is checked only when every projection is within a cell."""
+
+NOT_FINITE = 2**63 - 1
+"""The cell key of a row that is not finite (it has no copies): above every other."""
+
+
+class Grid(NamedTuple):
+    """The random projections (float64 ``[D, FILTERS]``), a cell's width, a key's radix."""
+
+    weights: Tensor
+    cell: float
+    radix: int
+
+
+def grid(width: int, device: torch.device) -> Grid:
+    """The projections of rows of ``width`` (fixed, the same everywhere) and the cell: a
+    copy's distance in a projection of the unit rows, ``|w| 2 tau / (1 - tau)``
+    (Cauchy-Schwarz), widened by 2^-20 and a float64 rounding term a step."""
+    generator = torch.Generator().manual_seed(20261204)
+    weights = torch.randn((width, FILTERS), generator=generator, dtype=torch.float64)
+    rounding = 8 * (width + 2) * 2.0**-53 / (1 - (width + 2) * 2.0**-53)
+    bound = (2 * TOLERANCE / (1 - TOLERANCE) + rounding) * (1 + 2.0**-20)
+    cell = float(weights.norm(dim=0).max()) * bound
+    radix = int(2 / cell) + 8  # cell indices lie in (-1/cell - 1, 1/cell + 1)
+    if radix**PROJECTIONS >= 2**62:  # keys would overflow: one cell a projection
+        cell, radix = 4.0, 8
+    return Grid(weights.to(device), cell, radix)
+
+
+def times_power_of_two(rows: Tensor, exponent: Tensor) -> None:
+    """``rows[i] *= 2^exponent[i]`` in place (float64 rows): exact, in two factors where one
+    would leave the float64 range (a subnormal row's scaling reaches ``2^1073``)."""
+    first = exponent.clamp(-1022, 1022)
+    rows.mul_(torch.pow(2.0, first.unsqueeze(1).to(rows.dtype)))
+    if bool((exponent != first).any()):
+        rows.mul_(torch.pow(2.0, (exponent - first).unsqueeze(1).to(rows.dtype)))
+
+
+def project(grid: Grid, rows: Tensor, scratch: Tensor) -> Tensor:
+    """float64 ``[m, FILTERS]``: the projections of the normalised ``rows`` (NaN for a row
+    that is not finite), of one float64 copy (in ``scratch``) scaled in place."""
+    rows = scratch.copy_(rows)
+    largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())  # NaN propagates
+    finite = largest.isfinite()  # (isfinite() of the rows would copy them)
+    times_power_of_two(rows, torch.frexp(torch.where(finite, largest, 1.0))[1].neg_())
+    norms = rows.norm(dim=1, keepdim=True)
+    unit = rows.div_(norms.clamp(min=1e-300)).masked_fill_(~(norms > 0), 0.0)
+    return torch.where(finite.unsqueeze(1), unit @ grid.weights, torch.nan)
+
+
+class Places(NamedTuple):
+    """Each class's place in the grid, 10 bytes: the cell of its first PROJECTIONS
+    projections as one int64 key (NOT_FINITE: no copies), and each other projection's cell
+    index modulo 8, three bits each, in an int16 (a copy's differ by 7, 0 or 1: a weaker
+    filter than the projections, as sound)."""
+
+    key: Tensor  # int64 [C]
+    others: Tensor  # int16 [C]
+
+
+def place_rows(
+    grid: Grid,
+    rows_of: Callable[[slice], Tensor],
+    num: int,
+    row_bytes: int,
+    sizes: AuditSizes,
+    device: torch.device,
+) -> Places:
+    """The places of the rows ``rows_of(part)`` (``row_bytes`` a row with its float64
+    copy), projected ``project_bytes`` at a time."""
+    places = Places(
+        torch.empty(num, dtype=torch.int64, device=device),
+        torch.empty(num, dtype=torch.int16, device=device),
+    )
+    packing = 8.0 ** torch.arange(FILTERS - PROJECTIONS, dtype=torch.float64, device=device)
+
+    def block(part: slice, workspace: Workspace) -> None:
+        rows = rows_of(part)
+        scratch = workspace.get(ROWS_SLOT, tuple(rows.shape), torch.float64, device)
+        projected = project(grid, rows, scratch)
+        finite = projected.isfinite().all(dim=1)
+        index = projected.div_(grid.cell).floor_().masked_fill_(~finite.unsqueeze(1), 0.0)
+        key = places.key[part].zero_()
+        for k in range(PROJECTIONS):
+            key.mul_(grid.radix).add_(index[:, k].to(torch.int64) + grid.radix // 2)
+        key.masked_fill_(~finite, NOT_FINITE)
+        low = index[:, PROJECTIONS:].remainder_(8)  # integers: exact
+        places.others[part] = (low @ packing).to(torch.int16)
+
+    in_blocks(block, num, row_bytes, sizes.project_bytes, sizes, device)
+    return places
+
+
+def candidates(grid: Grid, places: Places, sizes: AuditSizes) -> Iterator[tuple[Tensor, Tensor]]:
+    """The candidate pairs ``(a, b)`` of classes (rows of ``places``), each unordered pair
+    once, ``candidate_pairs`` at a time: the finite rows in the same or a neighbouring cell
+    (the 13 of one half-space) whose other projections are within a cell too. Processes
+    holding the same places walk the same chunks."""
+    key, members = sorted_copy(places.key, sizes)
+    key = key[: int(torch.searchsorted(key, torch.tensor(NOT_FINITE, device=key.device)))]
+    steps = itertools.product((-1, 0, 1), repeat=PROJECTIONS)
+    offsets = sorted(
+        o for s in steps if (o := sum(d * grid.radix**k for k, d in enumerate(s))) >= 0
+    )
+    low = 3 * torch.arange(FILTERS - PROJECTIONS, dtype=torch.int32, device=key.device)
+    step = max(1, sizes.candidate_pairs // len(offsets))
+    for start in range(0, key.shape[0] if key.shape[0] > 1 else 0, step):
+        position = torch.arange(start, min(key.shape[0], start + step), device=key.device)
+        own, begin, size = key[position], [], []
+        for offset in offsets:  # the own cell: the rows after this one
+            lo = position + 1 if offset == 0 else torch.searchsorted(key, own + offset)
+            begin.append(lo)
+            size.append(torch.searchsorted(key, own + offset, right=True) - lo)
+        begins, sizes_ = torch.stack(begin, dim=1).view(-1), torch.stack(size, dim=1).view(-1)
+        for owner, other in expand(begins, sizes_, sizes.candidate_pairs):
+            a, b = members[position[owner // len(offsets)]].long(), members[other].long()
+            cells = [(places.others[c].to(torch.int32).unsqueeze(1) >> low) & 7 for c in (a, b)]
+            close = (((cells[0] - cells[1] + 1) & 7) <= 2).all(dim=1)
+            yield a[close], b[close]
+
+
+def within(first: Tensor, second: Tensor) -> Tensor:
+    """bool per pair of rows (``[m, D]`` each): equal up to rounding (:data:`TOLERANCE`).
+    The sums are taken in any order (terms non-negative: within ``gamma64_D``); pairs
+    within :data:`IN_ORDER_MARGIN` of the boundary again in the order ``d = 0 .. D-1``."""
+    a = first.to(torch.float64, copy=True)  # scaled in place: never the caller's rows
+    b = second.to(torch.float64, copy=True)
+    largest = torch.stack([a.amax(1), a.amin(1).neg_(), b.amax(1), b.amin(1).neg_()]).amax(0)
+    exponent = torch.frexp(largest)[1].neg_()
+    times_power_of_two(a, exponent)
+    times_power_of_two(b, exponent)
+    gap = torch.sub(a, b).square_().sum(dim=1)
+    dots = [torch.bmm(r.unsqueeze(1), r.unsqueeze(2)).view(-1) for r in (a, b)]  # no copies
+    scale = torch.maximum(*dots).mul_(TOLERANCE**2)
+    decided = gap <= scale
+    unsure = ((gap - scale).abs() <= IN_ORDER_MARGIN * scale).nonzero().view(-1)
+    if unsure.numel():
+        a, b = a[unsure].T.contiguous(), b[unsure].T.contiguous()
+        sums = torch.zeros((3, a.shape[1]), dtype=torch.float64, device=a.device)
+        for d in range(a.shape[0]):  # in the order d = 0 .. D-1
+            sums[0].add_((a[d] - b[d]).square_())
+            sums[1].add_(a[d].square())
+            sums[2].add_(b[d].square())
+        decided[unsure] = sums[0] <= TOLERANCE**2 * torch.maximum(sums[1], sums[2])
+    return decided
+
+
+def both_orientations(found: Sequence[Tensor], count: int, device: torch.device) -> Tensor:
+    """int64 ``[P, 2]``: the pairs of ``found`` (``[m, 2]`` blocks, each unordered pair
+    once) in both orientations, sorted (classes below ``count``)."""
+    if not found:
+        return torch.zeros((0, 2), dtype=torch.int64, device=device)
+    pairs = torch.cat(list(found))
+    pairs = torch.cat([pairs, pairs.flip(1)])
+    return pairs[torch.argsort(pairs[:, 0] * count + pairs[:, 1])]
+
+
+def rounding_pairs(
+    grid: Grid, places: Places, check: Callable[[Tensor, Tensor], Tensor], sizes: AuditSizes
+) -> Tensor:
+    """int64 ``[P, 2]``: the pairs ``(a, b)``, ``a != b``, of classes (rows of ``places``)
+    that are copies up to rounding, both orientations, sorted; ``check(a, b)``:
+    :func:`within` of each candidate pair's first rows."""
+    found = []
+    for a, b in candidates(grid, places, sizes):
+        if a.numel():
+            ok = check(a, b)
+            found.append(torch.stack([a[ok], b[ok]], dim=1))
+    return both_orientations(found, places.key.shape[0], places.key.device)
