@@ -49,7 +49,7 @@ Histogram = tuple[Tensor, Tensor] | None
 """``(hist [max K], queries [2])`` of one output prefix, or None where nothing could be
 ranked (a batch value of ``forward`` without queries or gallery): NaN, no warning."""
 
-ResultKey = tuple[int, bool]
+ResultKey = tuple[int, ...]
 """What a kept result was computed from: ``(update_count, states gathered)``."""
 
 
@@ -297,20 +297,26 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         result = self._output([values for values, _ in self._recall_values()])
         if self._keep_result and not self._in_forward:
             self._result, self._result_key = result, key
+        self._after_compute()
         return result
 
+    def _after_compute(self) -> None:
+        """Called by ``compute()`` once it has computed (subclasses warn here: three
+        frames below the caller of ``compute()``, past torchmetrics' compute wrapper)."""
+
     def _result_key_now(self) -> ResultKey:
-        """What ``compute()`` would compute from now, inside its sync."""
-        return self.update_count, self._gathered_states
+        """What ``compute()`` would compute from now, inside its sync: this process's
+        update count, or with gathered states every process's (another process's update
+        changes the gathered states; every process then decides alike)."""
+        if not self._gathered_states:
+            return (self.update_count,)
+        mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
+        return tuple(int(c) for c in gather_all_tensors(mine, self.process_group))
 
     def _value_for_view(self, key: str) -> Tensor:
-        """``compute()[key]`` for a view of :meth:`per_k`: the kept result when it is
-        the one ``compute()`` would return, without another sync; else ``compute()``."""
-        gathers = self.sync_on_compute and self._will_sync(True, None)
-        expected = (self.update_count, self._gathered_states or gathers)
-        result = self._result
-        if result is None or self._result_key != expected:
-            result = self.compute()
+        """``compute()[key]`` for a view of :meth:`per_k`: the kept result while it is
+        the one ``compute()`` would compute (``compute()`` decides, on every process)."""
+        result = self.compute()
         value: Tensor = result[key] if isinstance(result, dict) else result
         return value
 

@@ -352,15 +352,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
 
     # ------------------------------------------------------------------ results
 
-    def compute(self) -> OutputT:
-        """Recall@K over everything seen (synchronised across processes); warns once per
-        instance when the protocol audit finds identical positives or repeated gallery
-        items."""
-        result: OutputT = super().compute()
+    def _after_compute(self) -> None:
+        """Warn once per instance when the protocol audit found identical positives or
+        repeated gallery items."""
         if self._life.warning:
-            warnings.warn(self._life.warning, UserWarning, stacklevel=3)  # past torchmetrics'
-            self._life.warning = ""  # compute wrapper, the caller's line
-        return result
+            warnings.warn(self._life.warning, UserWarning, stacklevel=4)
+            self._life.warning = ""
 
     def _histograms(self) -> list[Histogram]:
         ranked = cast(list[engine.Ranked | None], self._run("compute"))
@@ -435,7 +432,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                     raise ValueError(_items.missing_side(self.directions[entry[0]], *entry))
                 sides.append(None)
             else:
-                sides.append(entry)  # type: ignore[arg-type]
+                sides.append(entry)
         del entry
         _items.check_groups(meta, self.exclude)
         sharded = self.sharded and isinstance(rows, BroadcastRows)
