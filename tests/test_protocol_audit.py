@@ -772,7 +772,7 @@ def test_expected_ties_count_certain_near_hits_and_forward_keeps_no_report() -> 
         warnings.simplefilter("error")
         for b in case.batches:
             metric(b.embeddings, b.labels)
-    assert metric._report is None
+    assert metric._life.report is None
     assert metric.protocol_report() == brute_force(case)
 
 
