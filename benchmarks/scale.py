@@ -305,7 +305,8 @@ def measure(
                     config = Config(config.label, config.world, None)  # gathered: the default
                 payload = {"num": num, "metric": metric, "repeats": repeats}
                 payload["sharded"] = config.sharded
-                parts = run_distributed(_worker, world_size=config.world, payload=payload)
+                # New processes (they inherit the environment above), no time limit.
+                parts = run_distributed(_worker, config.world, payload, fresh=True, timeout=None)
                 row.update(
                     available=True,
                     sharded=config.sharded,

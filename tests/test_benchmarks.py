@@ -79,6 +79,8 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.mark.ddp
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_tiny_writes_every_table(tmp_path: Path) -> None:
     before = _committed()
@@ -118,6 +120,7 @@ def test_run_tiny_writes_every_table(tmp_path: Path) -> None:
     assert "### " not in distributed  # one torch thread a process, run once
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_threads_all_runs_at_every_core_only(tmp_path: Path) -> None:
     results = tmp_path / "RESULTS.md"
@@ -146,6 +149,7 @@ def test_thread_counts_parse() -> None:
             run.thread_counts(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["tiny", "quick"])
 def test_smaller_modes_write_outside_the_committed_results(mode: str) -> None:
@@ -236,6 +240,8 @@ def test_scale_reports_sharded_as_not_available_without_the_argument() -> None:
     assert "Gathered: not projected (not measured)." in text
 
 
+@pytest.mark.ddp
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scale_runs_every_configuration_with_a_sharded_metric(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

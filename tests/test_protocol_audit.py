@@ -697,6 +697,7 @@ def _worker(rank: int, world_size: int, payload: Any) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.ddp
 def test_two_processes_equal_one_process() -> None:
     """Two gloo processes: every report and interval equals the one-process result, on
     every process (embedding cases: reports with and without compute, values and
