@@ -268,11 +268,13 @@ def test_the_cases_test_what_they_name() -> None:
         assert bool((first_word & ~same).any())  # the first word's hash collides
 
 
+@pytest.mark.ddp
 def test_two_processes_give_the_codes_of_the_concatenation() -> None:
     results = run_distributed(_worker, world_size=2)
     _check([r["all"] for r in results], 2)
 
 
+@pytest.mark.ddp
 def test_three_processes_and_a_group_of_two_give_the_codes_of_the_concatenation() -> None:
     results = run_distributed(_worker, world_size=3)
     _check([r["all"] for r in results], 3)

@@ -76,6 +76,8 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.mark.ddp
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_run_tiny_writes_every_table(tmp_path: Path) -> None:
     before = _committed()
@@ -115,6 +117,7 @@ def test_run_tiny_writes_every_table(tmp_path: Path) -> None:
     assert "### " not in distributed  # one torch thread a process, run once
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_threads_all_runs_at_every_core_only(tmp_path: Path) -> None:
     results = tmp_path / "RESULTS.md"
@@ -143,6 +146,7 @@ def test_thread_counts_parse() -> None:
             run.thread_counts(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["tiny", "quick"])
 def test_smaller_modes_write_outside_the_committed_results(mode: str) -> None:
@@ -202,6 +206,8 @@ def test_scale_says_why_a_configuration_is_not_projected() -> None:
     assert "Gathered: not projected (not measured)." in text
 
 
+@pytest.mark.ddp
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scale_runs_every_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny size through ``main``: the rows, the table, the figure, the results section;

@@ -79,6 +79,7 @@ def distributed_results() -> list[list[Any]]:
     return run_distributed(distributed_worker, world_size=2, payload=CASE_IDS)
 
 
+@pytest.mark.ddp
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_two_gloo_processes_equal_one(case: Case, distributed_results: list[list[Any]]) -> None:
     """dist_sync_on_step off and on; uneven shards, an idle process, forward in lockstep."""

@@ -55,6 +55,8 @@ from torch import Tensor
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 from recall_at_k.functional import retrieval_recall_at_k
 
+pytestmark = pytest.mark.ddp
+
 Runs = Callable[[int], list[dict[str, Any]]]
 
 

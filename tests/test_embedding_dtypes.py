@@ -242,6 +242,7 @@ def _distributed(rank: int, world: int, payload: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.ddp
 def test_processes_with_float32_and_float64_blocks_agree_on_one_dtype() -> None:
     results = run_distributed(_distributed, world_size=2)
     batches, kwargs = leave_one_out_continuous()

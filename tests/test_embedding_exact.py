@@ -231,6 +231,7 @@ def _distributed_worker(rank: int, world: int, cases: list[dict[str, Any]]) -> l
     return [_run_case(case, rank, world) for case in cases]
 
 
+@pytest.mark.ddp
 @pytest.mark.parametrize("world", [2, 3])
 def test_processes_equal_one_process_bit_for_bit(world: int) -> None:
     cases = _cases()

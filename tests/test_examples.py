@@ -168,6 +168,7 @@ def _check_digits_run(stdout: str, epochs: int) -> None:
         assert 0.5 < recalls[0] <= recalls[1] <= recalls[2] <= 1.0, stdout
 
 
+@pytest.mark.ddp
 def test_lightning_digits_runs_with_ddp_on_cpu(tmp_path: Path) -> None:
     """``--devices 2``: two CPU processes (gloo); the first prints the table and the plot."""
     done = _run(

@@ -80,6 +80,7 @@ def test_fit_logs_each_epoch_from_a_fresh_state() -> None:
     assert recorder.direct[0] != recorder.direct[1]  # the model changed between epochs
 
 
+@pytest.mark.ddp
 def test_ddp_fit_logs_the_single_process_values_and_padding_counts_once() -> None:
     # 31 validation queries on 2 processes: DistributedSampler pads one repeated query.
     train, val = make_data(64, seed=3), make_data(31, seed=4)

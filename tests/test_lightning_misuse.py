@@ -140,6 +140,7 @@ class Manual(pl.LightningModule):
         self.new.reset()
 
 
+@pytest.mark.ddp
 def test_manual_recipe_logs_the_synced_values_without_the_sync_dist_warning(
     tmp_path: Path,
 ) -> None:

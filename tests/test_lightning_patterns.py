@@ -301,6 +301,7 @@ class Padded(pl.LightningModule):
         self.log_dict(self.embedding.per_k("emb/"))
 
 
+@pytest.mark.ddp
 def test_ddp_spawn_on_an_odd_validation_set_counts_padding_once(tmp_path: Path) -> None:
     model = Padded()
     data = make_data(31, seed=4)  # two processes: DistributedSampler pads one query

@@ -36,6 +36,8 @@ from helpers import run_distributed
 from memory_formula import chunk_bound, least_chunk_bytes
 from memory_probe import ENV, measure
 
+pytestmark = pytest.mark.memory
+
 CHUNK = 2**19
 NUM, DIM = 1600, 2048  # 12.5 MiB of float32 embeddings: chunk_bytes below the least
 ISSUE_NUM, ISSUE_DIM, ISSUE_CHUNK = 24_000, 256, 4 * 2**20  # the issue's size
@@ -164,6 +166,7 @@ def _peak_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, An
     return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
 
 
+@pytest.mark.ddp
 def test_each_process_adds_one_copy_of_the_gathered_embeddings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -175,7 +178,8 @@ def test_each_process_adds_one_copy_of_the_gathered_embeddings(
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)  # inherited by the spawned processes
     payload = {"num": NUM, "dim": DIM}
-    results = run_distributed(_peak_worker, world_size=2, payload=payload)
+    # Fresh processes: they measure their own resident set, with ENV from their start.
+    results = run_distributed(_peak_worker, world_size=2, payload=payload, fresh=True)
     from memory_probe import items
 
     from recall_at_k import EmbeddingRecallAtK

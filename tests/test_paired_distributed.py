@@ -26,6 +26,8 @@ from recall_at_k import (
     paired_comparison,
 )
 
+pytestmark = pytest.mark.ddp
+
 # ------------------------------------------------------------------- the data
 
 

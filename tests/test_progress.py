@@ -93,6 +93,7 @@ def _distributed_worker(rank: int, world: int, payload: Any) -> tuple[dict[str, 
     return values, captured.getvalue()
 
 
+@pytest.mark.ddp
 def test_only_rank_zero_shows_the_bar() -> None:
     (values0, err0), (values1, err1) = run_distributed(_distributed_worker, world_size=2)
     assert values0 == values1 == _metric("leave-one-out")

@@ -699,6 +699,7 @@ def two_processes(request: pytest.FixtureRequest) -> tuple[bool, list[dict[str, 
     return sharded, run_distributed(_worker, world_size=2, payload={"sharded": sharded})
 
 
+@pytest.mark.ddp
 def test_two_processes_equal_one_process(two_processes: tuple[bool, list[Any]]) -> None:
     """Two gloo processes: every report and interval equals the one-process result, on
     every process (embedding cases: reports with and without compute, values and

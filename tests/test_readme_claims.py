@@ -174,6 +174,23 @@ def test_torch_is_pinned_alike_everywhere_and_the_cpu_index_is_an_alternative() 
     assert "TORCH_INDEX_URL" in ci  # CI can take the same index
 
 
+def test_the_readme_names_the_default_selection_and_the_command_for_every_test() -> None:
+    """What the README says the default run leaves out is what ``conftest.py`` leaves out
+    and what the markers registered in ``pyproject.toml`` mean."""
+    import conftest
+
+    text = _flat(README)
+    assert conftest.LEFT_OUT_BY_DEFAULT == ("slow", "memory")
+    assert (
+        "every test but the benchmark smoke runs (marked `slow`) and the resident-memory"
+        " probes (marked `memory`)" in text
+    )
+    assert "python -m pytest -q --all\n" in _bash_blocks(README)
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    for marker in ("slow: benchmark smoke runs", "memory: resident-memory probes", "ddp: "):
+        assert f'"{marker}' in pyproject, marker
+
+
 def test_the_readme_says_cuda_tests_skip_without_a_gpu() -> None:
     assert "the CUDA tests (`tests/test_cuda.py`) are skipped on a machine without a GPU" in _flat(
         README
@@ -185,12 +202,14 @@ def test_the_readme_says_cuda_tests_skip_without_a_gpu() -> None:
 def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line for line in ci.splitlines() if line.startswith("python -m pytest")]
-    # Leg 1 runs the README's command as it is; the lowest-versions leg leaves out the
-    # memory probes, the benchmark smoke runs and the exactness sweeps, and nothing else.
+    # Leg 1 runs the README's command as it is, then what it leaves out (every test in
+    # all); the lowest-versions leg leaves out the memory probes, the benchmark smoke runs
+    # and the exactness sweeps, and nothing else.
     left_out = ("test_memory.py", "test_benchmarks.py", "test_embedding_exact.py")
     left_out += ("test_embedding_band.py",)
     assert commands == [
         "python -m pytest -q",
+        'python -m pytest -q -m "slow or memory"',
         "python -m pytest -q" + "".join(f" --ignore=tests/{name}" for name in left_out),
     ]
     said = (

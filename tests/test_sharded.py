@@ -335,16 +335,19 @@ def three_processes() -> list[dict[str, Any]]:
     return run_distributed(_worker, world_size=3, payload={"cases": THREE, "extras": True})
 
 
+@pytest.mark.ddp
 def test_two_processes_equal_one_process_bit_for_bit(two_processes: list[dict[str, Any]]) -> None:
     _check(two_processes, CASES, 2)
 
 
+@pytest.mark.ddp
 def test_three_processes_equal_one_process_bit_for_bit(
     three_processes: list[dict[str, Any]],
 ) -> None:
     _check(three_processes, THREE, 3)
 
 
+@pytest.mark.ddp
 def test_a_process_group_of_two_of_three_processes(three_processes: list[dict[str, Any]]) -> None:
     batches, options = _options("leave_one_out_tied_cosine", "expected", 64)
     shares = _shares(batches, 2, "uneven", seed=5)
@@ -356,6 +359,7 @@ def test_a_process_group_of_two_of_three_processes(three_processes: list[dict[st
     assert "subgroup" not in three_processes[2]
 
 
+@pytest.mark.ddp
 def test_progress_bar_over_blocks_on_rank_zero_only(three_processes: list[dict[str, Any]]) -> None:
     assert "sharded gallery" in three_processes[0]["progress"]
     assert "block" in three_processes[0]["progress"]
@@ -363,6 +367,7 @@ def test_progress_bar_over_blocks_on_rank_zero_only(three_processes: list[dict[s
     assert three_processes[2]["progress"] == ""
 
 
+@pytest.mark.ddp
 def test_the_gallery_passes_by_twice_in_blocks_of_at_most_a_tile(
     three_processes: list[dict[str, Any]],
 ) -> None:
@@ -372,6 +377,7 @@ def test_the_gallery_passes_by_twice_in_blocks_of_at_most_a_tile(
             assert rows * row_bytes <= 256  # the chunk_bytes of that metric
 
 
+@pytest.mark.ddp
 def test_a_failure_on_one_process_raises_on_every_process(
     three_processes: list[dict[str, Any]],
 ) -> None:
@@ -380,6 +386,7 @@ def test_a_failure_on_one_process_raises_on_every_process(
         assert "failed on another process" in three_processes[rank]["failure"]
 
 
+@pytest.mark.ddp
 def test_the_audit_warning_points_at_the_caller_of_compute(
     three_processes: list[dict[str, Any]],
 ) -> None:
@@ -406,6 +413,7 @@ def test_the_large_galleries_page_states_the_tested_memory() -> None:
     assert f"At `D = {NARROW_DIM}` ({NARROW_DIM * 4} bytes an item)" in page
 
 
+@pytest.mark.ddp
 def test_planted_copies_are_in_the_report(two_processes: list[dict[str, Any]]) -> None:
     """The audit's scenario finds what was planted (so the comparison compares something)."""
     case = ("planted_copies", "pessimistic", 128, "even")
@@ -516,7 +524,9 @@ def memory(monkeypatch_module: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     for name, value in ENV.items():
         monkeypatch_module.setenv(name, value)  # inherited by the spawned processes
     payload = {"num": MEMORY_NUM, "dim": MEMORY_DIM, "chunk": MEMORY_CHUNK}
-    return run_distributed(_memory_worker, world_size=4, payload=payload)
+    # Fresh processes: they measure their own resident set, with ENV from their start;
+    # four of them on a small machine may take minutes (pytest's own limit is 600 s).
+    return run_distributed(_memory_worker, 4, payload, fresh=True, timeout=550)
 
 
 @pytest.fixture(scope="module")
@@ -534,6 +544,8 @@ def _memory_single() -> tuple[Any, Any]:
     return single.compute(), single.protocol_report()
 
 
+@pytest.mark.memory
+@pytest.mark.ddp
 def test_the_sharded_ranking_adds_under_0_6x_the_gathered_bytes(
     memory: list[dict[str, Any]],
 ) -> None:
@@ -549,6 +561,8 @@ def test_the_sharded_ranking_adds_under_0_6x_the_gathered_bytes(
         assert result["report"] == report
 
 
+@pytest.mark.memory
+@pytest.mark.ddp
 def test_sharded_compute_adds_under_0_6x_the_gathered_bytes(
     memory: list[dict[str, Any]],
 ) -> None:
@@ -597,6 +611,8 @@ def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dic
     return {"peak": peak_since("cpu", baseline), "result": result, "report": report}
 
 
+@pytest.mark.memory
+@pytest.mark.ddp
 def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -610,7 +626,7 @@ def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)  # inherited by the spawned processes
     payload = {"num": NARROW_NUM, "dim": NARROW_DIM, "chunk": NARROW_CHUNK}
-    found = run_distributed(_narrow_memory_worker, world_size=4, payload=payload)
+    found = run_distributed(_narrow_memory_worker, 4, payload, fresh=True, timeout=550)
     gathered = NARROW_NUM * NARROW_DIM * 4
     for result in found:
         assert result["peak"] <= NARROW_SHARE * gathered, result["peak"] / gathered
@@ -621,6 +637,7 @@ def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes
 # ---------------------------------------------------------------- Lightning
 
 
+@pytest.mark.ddp
 def test_a_lightning_ddp_spawn_validation_logs_the_one_process_values() -> None:
     """``Trainer(strategy="ddp_spawn", devices=2)`` validating with ``sharded=True``
     (45 items: the sampler pads one repeat, which ``ids=`` drop) logs bit for bit
