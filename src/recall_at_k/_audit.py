@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k import _collectives
 from recall_at_k._kernel import Workspace
 from recall_at_k.ranking.workers import Workers, worker_count
 
@@ -1242,7 +1243,7 @@ def stale_anywhere(metric: Any, stale: bool) -> bool:
     if not (metric._to_sync and callable(available) and available()):
         return stale
     flag = torch.tensor([int(stale)], dtype=torch.int64, device=metric.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=metric.process_group)
+    _collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=metric.process_group)
     return bool(flag)
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recall_at_k import _audit
+from recall_at_k import _audit, _collectives
 from recall_at_k._audit import Codes
 from recall_at_k._sync import LocalBlocks, local_counts, widest_float
 
@@ -151,7 +151,7 @@ class _Shard:
         failed = torch.tensor(
             [int(self.failure is not None)], dtype=torch.int64, device=self.device
         )
-        dist.all_reduce(failed, group=self.group)
+        _collectives.all_reduce(failed, group=self.group)
         if self.failure is not None:
             raise self.failure
         if int(failed):
@@ -185,7 +185,7 @@ class _Shard:
                 continue
             if rank == self.me:
                 part.copy_(values)
-            dist.broadcast(part, src=self.source(rank), group=self.group)
+            _collectives.broadcast(part, src=self.source(rank), group=self.group)
         return out
 
     def check(self, a: Tensor, b: Tensor, test: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
@@ -231,7 +231,7 @@ class _Shard:
                 part = buffer[: batch.shape[0]]
                 if rank == self.me:
                     self.guarded(part, copy_mine, part, batch)
-                dist.broadcast(part, src=self.source(rank), group=self.group)
+                _collectives.broadcast(part, src=self.source(rank), group=self.group)
                 if rank == self.me:
                     continue
                 first = int(torch.searchsorted(wanted, batch[:1]))
@@ -241,11 +241,11 @@ class _Shard:
                     where = torch.searchsorted(batch, wanted[at : min(at + step, last)])
                     self.guarded(None, test_away, pairs, part[where])
         failed = (~ok).sum().view(1)
-        dist.all_reduce(failed, group=self.group)
+        _collectives.all_reduce(failed, group=self.group)
         if int(failed) == 0:
             return ok
         flags = (~ok).to(torch.int32)
-        dist.all_reduce(flags, group=self.group)
+        _collectives.all_reduce(flags, group=self.group)
         return flags == 0
 
     # ------------------------------------------------------------ the codes

@@ -18,7 +18,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from recall_at_k import _plot
+from recall_at_k import _collectives, _plot
 from recall_at_k._checks import (
     check_choice,
     check_k,
@@ -194,7 +194,12 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None
     ) -> None:
         """torchmetrics' gather of the states, after the processes agree on the dtype of
-        float list states (:func:`recall_at_k._sync.agree_float_dtypes`)."""
+        float list states (:func:`recall_at_k._sync.agree_float_dtypes`). Its default
+        gather function is replaced by the same gather that holds each collective's
+        tensors until the process group lets go of them
+        (:func:`recall_at_k._collectives.gather_all_tensors`)."""
+        if dist_sync_fn is gather_all_tensors:
+            dist_sync_fn = _collectives.gather_all_tensors
         group = process_group or self.process_group
         agree_float_dtypes(self, self._list_layouts, dist_sync_fn, group)
         super()._sync_dist(dist_sync_fn, process_group=process_group)

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
+from recall_at_k import _collectives
+
 FLOAT_FLOOR = torch.float32
 """The narrowest dtype a float list state stores (half-precision inputs widen to it)."""
 
@@ -222,7 +224,7 @@ def process_rows(
     world = dist.get_world_size(group)
     mine = torch.tensor([rows, held, _BITS[dtype]], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
+    _collectives.all_gather(every, mine, group=group)
     widest = max(int(row[2]) for row in every)
     return [int(row[0]) for row in every], [int(row[1]) for row in every], _FLOAT_OF_BITS[widest]
 
@@ -248,7 +250,7 @@ def _broadcast_part(part: Tensor, rank: int, me: int, cursor: _Cursor, group: An
     if rank == me:
         cursor.fill(part)
     source = rank if group is None else dist.get_global_rank(group, rank)
-    dist.broadcast(part, src=source, group=group)
+    _collectives.broadcast(part, src=source, group=group)
 
 
 def agree_float_dtypes(

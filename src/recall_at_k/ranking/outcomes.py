@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recall_at_k import _kernel
+from recall_at_k import _collectives, _kernel
 from recall_at_k._embedding_checks import nan_scores_error
 from recall_at_k._kernel import TieCounts
 from recall_at_k.ranking.bands import RankOptions, Route
@@ -72,7 +72,7 @@ def rank_outcomes(
             failure = err  # take part in the collectives below, then raise everywhere
         flags = torch.tensor([int(failure is not None), nan], device=embeddings.device)
         if world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+            _collectives.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
         if failure is not None:
             raise failure
         if int(flags[0]):
@@ -101,5 +101,5 @@ def _gather_shares(records: Tensor, num: int, world: int, group: Any) -> Tensor:
     padded = records.new_zeros((widest, *records.shape[1:]))
     padded[: records.shape[0]] = records
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
+    _collectives.all_gather(parts, padded, group=group)
     return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])

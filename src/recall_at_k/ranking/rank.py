@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recall_at_k import _kernel
+from recall_at_k import _collectives, _kernel
 from recall_at_k._embedding_checks import nan_scores_error
 from recall_at_k._kernel import TieCounts, Workspace
 from recall_at_k._types import Similarity
@@ -480,9 +480,9 @@ def sum_over_processes(
     )
     failed = torch.tensor([int(failure is not None)], device=counts.device)
     if world > 1:
-        dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
+        _collectives.all_reduce(hists, op=dist.ReduceOp.SUM, group=group)
+        _collectives.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        _collectives.all_reduce(failed, op=dist.ReduceOp.SUM, group=group)
     if failure is not None:
         raise failure
     if int(failed):

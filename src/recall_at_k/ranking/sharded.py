@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k import _collectives
 from recall_at_k._kernel import TieCounts, Workspace, query_outcomes
 from recall_at_k._sync import BroadcastRows, LocalBlocks
 from recall_at_k.ranking.bands import NEAR_COUNTS, RankOptions, edges
@@ -307,9 +308,9 @@ def rank_sharded(
 
     guard.run(read_local)
     prepared = _Prepared(local, options.similarity, norms if cosine else None)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    _collectives.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     if options.similarity == "euclidean":
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        _collectives.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     fast = _fast_scores(float(largest[0]), total, num, width, dtype, device, options)
     states: list[_Direction | None] = []
     unique: list[_Direction] = []
@@ -380,7 +381,7 @@ def _gathered_records(
     padded = mine.new_zeros((widest, *mine.shape[1:]))
     padded[: mine.shape[0]] = mine
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
+    _collectives.all_gather(parts, padded, group=group)
     out = mine.new_zeros((queries.rows.shape[0], *mine.shape[1:]))
     for owner, part in zip(owners, parts, strict=True):
         out[owner] = part[: owner.shape[0]]
