@@ -100,7 +100,8 @@ def _held(tensors: Sequence[Tensor]) -> Iterator[None]:
 
 def _use_count(tensor: Tensor) -> int:
     """The C++ references to ``tensor`` (its Python object holds one): torch's
-    undocumented ``Tensor._use_count()``, there from torch 1.x to 2.15 at least; 0 where
-    a torch lacks it (then no collective waits)."""
+    undocumented ``Tensor._use_count()``, there from torch 2.4 (the lowest torch this
+    package declares) to 2.15 at least. Where a torch lacks it, 0: no collective waits
+    (torch 2.3 then hangs as above; torch 2.8 and later need no wait)."""
     count = getattr(tensor, "_use_count", None)
     return int(count()) if callable(count) else 0
