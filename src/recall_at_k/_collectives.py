@@ -60,13 +60,25 @@ def broadcast(tensor: Tensor, src: int, group: Any = None) -> None:
 
 def gather_all_tensors(result: Tensor, group: Any = None) -> list[Tensor]:
     """Every process's ``result`` (shapes may differ in size, not in dimensions), in
-    process order: torchmetrics' ``gather_all_tensors``, through this module."""
+    process order, this process's own ``result`` itself: torchmetrics'
+    ``gather_all_tensors`` (torchmetrics 1.9's steps: a barrier, the shapes, the padded
+    values), through this module."""
     result = result.contiguous()
     world = dist.get_world_size(group)
-    if result.ndim == 0:
-        parts = [torch.zeros_like(result) for _ in range(world)]
-        all_gather(parts, result, group)
-        return parts
+    dist.barrier(group=group)
+    with torch.no_grad():
+        if result.ndim == 0:
+            parts = [torch.zeros_like(result) for _ in range(world)]
+            all_gather(parts, result, group)
+        else:
+            parts = _gather_padded(result, world, group)
+    parts[dist.get_rank(group)] = result
+    return parts
+
+
+def _gather_padded(result: Tensor, world: int, group: Any) -> list[Tensor]:
+    """Every process's ``result`` of at least one dimension: each padded to the largest
+    size in every dimension where sizes differ, gathered, and cut back."""
     shape = torch.tensor(result.shape, device=result.device)
     shapes = [torch.zeros_like(shape) for _ in range(world)]
     all_gather(shapes, shape, group)
