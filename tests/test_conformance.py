@@ -691,6 +691,8 @@ class _Holder(torch.nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# (a FutureWarning from torch 2.15 on)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 # torch.jit.script reads every property of the module, torchmetrics' deprecated
 # `_update_called` among them.
 @pytest.mark.filterwarnings("ignore:This property will be removed in 2.0.0:DeprecationWarning")

@@ -26,7 +26,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from recall_at_k import _plot
+from recall_at_k import _collectives, _plot
 from recall_at_k._checks import (
     check_choice,
     check_k,
@@ -164,11 +164,12 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
             floats = [name for name, layout in self._list_layouts.items() if layout.dtype is None]
             before = {name: getattr(self, name) for name in floats}
+            # torchmetrics' gather, through collectives that let go of their tensors
+            # before they return (recall_at_k._collectives).
+            if dist_sync_fn is None or dist_sync_fn is gather_all_tensors:
+                dist_sync_fn = _collectives.gather_all_tensors
             agree_float_dtypes(
-                self,
-                self._list_layouts,
-                dist_sync_fn or gather_all_tensors,
-                process_group or self.process_group,
+                self, self._list_layouts, dist_sync_fn, process_group or self.process_group
             )
             self._widened = {n: v for n, v in before.items() if getattr(self, n) is not v}
             super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
@@ -311,7 +312,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         if not self._gathered_states:
             return (self.update_count,)
         mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
-        return tuple(int(c) for c in gather_all_tensors(mine, self.process_group))
+        return tuple(int(c) for c in _collectives.gather_all_tensors(mine, self.process_group))
 
     def _value_for_view(self, key: str) -> Tensor:
         """``compute()[key]`` for a view of :meth:`per_k`: the kept result while it is

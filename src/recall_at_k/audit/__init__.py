@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k import _collectives as collectives
 from recall_at_k.audit import sharded
 from recall_at_k.audit.report import AuditOptions as AuditOptions
 from recall_at_k.audit.report import Codes as Codes
@@ -100,5 +101,5 @@ def stale_anywhere(metric: Any, stale: bool) -> bool:
     if not (metric.sync_on_compute and callable(available) and available()):
         return stale
     flag = torch.tensor([int(stale)], dtype=torch.int64, device=metric.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=metric.process_group)
+    collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=metric.process_group)
     return bool(flag)

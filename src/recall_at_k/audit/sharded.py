@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k import _collectives as collectives
 from recall_at_k.audit import bitwise, rounding
 from recall_at_k.audit.report import Codes, codes_of
 from recall_at_k.ranking.budget import AuditSizes
@@ -73,7 +74,7 @@ class Shard:
         itemsize = max((block.dtype.itemsize for block in self.blocks), default=4)
         every = torch.tensor([[self.rows, width, itemsize]] * self.world, device=self.device)
         if self.world > 1:  # every process's rows, width and widest float
-            dist.all_gather(list(every.unbind()), every[self.me].clone(), group=group)
+            collectives.all_gather(list(every.unbind()), every[self.me].clone(), group=group)
         if every[:, 0].tolist() != list(counts):
             held = every[:, 0].tolist()
             raise ValueError(f"`counts` must be the rows each process holds, {held}, got {counts}")
@@ -148,13 +149,13 @@ class Shard:
 
     def all_reduce(self, values: Tensor) -> None:
         if self.world > 1:
-            dist.all_reduce(values, group=self.group)
+            collectives.all_reduce(values, group=self.group)
 
     def broadcast(self, values: Tensor, rank: int) -> None:
         """``values`` of process ``rank`` of the group, on every process."""
         if self.world > 1:
             source = rank if self.group is None else dist.get_global_rank(self.group, rank)
-            dist.broadcast(values, src=source, group=self.group)
+            collectives.broadcast(values, src=source, group=self.group)
 
     def spread(self, values: Tensor, sizes: list[int]) -> Tensor:
         """Every process's ``values`` (``[sizes[rank], ...]``) concatenated in process

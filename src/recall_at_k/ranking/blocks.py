@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k import _collectives as collectives
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
 from recall_at_k.ranking.budget import STATS_CHUNK_BYTES, Budget
@@ -239,12 +240,12 @@ class Reduce(NamedTuple):
         if self.processes is None:
             return value
         out = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.processes.group)
+        collectives.all_reduce(out, op=dist.ReduceOp.MAX, group=self.processes.group)
         return float(out[0])
 
     def sum(self, value: Tensor) -> Tensor:
         if self.processes is not None:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.processes.group)
+            collectives.all_reduce(value, op=dist.ReduceOp.SUM, group=self.processes.group)
         return value
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k import _collectives as collectives
 from recall_at_k import _kernel
 from recall_at_k._embedding_checks import nan_scores_error
 from recall_at_k._kernel import TieCounts, Workspace, count_dtype
@@ -901,8 +902,8 @@ def _reduce(
     every[:, 7] = int(failure is not None)
     hist_all = torch.stack(hists)
     if world > 1:
-        dist.all_reduce(hist_all, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(every, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(hist_all, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(every, op=dist.ReduceOp.SUM, group=group)
     if failure is not None:
         raise failure
     if int(every[:, 7].sum()):
@@ -952,7 +953,7 @@ def _gather_records(
         out[position] = record
         return out
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([position.shape[0]], device=device), group=group)
+    collectives.all_gather(sizes, torch.tensor([position.shape[0]], device=device), group=group)
     widest = max(int(size) for size in sizes)
     padded = out.new_zeros((widest, *width))
     padded[: record.shape[0]] = record
@@ -960,8 +961,8 @@ def _gather_records(
     places[: position.shape[0]] = position
     records = [torch.empty_like(padded) for _ in range(world)]
     positions = [torch.empty_like(places) for _ in range(world)]
-    dist.all_gather(records, padded, group=group)
-    dist.all_gather(positions, places, group=group)
+    collectives.all_gather(records, padded, group=group)
+    collectives.all_gather(positions, places, group=group)
     for part, place, size in zip(records, positions, sizes, strict=True):
         out[place[: int(size)]] = part[: int(size)]
     return out

@@ -178,8 +178,9 @@ def scan(
     keep_values: bool = False,
 ) -> None:
     """Count each query's items above ``hi`` into ``greater`` and add those within
-    ``[lo, hi]`` to ``found`` (with their scores where ``keep_values``): queries along ``axis`` (0: a row a query, its columns items
-    ``first:``; 1: a column a query, its rows items ``first:``), whose largest scores are
+    ``[lo, hi]`` to ``found`` (with their scores where ``keep_values``): queries along
+    ``axis`` (0: a row a query, its columns items ``first:``; 1: a column a query, its
+    rows items ``first:``), whose largest scores are
     ``peak`` (NaN counts as reaching; a NaN score is never counted or found). Only the
     queries reaching ``lo`` are gathered, into pooled buffers of at most about
     ``buffer_bytes``; ``scores`` is kept."""

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from recall_at_k import _collectives as collectives
+
 FLOAT_FLOOR = torch.float32
 """The narrowest dtype embeddings are stored and ranked in."""
 
@@ -121,7 +123,7 @@ class BroadcastRows:
                     if prepare is not None:
                         part.copy_(prepare(part))
                 source = rank if self.group is None else dist.get_global_rank(self.group, rank)
-                dist.broadcast(part, src=source, group=self.group)
+                collectives.broadcast(part, src=source, group=self.group)
                 yield rank, first, part
 
 
@@ -137,7 +139,7 @@ def process_rows(
     world = dist.get_world_size(group)
     mine = torch.tensor([rows, held, _BITS[dtype]], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
+    collectives.all_gather(every, mine, group=group)
     widest = max(int(row[2]) for row in every)
     return [int(row[0]) for row in every], [int(row[1]) for row in every], _FLOAT_OF_BITS[widest]
 
@@ -166,6 +168,6 @@ def broadcast_blocks(
             if rank == me:
                 part.copy_(mine)
             source = rank if group is None else dist.get_global_rank(group, rank)
-            dist.broadcast(part, src=source, group=group)
+            collectives.broadcast(part, src=source, group=group)
         start += count
     return out

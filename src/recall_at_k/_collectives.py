@@ -1,0 +1,119 @@
+"""Blocking collectives that return only once the process group has let go of their tensors.
+
+``torch.distributed``'s blocking collectives return as soon as the result is ready. With
+the gloo backend (CPU tensors) the worker thread that ran the operation still holds it,
+and so its tensors, until it has finished with it a moment later. A tensor whose last
+Python reference goes in that moment is kept alive by torch for the C++ side, Python
+object included, and the gloo thread that finally lets go of it must then take the GIL
+to free that object. Up to torch 2.7, ``destroy_process_group()`` waits for gloo's
+threads while holding the GIL: if one of them still has such a tensor to free, both
+wait for each other for ever. A script that computes a metric (whose last collectives'
+tensors are dropped on the way out of ``compute()``), then calls
+``destroy_process_group()`` at once, hung there in about half of its runs on a busy
+machine; torch 2.8 and later release the GIL there.
+
+Every collective of this package therefore goes through this module, which keeps the
+tensors it was given referenced until the process group's threads hold them no longer
+(their use counts are back to what they were before the operation): by the time the
+caller drops them, freeing them needs no other thread. The wait is usually none (the
+thread has already let go), else until that thread next runs. CUDA tensors don't wait:
+NCCL's threads release their tensors on the GPU's time, not the GIL's.
+
+:func:`gather_all_tensors` is torchmetrics' function of the same name (the gather of a
+metric's states in ``sync()``), following this rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+RELEASE_TIMEOUT_S = 10.0
+"""The longest a collective waits for the process group's threads to let go of its
+tensors. They do within milliseconds; if something else held one of them for longer,
+the collective returns after this (the result is complete either way)."""
+
+
+def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None) -> None:
+    """``dist.all_reduce(tensor, op, group)``, in place."""
+    with _held([tensor]):
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_gather(parts: list[Tensor], tensor: Tensor, group: Any = None) -> None:
+    """``dist.all_gather(parts, tensor, group)``: ``parts[r]`` = process r's ``tensor``."""
+    with _held([*parts, tensor]):
+        dist.all_gather(parts, tensor, group=group)
+
+
+def broadcast(tensor: Tensor, src: int, group: Any = None) -> None:
+    """``dist.broadcast(tensor, src, group)``: ``src`` is a global rank."""
+    with _held([tensor]):
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def gather_all_tensors(result: Tensor, group: Any = None) -> list[Tensor]:
+    """Every process's ``result`` (shapes may differ in size, not in dimensions), in
+    process order, this process's own ``result`` itself: torchmetrics'
+    ``gather_all_tensors`` (torchmetrics 1.9's steps: a barrier, the shapes, the padded
+    values), through this module."""
+    result = result.contiguous()
+    world = dist.get_world_size(group)
+    dist.barrier(group=group)
+    with torch.no_grad():
+        if result.ndim == 0:
+            parts = [torch.zeros_like(result) for _ in range(world)]
+            all_gather(parts, result, group)
+        else:
+            parts = _gather_padded(result, world, group)
+    parts[dist.get_rank(group)] = result
+    return parts
+
+
+def _gather_padded(result: Tensor, world: int, group: Any) -> list[Tensor]:
+    """Every process's ``result`` of at least one dimension: each padded to the largest
+    size in every dimension where sizes differ, gathered, and cut back."""
+    shape = torch.tensor(result.shape, device=result.device)
+    shapes = [torch.zeros_like(shape) for _ in range(world)]
+    all_gather(shapes, shape, group)
+    largest = torch.stack(shapes).amax(dim=0)
+    if all(bool((size == largest).all()) for size in shapes):
+        parts = [torch.zeros_like(result) for _ in range(world)]
+        all_gather(parts, result, group)
+        return parts
+    padded = result.new_zeros(tuple(largest.tolist()))
+    padded[tuple(slice(size) for size in result.shape)] = result
+    parts = [torch.zeros_like(padded) for _ in range(world)]
+    all_gather(parts, padded, group)
+    return [
+        part[tuple(slice(int(size)) for size in sizes)]
+        for part, sizes in zip(parts, shapes, strict=True)
+    ]
+
+
+@contextlib.contextmanager
+def _held(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """Around one blocking collective on ``tensors``: after it, wait (releasing the GIL)
+    until no thread of the process group holds any of the CPU ones any more."""
+    cpu = [tensor for tensor in tensors if tensor.device.type == "cpu"]
+    before = [_use_count(tensor) for tensor in cpu]
+    yield
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    for tensor, count in zip(cpu, before, strict=True):
+        while _use_count(tensor) > count and time.monotonic() < deadline:
+            time.sleep(1e-4)
+
+
+def _use_count(tensor: Tensor) -> int:
+    """The C++ references to ``tensor`` (its Python object holds one): torch's
+    undocumented ``Tensor._use_count()``, there from torch 2.4 (the lowest torch this
+    package declares) to 2.15 at least. Where a torch lacks it, 0: no collective waits
+    (torch 2.3 then hangs as above; torch 2.8 and later need no wait)."""
+    count = getattr(tensor, "_use_count", None)
+    return int(count()) if callable(count) else 0
