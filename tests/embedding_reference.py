@@ -447,10 +447,17 @@ def engine_recall(
     zeros = [torch.zeros(b.labels.shape[0], dtype=torch.int64) for b in batches]
     items = plan.Items(
         torch.cat([b.labels.long() for b in batches]),
-        torch.cat([z if b.groups is None else b.groups.long() for b, z in zip(batches, zeros)]),
-        torch.cat([z if b.ids is None else b.ids.long() for b, z in zip(batches, zeros)]),
-        torch.cat([z.bool() | (b.ids is not None) for b, z in zip(batches, zeros)]),
-        torch.cat([z + ROLE_BITS[b.role] for b, z in zip(batches, zeros)]),
+        torch.cat(
+            [
+                z if b.groups is None else b.groups.long()
+                for b, z in zip(batches, zeros, strict=False)
+            ]
+        ),
+        torch.cat(
+            [z if b.ids is None else b.ids.long() for b, z in zip(batches, zeros, strict=False)]
+        ),
+        torch.cat([z.bool() | (b.ids is not None) for b, z in zip(batches, zeros, strict=False)]),
+        torch.cat([z + ROLE_BITS[b.role] for b, z in zip(batches, zeros, strict=False)]),
     )
     rows = StoredRows(
         [
@@ -476,7 +483,7 @@ def engine_recall(
         values, _, _ = recall_from_histogram(ranked.hist, ranked.queries, ks, empty_target_action)
         values = values.to(torch.get_default_dtype())  # as the metric returns them
         prefix = f"{directions[index]}/" if bidirectional else ""
-        out.update({f"{prefix}recall@{k}": float(v) for k, v in zip(ks, values)})
+        out.update({f"{prefix}recall@{k}": float(v) for k, v in zip(ks, values, strict=False)})
     return out
 
 

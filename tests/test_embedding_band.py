@@ -225,7 +225,7 @@ def _sharded_worker(rank: int, world: int, cases: list[tuple[str, str, str]]) ->
         try:
             for ties in TIES:
                 metric = EmbeddingRecallAtK(KS, similarity=similarity, ties=ties, sharded=True)
-                for index, batch in enumerate(_batches(layout)):
+                for _index, batch in enumerate(_batches(layout)):
                     mine = torch.arange(batch.labels.shape[0]) % world == rank
                     metric.update(batch.embeddings[mine], batch.labels[mine], role=batch.role)
                 got = {key: float(value) for key, value in metric.compute().items()}
