@@ -30,7 +30,7 @@ BOOKKEEPING_BYTES_PER_ITEM = budget.BOOKKEEPING_BYTES_PER_ITEM
 """Bookkeeping per item that ``chunk_bytes`` must hold beside the scratch."""
 
 CPU_TILE_BYTES = 32 * 2**20
-"""On CPU a tile never exceeds this (``recall_at_k.ranking.rank.CPU_TILE_BYTES``)."""
+"""On CPU a tile never exceeds this (``recall_at_k.ranking.budget.CPU_TILE_BYTES``)."""
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 """``EmbeddingRecallAtK``'s default ``chunk_bytes``."""

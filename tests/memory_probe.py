@@ -105,10 +105,12 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _audit_window(metric: Any, device: str, baseline: int, peaks: dict[str, int]) -> None:
-    """Measure the metric's audit (``_audits``) apart: its peak into ``peaks["audit"]``,
-    the peak before it into ``peaks["ranking"]``, the high-water mark reset after it."""
-    audits = metric._audits
+def _audit_window(device: str, baseline: int, peaks: dict[str, int]) -> None:
+    """Measure the audit (``audits_for``) apart: its peak into ``peaks["audit"]``, the
+    peak before it into ``peaks["ranking"]``, the high-water mark reset after it."""
+    from recall_at_k import _embedding_lifecycle as lifecycle
+
+    audits = lifecycle.audits_for
 
     def measured(*args: Any, **kwargs: Any) -> Any:
         peaks["ranking"] = max(peaks["ranking"], peak_since(device, baseline))
@@ -117,7 +119,7 @@ def _audit_window(metric: Any, device: str, baseline: int, peaks: dict[str, int]
         _reset_peak()
         return result
 
-    metric._audits = measured
+    lifecycle.audits_for = measured  # type: ignore[assignment]
 
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +156,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     if device == "cuda":
         compute_and_report(metric)
     else:  # on a thread of its own: its C heap is then its own (measure.on_own_thread)
-        _audit_window(metric, device, baseline, peaks)
+        _audit_window(device, baseline, peaks)
         on_own_thread(lambda: compute_and_report(metric))
     peaks["ranking"] = max(peaks["ranking"], peak_since(device, baseline))
     peak = max(peaks.values())

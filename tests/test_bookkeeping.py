@@ -107,9 +107,11 @@ def test_sides_read_the_ordered_items_as_views(protocol: str) -> None:
     items = plan.Items(labels, labels % 3, ids, has_id, roles)
     embeddings = torch.randn(num, 4)
     rows = StoredRows([embeddings[:7], embeddings[7:]], 4)
-    planned = plan.make_plan(rows, items, plan.directions(items, 2), "same_group", 2**20)  # type: ignore[arg-type]
-    assert planned.embeddings is not None and planned.order is not None
-    assert torch.equal(planned.embeddings, embeddings[planned.order.long()])
+    sides = plan.directions(items, 2)
+    planned = plan.make_plan(rows, items, sides, "same_group", 2**20)  # type: ignore[arg-type]
+    order = plan.ranking_order(labels, sides)  # type: ignore[arg-type]
+    assert planned.embeddings is not None
+    assert torch.equal(planned.embeddings, embeddings[order])
     for sides in planned.directions:
         assert sides is not None
         assert all(side.rows.dtype == torch.int32 for side in sides)

@@ -16,7 +16,7 @@ from typing import Any
 import memory_formula as formula
 
 from recall_at_k import EmbeddingRecallAtK
-from recall_at_k.ranking import budget, rank
+from recall_at_k.ranking import budget
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "large-galleries.md").read_text(encoding="utf-8")
@@ -40,7 +40,7 @@ def section(heading: str) -> str:
 
 
 def test_the_formula_constants_are_the_package_defaults() -> None:
-    assert formula.CPU_TILE_BYTES == rank.CPU_TILE_BYTES
+    assert formula.CPU_TILE_BYTES == budget.CPU_TILE_BYTES
     default = inspect.signature(EmbeddingRecallAtK).parameters["chunk_bytes"].default
     assert default == formula.DEFAULT_CHUNK_BYTES
 
@@ -51,7 +51,7 @@ def test_the_page_states_the_tested_formula() -> None:
     per_item = formula.BOOKKEEPING_BYTES_PER_ITEM
     assert f"and {per_item} bytes x N of bookkeeping" in TEXT
     reserved, least_scratch = budget.RESERVED_BYTES // KiB, budget.MIN_SCRATCH_BYTES // KiB
-    per_width = budget.BLOCK_SHARE * budget.MIN_BLOCK_ROWS * 16
+    per_width = budget.ROW_BLOCK_SHARE * budget.MIN_BLOCK_ROWS * 16
     assert f"(and {reserved} KiB for the interpreter and the C heap)" in TEXT
     scratch_per_item = budget.MIN_SCRATCH_BYTES_PER_ITEM
     assert (

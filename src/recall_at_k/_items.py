@@ -16,8 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from recall_at_k.ranking.blocks import Processes
 from recall_at_k.ranking.plan import GALLERY, QUERY, Items
-from recall_at_k.ranking.stored import FLOAT_FLOOR
+from recall_at_k.ranking.stored import (
+    FLOAT_FLOOR,
+    BroadcastRows,
+    StoredRows,
+    broadcast_blocks,
+    process_rows,
+    widest_float,
+)
 
 LABEL, GROUP, ID, FLAGS, WIDTH = range(5)
 META_COLUMNS = 5
@@ -133,3 +141,35 @@ def items_of(meta: Tensor) -> Items:
     roles = (flags & IS_QUERY != 0).to(torch.int64) * QUERY
     roles |= (flags & IS_GALLERY != 0).to(torch.int64) * GALLERY
     return Items(meta[:, LABEL], meta[:, GROUP], meta[:, ID], (flags & HAS_ID) != 0, roles)
+
+
+def stored_rows(
+    values: Any,
+    meta: Any,
+    local: tuple[list[Tensor], list[Tensor]] | None,
+    processes: Processes | None,
+    device: torch.device,
+) -> tuple[StoredRows | BroadcastRows, Tensor]:
+    """The stored (or gathered) rows, read without a whole copy, and their metadata; with
+    ``local`` (this process's own states, within ``sync_context``) every process's rows,
+    read where they are, and the metadata of all."""
+    if local is None:
+        rows, width, metadata_ = stored_blocks(values, meta)
+        return StoredRows(rows, width, device), metadata_
+    local_meta = [m.reshape(-1, META_COLUMNS) for m in blocks(local[1])]
+    rows = blocks(local[0])
+    device = local_meta[0].device if local_meta else device
+    count = sum(block.shape[0] for block in local_meta)
+    held = sum(block.numel() for block in rows)
+    mine = widest_float([block.dtype for block in rows])
+    assert processes is not None
+    group = processes.group
+    counts, helds, dtype = process_rows(count, held, mine, group, device)
+    gathered = broadcast_blocks(local_meta, counts, META_COLUMNS, device, group)
+    _, width, metadata_ = stored_blocks([], [gathered], False)
+    if any(h != c * width for h, c in zip(helds, counts, strict=True)):
+        raise ValueError(
+            f"`embeddings`: the processes hold {helds} values for {counts} items of"
+            f" width {width}; the state was corrupted"
+        )
+    return BroadcastRows(StoredRows(rows, width, device), counts, dtype, group), metadata_

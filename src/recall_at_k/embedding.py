@@ -7,12 +7,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal, NamedTuple, SupportsIndex, cast, overload
+from typing import Any, ClassVar, Literal, SupportsIndex, cast, overload
 
 import torch
 from torch import Tensor
 
 from recall_at_k import _embedding_checks, _items
+from recall_at_k import _embedding_lifecycle as lifecycle
 from recall_at_k import audit as _audit
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_choice, check_positive_int
@@ -28,42 +29,14 @@ from recall_at_k._types import (
     Similarity,
     Ties,
 )
-from recall_at_k.ranking import budget, engine, plan
+from recall_at_k.ranking import engine, plan
 from recall_at_k.ranking.blocks import Processes
 from recall_at_k.ranking.progress import check_progress
-from recall_at_k.ranking.stored import (
-    BroadcastRows,
-    StoredRows,
-    broadcast_blocks,
-    process_rows,
-    widest_float,
-)
+from recall_at_k.ranking.stored import BroadcastRows
 
 __all__ = ["EmbeddingRecallAtK"]
 
 Purpose = Literal["compute", "outcomes", "report"]
-
-
-class _Synced(NamedTuple):
-    """The process group whose items the next ranking sees, and (within
-    ``sync_context``) this process's own states, kept where they are."""
-
-    group: Any
-    local: tuple[list[Tensor], list[Tensor]] | None
-
-
-class _Lifecycle:
-    """What an instance carries between calls (never metric state)."""
-
-    __slots__ = ("keep_rows", "report", "synced", "warning")
-
-    def __init__(self) -> None:
-        self.keep_rows = False  # inside sync_context: the next sync keeps rows in place
-        self.synced: _Synced | None = None  # set by sync(), until unsync()
-        self.report: tuple[list[dict[str, int]], bool] | None = None  # and whether synced
-        # The audit's warning: None until there is one, then its text until compute()
-        # shows it, then "" (shown once per instance).
-        self.warning: str | None = None
 
 
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
@@ -249,7 +222,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self.sharded = _embedding_checks.check_sharded(sharded, similarity)
         self.last_compute_num_queries_ranked = {}
         self.last_compute_rescored = {}
-        self._life = _Lifecycle()
+        self._life = lifecycle.Lifecycle()
         self._add_list_state("embedding_values", ListLayout((), None))
         self._add_list_state("embedding_meta", ListLayout((_items.META_COLUMNS,), torch.int64))
 
@@ -329,7 +302,10 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         group = process_group or self.process_group
         local = None
         if will_sync and life.keep_rows and (life.synced is None or life.synced.local is None):
-            local = (list(self._values()), list(self._meta()))
+            local = (
+                list(cast(list[Tensor], self.embedding_values)),
+                list(cast(list[Tensor], self.embedding_meta)),
+            )
             self._set_states([], [])
         life.synced = None
         try:
@@ -339,7 +315,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 self._set_states(*local)
             raise
         if will_sync:
-            life.synced = _Synced(group, local)
+            life.synced = lifecycle.Synced(group, local)
 
     def unsync(self, should_unsync: bool = True) -> None:
         """The base ``unsync``; the states are this process's own again."""
@@ -420,33 +396,30 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def _run(self, purpose: Purpose) -> list[Any]:
         """Plan, audit and rank the stored items for ``purpose``: ``compute()`` (the
         rank histograms, the report and its warning), ``query_outcomes()`` (one
-        :class:`QueryOutcomes` per direction) or ``protocol_report()`` (stored)."""
+        :class:`QueryOutcomes` per direction) or ``protocol_report()`` (kept)."""
         synced = self._life.synced
         count = len(self._prefixes)
-        rows, meta = self._stored(synced)
+        group = None if synced is None else Processes(synced.group)
+        rows, meta = _items.stored_rows(
+            self.embedding_values, self.embedding_meta, synced and synced.local, group, self.device
+        )
         items = _items.items_of(meta)
-        sides: list[plan.Direction | None] = []
-        for entry in plan.directions(items, count):
-            if isinstance(entry, tuple) and isinstance(entry[1], str):
-                if not self._in_forward:
-                    raise ValueError(_items.missing_side(self.directions[entry[0]], *entry))
-                sides.append(None)
-            else:
-                sides.append(entry)
-        del entry
+        sides = [self._side(entry) for entry in plan.directions(items, count)]
         _items.check_groups(meta, self.exclude)
         sharded = self.sharded and isinstance(rows, BroadcastRows)
         planned = plan.make_plan(rows, items, sides, self.exclude, self.chunk_bytes, sharded)
         del items
         if purpose != "outcomes":  # nothing else reads every item's metadata: not kept
             del meta, sides
-        group = None if synced is None else Processes(synced.group)
-        audits = None if purpose == "outcomes" else self._audits(planned, sharded, group)
+        options = _audit.options_of(self)
+        audits = None
+        if purpose != "outcomes" and not self._in_forward:
+            audits = lifecycle.audits_for(self._life, options, planned, sharded, group)
         plan.prepare(planned, self.similarity)
         ranked: list[engine.Ranked | None] = [None] * count
         if purpose != "report" or self.near_duplicate is not None:
             near = self.near_duplicate if audits is not None else None
-            options = engine.RankOptions(
+            rank_options = engine.RankOptions(
                 self.similarity,
                 self.exclude,
                 self.ties,
@@ -456,129 +429,48 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 self.progress and purpose == "compute",
             )
             known = None if audits is None or near is None else [a and a.known() for a in audits]
-            ranked = engine.rank(planned, options, group, sharded, known, purpose == "outcomes")
+            outcomes = purpose == "outcomes"
+            ranked = engine.rank(planned, rank_options, group, sharded, known, outcomes)
         if purpose == "outcomes":
+            single = self.single_k and not self.bidirectional
             return [
-                self._outcomes(meta, index, sides, planned, r) for index, r in enumerate(ranked)
+                embedding_outcomes(
+                    meta,
+                    index,
+                    None if sides[index] is None else sides[index][0],  # type: ignore[index]
+                    None if r is None else r.records,
+                    self.ks,
+                    self.max_k,
+                    self.empty_target_action,
+                    None if single else [self._prefixes[index] + key for key in self.keys],
+                )
+                for index, r in enumerate(ranked)
             ]
-        if purpose == "compute" and planned.rows.shape[0] == 0:
-            # Nothing added on any process: like RetrievalRecallAtK, NaN with a warning.
-            zeros = torch.zeros(self.max_k, dtype=torch.int64)
-            ranked = [engine.Ranked(zeros, zeros[:2], zeros[:4], 0, 0, None)] * count
         if purpose == "compute":
+            if planned.rows.shape[0] == 0:  # nothing added on any process: NaN, a warning
+                zeros = torch.zeros(self.max_k, dtype=torch.int64)
+                ranked = [engine.Ranked(zeros, zeros[:2], zeros[:4], 0, 0, None)] * count
+            names = self.directions[:count]
             self.last_compute_num_queries_ranked = {
-                name: 0 if r is None else r.ranked
-                for name, r in zip(self.directions, ranked, strict=False)
+                n: r.ranked if r else 0 for n, r in zip(names, ranked, strict=True)
             }
             self.last_compute_rescored = {
-                name: 0 if r is None else r.rescored
-                for name, r in zip(self.directions, ranked, strict=False)
+                n: r.rescored if r else 0 for n, r in zip(names, ranked, strict=True)
             }
-        self._report(audits, ranked, planned.directions, group is not None)
+        if not self._in_forward:
+            lifecycle.keep_report(
+                self._life, options, audits, ranked, planned.directions, group is not None
+            )
         return ranked
 
-    def _values(self) -> list[Tensor]:
-        return cast(list[Tensor], self.embedding_values)
-
-    def _meta(self) -> list[Tensor]:
-        return cast(list[Tensor], self.embedding_meta)
+    def _side(self, entry: plan.Direction | tuple[int, str] | None) -> plan.Direction | None:
+        """A direction's sides; a side without items raises (None in ``forward``)."""
+        if isinstance(entry, tuple) and isinstance(entry[1], str):
+            if not self._in_forward:
+                raise ValueError(_items.missing_side(self.directions[entry[0]], *entry))
+            return None
+        return entry
 
     def _set_states(self, values: list[Tensor], meta: list[Tensor]) -> None:
         setattr(self, "embedding_values", values)  # noqa: B010 - a registered state
         setattr(self, "embedding_meta", meta)  # noqa: B010
-
-    def _stored(self, synced: _Synced | None) -> tuple[StoredRows | BroadcastRows, Tensor]:
-        """The stored (or gathered) rows, read without a whole copy, and their metadata;
-        within ``sync_context`` every process's, read where they are."""
-        if synced is None or synced.local is None:
-            blocks, width, meta = _items.stored_blocks(self.embedding_values, self.embedding_meta)
-            return StoredRows(blocks, width, self.device), meta
-        group = synced.group
-        values, metas = synced.local
-        local_meta = [m.reshape(-1, _items.META_COLUMNS) for m in _items.blocks(metas)]
-        blocks = _items.blocks(values)
-        device = local_meta[0].device if local_meta else self.device
-        count = sum(block.shape[0] for block in local_meta)
-        held = sum(block.numel() for block in blocks)
-        mine = widest_float([block.dtype for block in blocks])
-        counts, helds, dtype = process_rows(count, held, mine, group, device)
-        gathered = broadcast_blocks(local_meta, counts, _items.META_COLUMNS, device, group)
-        _, width, meta = _items.stored_blocks([], [gathered], False)
-        if any(h != c * width for h, c in zip(helds, counts, strict=True)):
-            raise ValueError(
-                f"`embeddings`: the processes hold {helds} values for {counts} items of"
-                f" width {width}; the state was corrupted"
-            )
-        return BroadcastRows(StoredRows(blocks, width, device), counts, dtype, group), meta
-
-    def _audits(
-        self, planned: plan.Plan, sharded: bool, group: Processes | None
-    ) -> list[_audit.DirectionAudit | None] | None:
-        """The protocol audit of each direction, or None when the report is kept (in
-        ``forward``; or while the local data are those it counted)."""
-        kept = self._life.report
-        if self._in_forward or (kept is not None and group is None and not kept[1]):
-            return None
-        options = _audit.options_of(self)
-        options = options._replace(sizes=budget.audit_sizes(planned.budget.row_block_bytes))
-        stored: tuple[Tensor, Tensor] | Callable[[], _audit.Codes]
-        if sharded:
-            rows = cast(BroadcastRows, planned.rows)
-
-            def stored() -> _audit.Codes:
-                groups = planned.groups if self.exclude != "none" else None
-                return _audit.sharded_codes(
-                    rows.local.blocks,
-                    rows.counts,
-                    planned.labels,
-                    groups,
-                    rows.group,
-                    budget.sharded_audit_sizes(),
-                )
-        else:
-            assert planned.embeddings is not None
-            stored = planned.embeddings, torch.stack([planned.labels, planned.groups], dim=1)
-        return _audit.audit_directions(stored, planned.directions, options)
-
-    def _report(
-        self,
-        audits: Sequence[_audit.DirectionAudit | None] | None,
-        ranked: Sequence[engine.Ranked | None],
-        sides: Sequence[plan.Direction | None],
-        synced: bool,
-    ) -> None:
-        """Keep the report made of ``audits`` (None: keep the one there is) and its
-        warning about identical positives or repeated gallery items, for ``compute()``
-        to show once per instance."""
-        if self._in_forward:
-            return
-        count = len(self._prefixes)
-        options = _audit.options_of(self)
-        life = self._life
-        if audits is not None or life.report is None:
-            audits = [None] * count if audits is None else audits
-            near = [None if r is None else r.near for r in ranked]
-            hists = [None if r is None else (r.hist, r.queries) for r in ranked]
-            counted = _audit.counted_queries(hists, self.empty_target_action)
-            life.report = _audit.protocol_reports(audits, near, counted, options), synced
-        message = _audit.warning_message(options.names, life.report[0], sides)
-        if message is not None and life.warning is None:
-            life.warning = message
-
-    def _outcomes(
-        self,
-        meta: Tensor,
-        index: int,
-        sides: Sequence[plan.Direction | None],
-        planned: plan.Plan,
-        ranked: engine.Ranked | None,
-    ) -> QueryOutcomes:
-        """One direction's :class:`QueryOutcomes` from its records (side order)."""
-        single = self.single_k and not self.bidirectional
-        keys = None if single else [self._prefixes[index] + key for key in self.keys]
-        direction = sides[index]
-        queries = None if direction is None else direction[0]
-        records = None if ranked is None else ranked.records
-        return embedding_outcomes(
-            meta, index, queries, records, self.ks, self.max_k, self.empty_target_action, keys
-        )

@@ -112,6 +112,8 @@ class Decider:
         self.best[touched] = merged
 
     def result(self) -> Decided:
+        """What was decided; the waiting buffers are let go (every pair is decided)."""
+        self.pending = []
         return Decided(self.best, self.tied, self.equal, self.near)
 
 

@@ -211,8 +211,8 @@ def _counts(
             near_positive, near_negative = near_positive | flags[0], near_negative | flags[1]
         beaten = greater if options.ties == "optimistic" else at_or_above
         hits = reaches & (beaten == 0)
-        near = torch.stack([near_positive, near_negative & has, near_negative & ~has, hits])
-        near = near.sum(dim=1)
+        counted = (near_positive, near_negative & has, near_negative & ~has, hits)
+        near = torch.stack([flag.count_nonzero() for flag in counted])  # no int64 copy
     nan = state.nan.sum()
     return QueryCounts(counts, source.queries.position, near, nan, decider.rescored)
 

@@ -66,7 +66,6 @@ class Plan(NamedTuple):
     labels: Tensor  # [N] in the plan's order
     groups: Tensor  # [N] (a view of the labels where nothing reads the groups)
     directions: list[Direction | None]  # sides in the plan's rows
-    order: Tensor | None  # the stored row of each row (None: the stored order)
     budget: Budget
 
 
@@ -176,7 +175,7 @@ def make_plan(
     groups = items.groups if exclude != "none" else None
     if sharded:
         labels, group_column = narrow_columns(items.labels, groups)
-        return Plan(None, rows, labels, group_column, list(sides), None, plan_budget)
+        return Plan(None, rows, labels, group_column, list(sides), plan_budget)
     order = ranking_order(items.labels, sides)
     narrow = torch.int32 if num < 2**31 else torch.int64
     position = torch.empty(num, dtype=narrow, device=order.device)
@@ -198,7 +197,8 @@ def make_plan(
     planned: list[Direction | None] = [
         None if s is None else (renumber(s[0]), renumber(s[1])) for s in sides
     ]
-    return Plan(copy, rows, labels, group_column, planned, order.to(narrow), plan_budget)
+    del order  # only the positions are kept
+    return Plan(copy, rows, labels, group_column, planned, plan_budget)
 
 
 def prepare(plan: Plan, similarity: Similarity) -> None:
