@@ -1,14 +1,19 @@
 """Sections of README.md that the docs site shows too, so that each text has one source.
 
+The README is one page (what and why, the differences from torchmetrics'
+``RetrievalHitRate``, the two commands, the tested versions, a quickstart and links into
+the site); the site holds the rest. What both show is written once, in the README:
+``differences``, ``two-commands`` and ``tested-versions`` (all three in ``docs/index.md``).
+
 In README.md a shared text is marked ``<!-- readme:NAME:start -->`` ...
 ``<!-- readme:NAME:end -->`` (lines of their own; neither GitHub nor the site shows
 them). In a docs page the line ``<!-- readme:NAME -->`` is replaced by that text when
 the site is built (``scripts/mkdocs_hooks.py``), adapted to the site:
 
-- a section that is one bullet of a list (``- **The score** ...``) becomes a paragraph;
-- links are rewritten with :data:`LINKS` (README anchors and repository files that have
-  a page on the site); any other relative link becomes its text, since the site has no
-  copy of the repository's files.
+- a section that is one bullet of a list (``- **Name** ...``) becomes a paragraph;
+- links are rewritten: ``docs/PAGE.md`` (and its anchors) to ``PAGE.md``, and with
+  :data:`LINKS` (repository files that have a page on the site); any other relative link
+  becomes its text, since the site has no copy of the repository's files.
 
 A name that README.md does not mark is an error (the build fails).
 """
@@ -23,12 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PLACEHOLDER = re.compile(r"^<!-- readme:([\w-]+) -->$", re.MULTILINE)
 LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
-LINKS = {
-    "benchmarks/RESULTS.md": "benchmarks.md",
-    "#embeddingrecallatk": "input-forms.md#the-score",
-    "#lightning": "lightning.md",
-    "#uncertainty": "protocol.md#uncertainty-confidence-intervals",
-}
+LINKS = {"benchmarks/RESULTS.md": "benchmarks.md"}
 
 
 def sections(readme: str) -> dict[str, str]:
@@ -53,6 +53,8 @@ def _link(match: re.Match[str]) -> str:
         return match.group(0)
     if target in LINKS:
         return f"[{label}]({LINKS[target]})"
+    if target.startswith("docs/") and target.partition("#")[0].endswith(".md"):
+        return f"[{label}]({target.removeprefix('docs/')})"
     return label
 
 

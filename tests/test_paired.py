@@ -347,7 +347,7 @@ def test_the_readme_example() -> None:
     assert round(literal_mcnemar(137, 162), 2) == 0.17
     assert round((162 - 137) ** 2 / 299, 1) == 2.1
     assert mcnemar_p_value(137, 162) == pytest.approx(literal_mcnemar(137, 162), rel=1e-12)
-    # the Wilson intervals of the README overlap
+    # the Wilson intervals of the protocol guide's example overlap
     assert a.confidence_interval().tolist() == pytest.approx([0.590, 0.650], abs=5e-4)
     assert b.confidence_interval().tolist() == pytest.approx([0.615, 0.674], abs=5e-4)
 
@@ -560,7 +560,7 @@ def _blocks_with(path: Path, needle: str) -> list[str]:
     return [block for block in blocks if needle in block]
 
 
-@pytest.mark.parametrize("page", ["README.md"])  # docs/protocol.md includes its section
+@pytest.mark.parametrize("page", ["docs/protocol.md"])
 def test_the_paired_block_prints_what_its_comments_say(page: str) -> None:
     (block,) = _blocks_with(ROOT / page, "paired_comparison(a, b)")
     printed = io.StringIO()

@@ -102,14 +102,14 @@ def test_only_rank_zero_shows_the_bar() -> None:
 
 
 def _documented_block(path: Path) -> str:
-    """The progress example of a README/docs page: the python block that opens with
+    """The progress example of a docs page: the python block that opens with
     the comment ``# A progress bar over the ranking``."""
     text = path.read_text(encoding="utf-8")
     start = text.index("```python\n# A progress bar over the ranking")
     return text[start + len("```python\n") : text.index("```", start + 3)]
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/input-forms.md"])
+@pytest.mark.parametrize("page", ["docs/input-forms.md"])
 def test_documented_example_runs_and_shows_a_bar(
     page: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,6 +1,6 @@
-"""Claims of README.md (and of the site, which includes the same sections) that are not
-code blocks: numbers, the score's definition, the install commands, and that the site
-shows every shared README section (``scripts/readme_sections.py``)."""
+"""Claims of README.md and of the docs site that are not code blocks: numbers, the score's
+definition, the install commands, that the README stays one page whose links resolve, and
+that the site shows every shared README section (``scripts/readme_sections.py``)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,32 @@ def _flat(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 
 
+# ------------------------------------------------------------------ one page
+
+README_LIMIT = 12_000  # characters: what and why, two commands, a quickstart, the links
+
+
+def test_the_readme_is_one_page() -> None:
+    assert len(README) <= README_LIMIT, f"README.md has {len(README):,} characters"
+    assert "\n## Quickstart\n" in README
+    assert "| | torchmetrics `RetrievalHitRate` | `RetrievalRecallAtK` |" in README
+
+
+def test_the_readme_links_to_every_docs_page_and_every_link_resolves() -> None:
+    targets = [target for _, target in readme_sections.LINK.findall(README)]
+    local = [t for t in targets if not t.startswith(("http://", "https://", "#"))]
+    for target in local:
+        assert (ROOT / target.partition("#")[0]).exists(), target
+    pages = {t.partition("#")[0] for t in local if t.startswith("docs/")}
+    assert pages >= {f"docs/{name}" for name in DOCS} - {"docs/changelog.md"}
+
+
 # ------------------------------------------------------------------ one source
 
 
 def test_every_shared_section_is_on_the_site_and_every_placeholder_resolves() -> None:
     shared = readme_sections.sections(README)
-    assert {"two-commands", "score", "wrappers", "protocol", "uncertainty"} <= set(shared)
+    assert set(shared) == {"differences", "two-commands", "tested-versions"}
     used = set()
     for name, page in DOCS.items():
         used |= set(readme_sections.PLACEHOLDER.findall(page))
@@ -53,14 +73,33 @@ def test_every_shared_section_is_on_the_site_and_every_placeholder_resolves() ->
 
 
 def test_shared_sections_are_adapted_to_the_site() -> None:
-    shared = readme_sections.sections(README)
-    assert shared["score"].startswith("**The score**")  # a bullet becomes a paragraph
-    assert "\n  " not in shared["score"]
-    assert "[the score](input-forms.md#the-score)" in shared["protocol"]
-    assert "(benchmarks.md)" in shared["protocol"]
-    assert "](examples/" not in shared["protocol"]  # repository files: their names only
+    readme = (
+        "<!-- readme:part:start -->\n- **A bullet** that goes on\n  to a second line: see"
+        " [the results](benchmarks/RESULTS.md), [a page](docs/distributed.md#ddp) and"
+        " [`examples/cross_modal.py`](examples/cross_modal.py).\n<!-- readme:part:end -->\n"
+    )
+    part = readme_sections.sections(readme)["part"]
+    assert part.startswith("**A bullet**")  # a bullet becomes a paragraph
+    assert "\n  " not in part
+    assert "[the results](benchmarks.md)" in part and "[a page](distributed.md#ddp)" in part
+    assert part.endswith(" and `examples/cross_modal.py`.")  # repository files: their names
+    differences = readme_sections.sections(README)["differences"]
+    assert "(benchmarks.md)" in differences and "](benchmarks/" not in differences
     with pytest.raises(KeyError, match=r"README\.md has no section"):
         readme_sections.fill("<!-- readme:nothing -->", README)
+
+
+def test_the_texts_that_moved_from_the_readme_are_written_for_the_site() -> None:
+    """The score, the protocol guide, the intervals and the wrappers were README sections
+    that the site included; they are the site's own text now."""
+    score = DOCS["input-forms.md"].split("\n### The score\n", 1)[1].split("\n## ", 1)[0]
+    assert score.lstrip().startswith("What is ranked, and what ties:")
+    assert "\n  " not in score  # a paragraph, no longer a bullet of a list
+    protocol = DOCS["protocol.md"]
+    assert "[the score](input-forms.md#the-score)" in protocol
+    assert "(benchmarks.md)" in protocol
+    assert "](examples/" not in protocol  # repository files: their names only
+    assert "`MinMaxMetric`, `MultioutputWrapper`" in DOCS["lightning.md"]
 
 
 def test_the_site_no_longer_says_what_the_readme_corrected() -> None:
@@ -85,7 +124,7 @@ def _interval(queries: int, recall: float) -> str:
 
 
 def test_wilson_examples() -> None:
-    text = _flat(README)
+    text = _flat(DOCS["protocol.md"])
     assert (
         f"a model with R@1 = 0.620 has {_interval(1000, 0.620)} and one with 0.645 has"
         f" {_interval(1000, 0.645)}"
@@ -103,7 +142,7 @@ def _exact_mcnemar(b: int, c: int) -> float:
 
 
 def test_mcnemar_examples() -> None:
-    text = _flat(README)
+    text = _flat(DOCS["protocol.md"])
     assert (62 - 37) == (162 - 137) == 25  # the 2.5-point gap on 1,000 queries
     statistic = (62 - 37) ** 2 / 99
     chi_square_p = math.erfc(math.sqrt(statistic / 2))  # one degree of freedom
@@ -122,7 +161,7 @@ def test_mcnemar_examples() -> None:
 
 def test_cosine_clamps_the_norm_at_1e_12() -> None:
     """A row of norm 1e-13 is scaled by 10^12 (to norm 0.1), not normalised to 1."""
-    assert "x / max(sqrt(S), 1e-12)" in _flat(README)
+    assert "x / max(sqrt(S), 1e-12)" in _flat(DOCS["input-forms.md"])
     query = torch.tensor([[1.0, 0.0]])
     gallery = torch.tensor([[1e-13, 0.0], [0.6, 0.8]])  # the positive, then a negative
     labels = torch.tensor([0, 1])
@@ -137,7 +176,7 @@ def test_cosine_clamps_the_norm_at_1e_12() -> None:
 def test_euclidean_score_is_of_the_stored_vectors_whatever_a_common_offset() -> None:
     """The fast path centres on the gallery's mean; what is ranked is still minus the
     squared distance of the stored (offset, float32) vectors, as the reference has it."""
-    text = _flat(README)
+    text = _flat(DOCS["input-forms.md"])
     assert "the fast path centres every vector on the gallery's mean first" in text
     assert "the score itself is that of the stored vectors" in text
     gen = torch.Generator().manual_seed(3)
@@ -211,31 +250,32 @@ def test_the_readme_says_cuda_tests_skip_without_a_gpu() -> None:
 def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line for line in ci.splitlines() if line.startswith("python -m pytest")]
-    # Leg 1 runs the README's command as it is; the lowest and the newest versions' legs
-    # leave out the memory probes, the benchmark smoke runs and the exactness sweeps, and
-    # nothing else.
+    # Leg 1 runs the README's command as it is, then the tests it leaves out; the lowest
+    # and the newest versions' legs leave out the memory probes, the benchmark smoke runs
+    # and the exactness sweeps, and nothing else.
     left_out = ("test_memory.py", "test_benchmarks.py", "test_embedding_exact.py")
     left_out += ("test_embedding_band.py",)
     fewer = "python -m pytest -q" + "".join(f" --ignore=tests/{name}" for name in left_out)
-    assert commands == ["python -m pytest -q", fewer, fewer]
+    rest = 'python -m pytest -q -m "slow or memory"'
+    assert commands == ["python -m pytest -q", rest, fewer, fewer]
     said = (
         "those two runs leave out the memory probes, benchmark smoke runs and the"
         " ranking's exactness sweeps"
     )
     assert said in _flat(README)
-    assert said.removeprefix("those two runs ") in _flat(DOCS["index.md"])
+    assert said in _flat(readme_sections.fill(DOCS["index.md"]))  # the README's section
     for name in left_out:
         assert (ROOT / "tests" / name).exists()
 
 
-def test_the_readme_states_the_memory_bound_of_the_large_galleries_page() -> None:
-    """The README's memory sentence is the page's formula (``tests/memory_formula.py``,
+def test_the_input_forms_page_states_the_memory_bound_of_the_large_galleries_page() -> None:
+    """The memory sentence of "Input forms" (once the README's) is the page's formula (``tests/memory_formula.py``,
     measured by ``tests/test_memory.py``): one copy plus ``chunk_bytes``, which holds
     the bookkeeping."""
     from recall_at_k.ranking import budget
 
     per_item = budget.BOOKKEEPING_BYTES_PER_ITEM
-    text = _flat(README)
+    text = _flat(DOCS["input-forms.md"])
     assert (
         "`compute()` adds one copy of the stored (under DDP, gathered) embeddings plus"
         f" `chunk_bytes`, which holds its tiles, scratch and bookkeeping ({per_item} bytes"
