@@ -235,6 +235,7 @@ def _sharded_worker(rank: int, world: int, cases: list[tuple[str, str, str]]) ->
     return out
 
 
+@pytest.mark.ddp
 def test_a_sharded_gallery_with_fast_scores_anywhere_within_the_bound() -> None:
     """The same worst-case products on a gallery sharded across two processes: each
     process ranks its queries against the gallery passing by, with the same band."""

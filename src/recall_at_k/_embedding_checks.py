@@ -15,7 +15,7 @@ from recall_at_k._checks import (
     check_tensors,
     describe,
 )
-from recall_at_k._types import SIMILARITIES
+from recall_at_k._types import EXCLUDES, ROLES, SIMILARITIES
 
 
 def check_batch(
@@ -52,10 +52,30 @@ def check_finite(embeddings: Tensor, name: str = "embeddings") -> None:
         raise ValueError(f"`{name}` must be finite, found {nan} NaN and {inf} infinite value(s)")
 
 
-def check_similarity(similarity: object) -> None:
-    """A built-in similarity's name, or a callable."""
+def check_similarity(similarity: object, exclude: object = "none") -> None:
+    """A built-in similarity's name, or a callable; and ``exclude``."""
     if not callable(similarity):
         check_choice("similarity", similarity, SIMILARITIES)
+    check_choice("exclude", exclude, EXCLUDES)
+
+
+def check_update(
+    embeddings: Tensor,
+    labels: Tensor,
+    groups: Tensor | None,
+    ids: Tensor | None,
+    role: object,
+    exclude: str,
+) -> None:
+    """One ``update``'s batch (:func:`check_batch`), its role, and its groups where
+    ``exclude`` reads them."""
+    check_batch(embeddings, labels, groups, ids)
+    check_choice("role", role, ROLES)
+    if exclude != "none" and groups is None:
+        raise ValueError(
+            f"`groups` are required with exclude={exclude!r}: pass the group"
+            " (camera, source, ...) of every item to update()"
+        )
 
 
 def nan_scores_error(queries: int) -> ValueError:

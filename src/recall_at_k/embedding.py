@@ -16,19 +16,10 @@ from recall_at_k import _embedding_checks, _items
 from recall_at_k import _embedding_lifecycle as lifecycle
 from recall_at_k import audit as _audit
 from recall_at_k._base import Histogram, RecallAtKMetric
-from recall_at_k._checks import check_choice, check_positive_int
+from recall_at_k._checks import check_positive_int
 from recall_at_k._outcomes import QueryOutcomes, embedding_outcomes
 from recall_at_k._sync import ListLayout
-from recall_at_k._types import (
-    EXCLUDES,
-    ROLES,
-    EmptyTargetAction,
-    Exclude,
-    OutputT,
-    Role,
-    Similarity,
-    Ties,
-)
+from recall_at_k._types import EmptyTargetAction, Exclude, OutputT, Role, Similarity, Ties
 from recall_at_k.ranking import engine, plan
 from recall_at_k.ranking.blocks import Processes
 from recall_at_k.ranking.progress import check_progress
@@ -54,14 +45,11 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     once. Ignored items are neither positives nor negatives; ties follow ``ties``.
 
     ``compute`` never builds the query x gallery matrix: it ranks in tiles within
-    ``chunk_bytes`` on the embeddings' device, adding about one copy of the stored
-    embeddings plus ``chunk_bytes``. Items are ranked by a canonical score (a fixed-order
-    float64 sum over the stored rows, cosine rows normalised once each), so the result is
-    identical for every ``chunk_bytes``, thread count, number of processes and device;
-    the float32 product is the fast path, and the pairs its rounding could misplace are
-    re-scored (``last_compute_rescored``). Embeddings are stored in the wider of float32
-    and their own dtype; no module cast changes them. Under DDP each process ranks its
-    share of the queries against the gathered gallery and the counts are summed.
+    ``chunk_bytes`` beside one copy of the stored embeddings. Items are ranked by a
+    canonical float64 score, so the result is identical for every ``chunk_bytes``, thread
+    count, number of processes and device; the float32 product is the fast path and the
+    pairs its rounding could misplace are re-scored (``last_compute_rescored``). Under
+    DDP each process ranks its share of the queries and the counts are summed.
 
     Args:
         k: an int or a sequence of distinct ints.
@@ -210,8 +198,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             prefixes=prefixes,
             **metric_kwargs,
         )
-        _embedding_checks.check_similarity(similarity)
-        check_choice("exclude", exclude, EXCLUDES)
+        _embedding_checks.check_similarity(similarity, exclude)
         self.directions = names
         self.chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
         self.similarity = similarity
@@ -247,13 +234,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """
         self._touch_views()
         self._life.report = None
-        _embedding_checks.check_batch(embeddings, labels, groups, ids)
-        check_choice("role", role, ROLES)
-        if self.exclude != "none" and groups is None:
-            raise ValueError(
-                f"`groups` are required with exclude={self.exclude!r}: pass the group"
-                " (camera, source, ...) of every item to update()"
-            )
+        _embedding_checks.check_update(embeddings, labels, groups, ids, role, self.exclude)
         values = cast(list[Tensor], self.embedding_values)
         meta = cast(list[Tensor], self.embedding_meta)
         _items.check_width(meta, embeddings.shape[1], role)
@@ -262,8 +243,6 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         stored = embeddings.detach().to(_items.stored_dtype(embeddings), copy=True)
         values.append(stored.reshape(-1))
         meta.append(_items.metadata(labels, groups, ids, role, embeddings.shape[1]))
-
-    # ------------------------------------------------------------------ sync
 
     @contextmanager
     def sync_context(
@@ -274,11 +253,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         should_unsync: bool = True,
         distributed_available: Callable[..., Any] | None = None,
     ) -> Generator[None, None, None]:
-        """torchmetrics' ``sync_context`` (what ``compute()`` syncs in), except that the
-        embeddings are not gathered into the states: each process keeps its own and the
-        ranking reads every process's rows a run at a time. An explicit ``sync()``, a
-        custom gather function, or a context that leaves the states synced gathers them
-        as torchmetrics does."""
+        """torchmetrics' ``sync_context``, except that each process keeps its own rows and
+        the ranking reads every process's a run at a time (an explicit ``sync()``, a custom
+        gather function or ``should_unsync=False`` gather them as torchmetrics does)."""
         self._life.keep_rows = dist_sync_fn is None and should_unsync
         try:
             with super().sync_context(
@@ -326,11 +303,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 self._set_states(*synced.local)
             self._life.synced = None
 
-    # ------------------------------------------------------------------ results
-
     def _after_compute(self) -> None:
-        """Warn once per instance when the protocol audit found identical positives or
-        repeated gallery items."""
+        """Warn (once per instance) of identical positives or repeated gallery items."""
         if self._life.warning:
             warnings.warn(self._life.warning, UserWarning, stacklevel=4)
             self._life.warning = ""
@@ -390,8 +364,6 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """torchmetrics' ``merge_state``; forget the protocol report."""
         super().merge_state(incoming_state)
         self._life.report = None
-
-    # ------------------------------------------------------------------ the one path
 
     def _run(self, purpose: Purpose) -> list[Any]:
         """Plan, audit and rank the stored items for ``purpose``: ``compute()`` (the

@@ -85,9 +85,6 @@ CPU_STACK_BYTES = 4 * 2**20
 """The panel rows that reach their band are copied aside, panel after panel, into a
 buffer of about this many bytes, then compared at once."""
 
-CPU_COUNT_BLOCK_BYTES = 2 * 2**20
-"""Rows are compared with their band this many bytes at a time on CPU."""
-
 CPU_SQUARE_BYTES = 4 * 2**20
 """Leave-one-out on CPU: the product in square blocks of about this many bytes, each
 scanned for the queries of its rows and of its columns."""
@@ -95,10 +92,6 @@ scanned for the queries of its rows and of its columns."""
 SQUARE_MIN_ROWS = 64
 """Square blocks of fewer rows (but not every item) cost more than they save: the
 queries then go through tiles."""
-
-SQUARE_SCAN_SHARE = 8
-"""A square block's scan gathers its reaching rows at most ``1 / SQUARE_SCAN_SHARE`` of
-the block at a time."""
 
 CANONICAL_BATCH_BYTES = 4 * 2**20
 """A canonical batch never takes more than this, whatever the scratch."""

@@ -239,7 +239,7 @@ def _tiles(
     check_nan = options.validate and stats.check_nan
     panels = device.type == "cpu" and not callable(similarity) and not check_nan
     panels = panels and options.mode != "tiles"
-    keep = callable(similarity)
+    keep, counts = callable(similarity), state.greater.dtype
     junk = options.exclude == "same_label_and_group"
     same_group = options.exclude == "same_group"
     if panels:
@@ -259,7 +259,6 @@ def _tiles(
         start, length = located.start[part], located.length[part]
         own = located.own[part]
         groups = queries.groups[part]
-        size = stop_query - first_query
         nan = None
         if panels:
             present = length > 0
@@ -286,10 +285,9 @@ def _tiles(
         )
         lo, hi = band_edges(found.best, bound, found.has_positive)
         hide_own_labels(scores, start - first, length, state.hole)
-        greater = torch.zeros(size, dtype=state.greater.dtype, device=device)
-        pairs: list[Found] = []
-        near_state = near_scan(options.near_duplicate, bound, scores.dtype)
-        _scan_rows(scores, lo, hi, first, greater, pairs, near_state, keep, workspace, tile_bytes)
+        scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, counts, keep)
+        scanned = scanner.scan(scores, 0, lo, hi, first, bound)
+        greater, near_state = scanned.greater, scanned.near
         if panels:
             saturate(lo, greater, options.max_k)
             outside = (own >= 0) & ((own < first) | (own >= stop))
@@ -297,7 +295,7 @@ def _tiles(
             width = max(1, panel_bytes // (rows * itemsize))
             spans = [(a, min(a + width, first)) for a in range(0, first, width)]
             spans += [(a, min(a + width, num_gallery)) for a in range(stop, num_gallery, width)]
-            stack = Stack(lo, hi, greater, pairs, width, workspace, tile_bytes)
+            stack = Stack(lo, hi, greater, scanned.pairs, width, workspace, tile_bytes)
             for a, b in spans:
                 panel = product(rows_fast, gallery, a, b, workspace)
                 if ignore_outside:
@@ -309,19 +307,10 @@ def _tiles(
                 if stack.add(panel, peak, a):
                     saturate(lo, greater, options.max_k)
             stack.flush()
+        positive = Found(found.found.rows, found.found.columns + first, found.found.values)
+        kinds = scanned.kinds(positive)
         return _Result(
-            first_query,
-            stop_query,
-            found.has_positive,
-            greater,
-            None if near_state is None else near_state.sure,
-            nan,
-            _kinds(
-                Found(found.found.rows, found.found.columns + first, found.found.values),
-                pairs,
-                near_state,
-                device,
-            ),
+            first_query, stop_query, found.has_positive, greater, scanned.sure, nan, kinds
         )
 
     with Workers(task, min(workers, len(tiles)), decider.workspace) as pool:
@@ -332,36 +321,51 @@ def _tiles(
                 decider.flush(gallery)
 
 
-def _kinds(
-    positive: Found | None, negatives: list[Found], near_state: Near | None, device: torch.device
-) -> list[tuple[int, Found]]:
-    """A result's pairs by kind, positives first."""
-    out: list[tuple[int, Found]] = [] if positive is None else [(POSITIVE, positive)]
-    out.append((NEGATIVE, joined(negatives, device)))
-    if near_state is not None:
-        out.append((NEAR, joined(near_state.found, device)))
-    return out
+class _Scanned(NamedTuple):
+    """A block's scan: the negatives surely above each query's band, the pairs inside it
+    and the near-duplicate scan (None without a threshold)."""
+
+    greater: Tensor
+    pairs: list[Found]
+    near: Near | None
+
+    @property
+    def sure(self) -> Tensor | None:
+        return None if self.near is None else self.near.sure
+
+    def kinds(self, positive: Found | None) -> list[tuple[int, Found]]:
+        """The pairs to decide by kind, positives first."""
+        device = self.greater.device
+        out: list[tuple[int, Found]] = [] if positive is None else [(POSITIVE, positive)]
+        out.append((NEGATIVE, joined(self.pairs, device)))
+        if self.near is not None:
+            out.append((NEAR, joined(self.near.found, device)))
+        return out
 
 
-def _scan_rows(
-    scores: Tensor,
-    lo: Tensor,
-    hi: Tensor,
-    first: int,
-    greater: Tensor,
-    pairs: list[Found],
-    near_state: Near | None,
-    keep: bool,
-    workspace: Workspace,
-    buffer_bytes: int,
-) -> None:
-    """Scan a block's rows (each a query) for its band and the near threshold."""
-    if scores.numel() == 0:
-        return
-    peak = scores.amax(dim=1, keepdim=True)
-    if near_state is not None:
-        near(scores, 0, peak, near_state, first, keep, workspace, buffer_bytes)
-    scan(scores, 0, peak, lo, hi, first, greater, pairs, workspace, buffer_bytes, keep)
+class _Scanner(NamedTuple):
+    """What scanning a block needs besides its scores and bands."""
+
+    workspace: Workspace
+    buffer_bytes: int
+    threshold: float | None  # near_duplicate
+    counts: torch.dtype
+    keep: bool = False  # keep the fast scores (a callable's, which are the canonical)
+
+    def scan(
+        self, scores: Tensor, axis: int, lo: Tensor, hi: Tensor, first: int, bound: Tensor
+    ) -> _Scanned:
+        """Scan ``scores`` (a query a row, or a column with ``axis=1``; its items from
+        ``first``) for each query's band ``[lo, hi]`` and the near threshold."""
+        greater = torch.zeros(scores.shape[axis], dtype=self.counts, device=scores.device)
+        found = _Scanned(greater, [], near_scan(self.threshold, bound, scores.dtype))
+        if scores.numel():
+            peak = scores.amax(dim=1 - axis).unsqueeze(1)
+            room = self.workspace, self.buffer_bytes
+            if found.near is not None:
+                near(scores, axis, peak, found.near, first, self.keep, *room)
+            scan(scores, axis, peak, lo, hi, first, greater, found.pairs, *room, self.keep)
+        return found
 
 
 def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list[tuple[int, int]]:
@@ -441,6 +445,7 @@ def _squares(
         return False
     size = max(1, size)
     hole, threshold, max_k = state.hole, options.near_duplicate, options.max_k
+    counts = state.greater.dtype
     junk = options.exclude == "same_label_and_group"
     same_group = options.exclude == "same_group"
 
@@ -500,24 +505,11 @@ def _squares(
         # A span of whole labels: its diagonal square holds its queries' labels; its
         # negatives there are scanned now.
         hide_own_labels(scores, start - first, length, hole)
-        greater = torch.zeros(b - a, dtype=state.greater.dtype, device=device)
-        pairs: list[Found] = []
-        near_state = near_scan(threshold, bound[a:b], scores.dtype)
-        _scan_rows(
-            scores,
-            band_lo,
-            band_hi,
-            first,
-            greater,
-            pairs,
-            near_state,
-            False,
-            workspace,
-            tile_bytes,
-        )
-        sure = None if near_state is None else near_state.sure
-        kinds = _kinds(kept, pairs, near_state, device)
-        return _Result(a, b, found.has_positive, greater, sure, None, kinds), band_lo, band_hi
+        scanner = _Scanner(workspace, tile_bytes, threshold, counts)
+        scanned = scanner.scan(scores, 0, band_lo, band_hi, first, bound[a:b])
+        kinds = scanned.kinds(kept)
+        result = _Result(a, b, found.has_positive, scanned.greater, scanned.sure, None, kinds)
+        return result, band_lo, band_hi
 
     with Workers(label_task, min(workers, len(parts)), decider.workspace) as labels:
         for result, band_lo, band_hi in labels.map(parts):
@@ -574,41 +566,13 @@ def _squares(
         sides = [(0, rows, columns, row_lo, row_hi)]
         if later > index:  # read down: the columns' queries against the rows' items
             sides.append((1, columns, rows, column_lo, column_hi))
+        scanner = _Scanner(workspace, tile_bytes, threshold, counts)
         results = []
         for axis, queries, items, band_lo, band_hi in sides:
-            peak = scores.amax(dim=1 - axis).unsqueeze(1)
-            greater = torch.zeros(
-                queries.stop - queries.start, dtype=state.greater.dtype, device=device
-            )
-            pairs: list[Found] = []
-            near_state = None
-            if threshold is not None:
-                near_state = near_scan(threshold, bound[queries], scores.dtype)
-                assert near_state is not None
-                near(scores, axis, peak, near_state, items.start, False, workspace, tile_bytes)
-            scan(
-                scores,
-                axis,
-                peak,
-                band_lo,
-                band_hi,
-                items.start,
-                greater,
-                pairs,
-                workspace,
-                tile_bytes,
-            )
-            sure = None if near_state is None else near_state.sure
+            found = scanner.scan(scores, axis, band_lo, band_hi, items.start, bound[queries])
+            kinds = found.kinds(None)
             results.append(
-                _Result(
-                    queries.start,
-                    queries.stop,
-                    None,
-                    greater,
-                    sure,
-                    None,
-                    _kinds(None, pairs, near_state, device),
-                )
+                _Result(queries.start, queries.stop, None, found.greater, found.sure, None, kinds)
             )
         return results
 
@@ -728,6 +692,7 @@ def _passes(
         guard.run(positives_of, gallery)
         progress.update(1)
     lo, hi = _band(best, bound, state.has_positive, hole)
+    scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, state.greater.dtype)
 
     def negatives_of(gallery: Gallery) -> None:
         located = locate(queries, gallery)
@@ -741,26 +706,12 @@ def _passes(
             groups = queries.groups[a:b] if same_group else None
             hide_ignored(scores, located.own[a:b], groups, gallery.groups, hole)
             hide_own_labels(scores, located.start[a:b], located.length[a:b], hole)
-            greater = torch.zeros(b - a, dtype=state.greater.dtype, device=device)
-            pairs: list[Found] = []
-            near_state = near_scan(options.near_duplicate, bound[a:b], scores.dtype)
-            _scan_rows(
-                scores,
-                lo[a:b],
-                hi[a:b],
-                0,
-                greater,
-                pairs,
-                near_state,
-                False,
-                workspace,
-                tile_bytes,
-            )
-            state.greater[a:b] += greater
+            scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, bound[a:b])
+            state.greater[a:b] += scanned.greater
             saturate(lo[a:b], state.greater[a:b], options.max_k)
-            if near_state is not None:
-                state.near[a:b] += near_state.sure
-            for kind, found in _kinds(None, pairs, near_state, device):
+            if scanned.sure is not None:
+                state.near[a:b] += scanned.sure
+            for kind, found in scanned.kinds(None):
                 decider.add(kind, found, a)
         decider.flush(gallery)
 

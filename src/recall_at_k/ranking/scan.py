@@ -241,33 +241,11 @@ def near(
     workspace: Workspace,
     buffer_bytes: int,
 ) -> None:
-    """Add a block of scores (queries along ``axis`` as in :func:`scan`; their own labels
-    and ignored items already holed) to a near-duplicate scan: items above its ``hi`` to
-    ``sure``, those within its edges to ``found``."""
-    reaching = (peak < scan_state.lo).logical_not_().view(-1).nonzero().view(-1)
-    if reaching.numel() == 0:
-        return
-    other, device = scores.shape[1 - axis], scores.device
-    step = rows_within(buffer_bytes, other * (scores.element_size() + 2), reaching.shape[0])
-    edge = (-1, 1) if axis == 0 else (1, -1)
-    for picked in torch.split(reaching, step):
-        count = picked.shape[0]
-        shape = (count, other) if axis == 0 else (other, count)
-        held = count * other
-        candidates = pooled(workspace, "near_values", held, scores.dtype, device).view(shape)
-        torch.index_select(scores, axis, picked, out=candidates)
-        lo = scan_state.lo.index_select(0, picked).view(edge)
-        hi = scan_state.hi.index_select(0, picked).view(edge)
-        above = pooled(workspace, "near_above", held, torch.bool, device).view(shape)
-        torch.gt(candidates, hi, out=above)
-        scan_state.sure.index_add_(0, picked, above.sum(dim=1 - axis))
-        inside = pooled(workspace, "near_inside", held, torch.bool, device).view(shape)
-        torch.ge(candidates, lo, out=inside).logical_xor_(above)
-        row, column = inside.nonzero(as_tuple=True)
-        if row.numel():
-            query, item = (row, column) if axis == 0 else (column, row)
-            value = candidates[row, column] if keep_values else None
-            scan_state.found.append(Found(picked[query], item + first, value))
+    """Add a block of scores (as in :func:`scan`; their own labels and ignored items
+    already holed) to a near-duplicate scan: the threshold's edges are its band, items
+    above them count into ``sure``."""
+    lo, hi, sure, found = scan_state
+    scan(scores, axis, peak, lo, hi, first, sure, found, workspace, buffer_bytes, keep_values)
 
 
 def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
