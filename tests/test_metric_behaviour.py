@@ -116,7 +116,10 @@ class TwoProcesses:
                 if isinstance(theirs, list):
                     theirs = torch.cat(theirs) if theirs else tensor[:0]
                 return [tensor, theirs]
-        raise AssertionError("not a state of the metric")
+        # compute()'s key: the update counts, gathered beside the states
+        assert tensor.dtype == torch.int64 and tensor.tolist() == [self.metric.update_count]
+        self.gathers.append("update_count")
+        return [tensor, torch.tensor([self.other.update_count])]
 
 
 def _two_batches() -> tuple[Any, Any, dict[str, Tensor], dict[str, Tensor]]:
@@ -148,9 +151,11 @@ def test_the_kept_result_follows_sync_and_unsync() -> None:
     assert metric.compute() == local
 
 
-def test_views_compute_with_one_sync_for_all_k() -> None:
+def test_views_compute_once_for_all_k() -> None:
     """Under a (simulated) second process, the per_k() views read the parent's result,
-    gathered once, as Lightning's epoch end computes them one after another."""
+    computed once: each view's compute() syncs the parent (a collective that every
+    process makes alike) and finds the kept result of the same states, as Lightning's
+    epoch end computes them one after another."""
     mine, theirs, _, both = _two_batches()
     other = RetrievalRecallAtK(k=(1, 3))
     other.update(*theirs)
@@ -159,14 +164,18 @@ def test_views_compute_with_one_sync_for_all_k() -> None:
         k=(1, 3), dist_sync_fn=gather, distributed_available_fn=lambda: True
     )
     gather.metric = metric
+    computed = []
+    recall_values = metric._recall_values
+    metric._recall_values = lambda: computed.append(1) or recall_values()  # type: ignore[method-assign]
     metric.update(*mine)
     views = metric.per_k("val/")
     assert [float(v.compute()) for v in views.values()] == pytest.approx(_values(both))
-    assert gather.gathers.count(metric._hist_name) == 1
+    assert gather.gathers.count(metric._hist_name) == len(views) and len(computed) == 1
     assert _values(metric.compute()) == pytest.approx(_values(both))
-    metric.update(*mine)  # a new state: gathered again, once
+    assert len(computed) == 1
+    metric.update(*mine)  # a new state: computed again, once
     assert [float(v.compute()) for v in views.values()] != pytest.approx(_values(both))
-    assert gather.gathers.count(metric._hist_name) == 3
+    assert len(computed) == 2
 
 
 def test_the_kept_result_is_never_handed_out_and_not_kept_across_a_move() -> None:

@@ -88,6 +88,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self._result: Any = None
         self._result_key: ResultKey | None = None
         self._gathered_states = False  # between a sync() that gathered and its unsync()
+        self._gathered_key: ResultKey = ()  # every process's update count at that sync
         self._widened: dict[str, Any] = {}  # float list states replaced for a gather
         self.ks, self.single_k = check_k(k)
         self.max_k = max(self.ks)
@@ -174,6 +175,11 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             self._widened = {n: v for n, v in before.items() if getattr(self, n) is not v}
             super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
             self._gathered_states = True
+            # compute()'s key: every process's update count, gathered as the states were
+            # (another process's update changes the gathered states; all decide alike).
+            mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
+            counts = dist_sync_fn(mine, process_group or self.process_group)
+            self._gathered_key = tuple(int(count) for count in counts)
             return
         # Nothing to gather, or already gathered (torchmetrics raises for that).
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
@@ -307,12 +313,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     def _result_key_now(self) -> ResultKey:
         """What ``compute()`` would compute from now, inside its sync: this process's
-        update count, or with gathered states every process's (another process's update
-        changes the gathered states; every process then decides alike)."""
-        if not self._gathered_states:
-            return (self.update_count,)
-        mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
-        return tuple(int(c) for c in _collectives.gather_all_tensors(mine, self.process_group))
+        update count, or with gathered states every process's (gathered by ``sync``)."""
+        return self._gathered_key if self._gathered_states else (self.update_count,)
 
     def _value_for_view(self, key: str) -> Tensor:
         """``compute()[key]`` for a view of :meth:`per_k`: the kept result while it is

@@ -27,7 +27,7 @@ from recall_at_k.ranking.stored import BroadcastRows
 
 __all__ = ["EmbeddingRecallAtK"]
 
-Purpose = Literal["compute", "outcomes", "report"]
+Purpose = Literal["compute", "query_outcomes", "protocol_report"]
 
 
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
@@ -275,10 +275,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         """The base ``sync``; the next ranking then shares its queries among the
         processes (and within :meth:`sync_context` reads rows where they are)."""
         life = self._life
-        will_sync = self._will_sync(should_sync, distributed_available)
+        if not self._will_sync(should_sync, distributed_available):  # what is synced stays
+            super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+            return
         group = process_group or self.process_group
         local = None
-        if will_sync and life.keep_rows and (life.synced is None or life.synced.local is None):
+        if life.keep_rows and (life.synced is None or life.synced.local is None):
             local = (
                 list(cast(list[Tensor], self.embedding_values)),
                 list(cast(list[Tensor], self.embedding_meta)),
@@ -291,8 +293,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             if local is not None:
                 self._set_states(*local)
             raise
-        if will_sync:
-            life.synced = lifecycle.Synced(group, local)
+        life.synced = lifecycle.Synced(group, local)
 
     def unsync(self, should_unsync: bool = True) -> None:
         """The base ``unsync``; the states are this process's own again."""
@@ -331,7 +332,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             >>> outcomes.ids, outcomes.first_hit_rank
             (tensor([10, 11, 12, 13]), tensor([1, 2, 1, 2]))
         """
-        outcomes = cast(list[QueryOutcomes], self._synced(lambda: self._run("outcomes")))
+        outcomes = cast(list[QueryOutcomes], self._synced(lambda: self._run("query_outcomes")))
         if self.bidirectional:
             return dict(zip(self.directions, outcomes, strict=False))
         return outcomes[0]
@@ -349,7 +350,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         items equal to an earlier one, bitwise / up to rounding). From the last
         ``compute()``, else computed now (collective under DDP)."""
         if _audit.stale_anywhere(self, self._life.report is None):
-            self._synced(lambda: self._run("report"))
+            self._synced(lambda: self._run("protocol_report"))
         reports = [dict(r) for r in (self._life.report or ([], False))[0]]
         return (
             dict(zip(self.directions, reports, strict=False)) if self.bidirectional else reports[0]
@@ -381,15 +382,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         sharded = self.sharded and isinstance(rows, BroadcastRows)
         planned = plan.make_plan(rows, items, sides, self.exclude, self.chunk_bytes, sharded)
         del items
-        if purpose != "outcomes":  # nothing else reads every item's metadata: not kept
+        if purpose != "query_outcomes":  # nothing else reads every item's metadata: not kept
             del meta, sides
-        options = _audit.options_of(self)
-        audits = None
-        if purpose != "outcomes" and not self._in_forward:
+        options, audits = _audit.options_of(self), None
+        if purpose != "query_outcomes" and not self._in_forward:
             audits = lifecycle.audits_for(self._life, options, planned, sharded, group)
         plan.prepare(planned, self.similarity)
         ranked: list[engine.Ranked | None] = [None] * count
-        if purpose != "report" or self.near_duplicate is not None:
+        if purpose != "protocol_report" or self.near_duplicate is not None:
             near = self.near_duplicate if audits is not None else None
             rank_options = engine.RankOptions(
                 self.similarity,
@@ -399,11 +399,12 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 self.validate_args,
                 near,
                 self.progress and purpose == "compute",
+                caller=f"EmbeddingRecallAtK.{purpose}()",
             )
             known = None if audits is None or near is None else [a and a.known() for a in audits]
-            outcomes = purpose == "outcomes"
+            outcomes = purpose == "query_outcomes"
             ranked = engine.rank(planned, rank_options, group, sharded, known, outcomes)
-        if purpose == "outcomes":
+        if purpose == "query_outcomes":
             single = self.single_k and not self.bidirectional
             return [
                 embedding_outcomes(
@@ -420,8 +421,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
             ]
         if purpose == "compute":
             if planned.rows.shape[0] == 0:  # nothing added on any process: NaN, a warning
-                zeros = torch.zeros(self.max_k, dtype=torch.int64)
-                ranked = [engine.Ranked(zeros, zeros[:2], zeros[:4], 0, 0, None)] * count
+                zeros = torch.zeros(max(self.max_k, 4), dtype=torch.int64)
+                empty = engine.Ranked(zeros[: self.max_k], zeros[:2], zeros[:4], 0, 0, None)
+                ranked = [empty] * count
             names = self.directions[:count]
             self.last_compute_num_queries_ranked = {
                 n: r.ranked if r else 0 for n, r in zip(names, ranked, strict=True)

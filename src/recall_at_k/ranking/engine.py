@@ -109,6 +109,7 @@ class RankOptions(NamedTuple):
     near_duplicate: float | None = None
     progress: bool = False
     mode: Mode = "auto"
+    caller: str = "EmbeddingRecallAtK.compute()"  # named by a failure on another process
 
 
 class QueryCounts(NamedTuple):
@@ -858,7 +859,7 @@ def _reduce(
     if failure is not None:
         raise failure
     if int(every[:, 7].sum()):
-        raise RuntimeError("EmbeddingRecallAtK ranking failed on another process; see its error")
+        raise RuntimeError(f"{options.caller} failed on another process; see its error")
     nan = int(every[:, 2].sum())
     if nan:
         raise nan_scores_error(nan)
