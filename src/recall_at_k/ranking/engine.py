@@ -792,7 +792,7 @@ def rank(
     grid = probability_grid(plan.rows.shape[0])
     workspace = Workspace()
     failure: Exception | None = None
-    counted: list[QueryCounts | None] = []
+    counted: list[_Summary | None] = []
     with caller_on_one_thread(threaded):
         for index, sides in enumerate(plan.directions):
             if sides is None:
@@ -810,49 +810,60 @@ def rank(
                     share = (total * me // world, total * (me + 1) // world)
                     source = LocalSource(plan, sides, share, options.similarity)
                 flags = None if known is None else known[index]
-                counted.append(rank_direction(source, options, plan.budget, workspace, flags))
+                counts = rank_direction(source, options, plan.budget, workspace, flags)
+                counted.append(_summary(counts, options, grid, outcomes))
+                del counts  # only the summary is kept while the next direction ranks
             except Exception as err:
                 if world == 1:
                     raise
                 failure = err  # take part in the reductions below, then raise everywhere
                 counted.append(None)
             workspace.clear()
-    return _reduce(plan, options, counted, known, outcomes, group, world, failure, grid)
+    return _reduce(plan, options, counted, outcomes, group, world, failure)
+
+
+class _Summary(NamedTuple):
+    """A direction's ranking on this process, summarised as soon as it is done."""
+
+    hist: Tensor
+    numbers: Tensor  # int64 [8]: queries with, without a positive, NaN, near [4], failed
+    records: Tensor | None  # with ``outcomes``: each ranked query's record
+    position: Tensor  # the ranked queries' places among the direction's queries
+    rescored: int
+
+
+def _summary(counts: QueryCounts, options: RankOptions, grid: float, outcomes: bool) -> _Summary:
+    record = records_of(counts.counts, options.ties, options.max_k, grid)
+    hist, queries = _kernel.histogram_of(record, options.max_k)
+    zero = queries.new_zeros(1)
+    numbers = torch.cat([queries, counts.nan.view(1), counts.near, zero])
+    kept = record if outcomes else None
+    return _Summary(hist, numbers, kept, counts.position.to(torch.int64), counts.rescored)
 
 
 def _reduce(
     plan: Plan,
     options: RankOptions,
-    counted: list[QueryCounts | None],
-    known: Sequence[Tensor | None] | None,
+    counted: list[_Summary | None],
     outcomes: bool,
     group: Any,
     world: int,
     failure: Exception | None,
-    grid: float,
 ) -> list[Ranked | None]:
     """Sum each direction's counts over the processes; gather the records."""
     device = plan.labels.device
-    expected = options.ties == "expected"
-    hist_dtype = torch.float64 if expected else torch.int64
-    hists, numbers, records = [], [], []
-    for index, sides in enumerate(plan.directions):
-        counts = counted[index]
-        hist = torch.zeros(options.max_k, dtype=hist_dtype, device=device)
-        number = torch.zeros(
-            8, dtype=torch.int64, device=device
-        )  # queries[2], nan, near[4], failed
-        record = None
-        if sides is not None and counts is not None:
-            record = records_of(counts.counts, options.ties, options.max_k, grid)
-            hist, queries = _kernel.histogram_of(record, options.max_k)
-            number = torch.cat([queries, counts.nan.view(1), counts.near, number[:1]])
-        hists.append(hist)
-        numbers.append(number)
-        records.append(record if outcomes else None)
-    every = torch.stack(numbers)
+    hist_dtype = torch.float64 if options.ties == "expected" else torch.int64
+    empty = _Summary(
+        torch.zeros(options.max_k, dtype=hist_dtype, device=device),
+        torch.zeros(8, dtype=torch.int64, device=device),
+        None,
+        torch.zeros(0, dtype=torch.int64, device=device),
+        0,
+    )
+    summaries = [empty if c is None else c for c in counted]
+    every = torch.stack([c.numbers for c in summaries])
     every[:, 7] = int(failure is not None)
-    hist_all = torch.stack(hists)
+    hist_all = torch.stack([c.hist for c in summaries])
     if world > 1:
         collectives.all_reduce(hist_all, op=dist.ReduceOp.SUM, group=group)
         collectives.all_reduce(every, op=dist.ReduceOp.SUM, group=group)
@@ -864,27 +875,22 @@ def _reduce(
     if nan:
         raise nan_scores_error(nan)
     out: list[Ranked | None] = []
-    for index, sides in enumerate(plan.directions):
-        counts = counted[index]
+    for index, (sides, summary) in enumerate(zip(plan.directions, summaries, strict=True)):
         if sides is None:
             out.append(None)
             continue
         gathered = None
         if outcomes:
-            gathered = _gather_records(
-                records[index], counts, sides[0].rows.shape[0], options, group, world, device
-            )
-        ranked = 0 if counts is None else int(counts.position.shape[0])
-        rescored = 0 if counts is None else counts.rescored
-        out.append(
-            Ranked(hist_all[index], every[index, :2], every[index, 3:7], ranked, rescored, gathered)
-        )
+            total = sides[0].rows.shape[0]
+            gathered = _gather_records(summary, total, options, group, world, device)
+        ranked = int(summary.position.shape[0])
+        hist, numbers = hist_all[index], every[index]
+        out.append(Ranked(hist, numbers[:2], numbers[3:7], ranked, summary.rescored, gathered))
     return out
 
 
 def _gather_records(
-    record: Tensor | None,
-    counts: QueryCounts | None,
+    summary: _Summary,
     total: int,
     options: RankOptions,
     group: Any,
@@ -896,11 +902,9 @@ def _gather_records(
     width = (options.max_k + 1,) if options.ties == "expected" else ()
     dtype = torch.float64 if width else torch.int64
     out = torch.zeros((total, *width), dtype=dtype, device=device)
-    if record is None or counts is None:
-        record = out[:0]
-        position = torch.zeros(0, dtype=torch.int64, device=device)
-    else:
-        position = counts.position.to(torch.int64)
+    record, position = summary.records, summary.position
+    if record is None:
+        record, position = out[:0], position[:0]
     if world == 1:
         out[position] = record
         return out
