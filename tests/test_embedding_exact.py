@@ -36,6 +36,9 @@ from torch import Tensor
 from recall_at_k import EmbeddingRecallAtK
 from recall_at_k.ranking import score as _score
 
+# The exactness sweeps (routes, tilings, threads, processes): `-m slow` runs them, as CI does.
+pytestmark = pytest.mark.slow
+
 TIES = ("pessimistic", "optimistic", "expected")
 KS = (1, 2, 5, 10)
 

@@ -153,6 +153,7 @@ def _collected(*args: str) -> tuple[int, int]:
     return selected, int(found.group(3) or 0)
 
 
+@pytest.mark.slow
 def test_the_default_run_leaves_out_slow_and_memory_and_all_runs_them() -> None:
     benchmarks = "tests/test_benchmarks.py"
     source = (ROOT / benchmarks).read_text(encoding="utf-8")

@@ -27,6 +27,9 @@ from reference import reference_recall
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 from recall_at_k.functional import retrieval_recall_at_k
 
+# Sweeps over random inputs (hypothesis): `python -m pytest -m slow` runs them, as CI does.
+pytestmark = pytest.mark.slow
+
 PROPERTY = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

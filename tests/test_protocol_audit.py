@@ -365,6 +365,7 @@ def feed(metric: EmbeddingRecallAtK[Any], batches: list[Batch]) -> None:
         metric.update(b.embeddings, b.labels, role=b.role, groups=b.groups, ids=b.ids)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_cases_plant_what_they_should() -> None:
     """The planted data exercise every count (so no test passes vacuously)."""
     totals: dict[str, int] = {}

@@ -341,6 +341,7 @@ def test_two_processes_equal_one_process_bit_for_bit(two_processes: list[dict[st
 
 
 @pytest.mark.ddp
+@pytest.mark.slow
 def test_three_processes_equal_one_process_bit_for_bit(
     three_processes: list[dict[str, Any]],
 ) -> None:

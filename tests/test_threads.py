@@ -20,6 +20,9 @@ from recall_at_k.ranking import blocks as _blocks
 from recall_at_k.ranking import engine as _engine
 from recall_at_k.ranking.workers import Workers, caller_on_one_thread, worker_count
 
+# Thread-count sweeps: `-m slow` runs them, as CI does.
+pytestmark = pytest.mark.slow
+
 KS = (1, 2, 5)
 
 

@@ -23,6 +23,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+# mypy over a typed example, half a minute: `-m slow` runs it, as CI does.
+pytestmark = pytest.mark.slow
+
 USER_CODE = """\
 from collections.abc import Mapping
 
