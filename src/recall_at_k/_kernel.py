@@ -1,11 +1,8 @@
 """The maths of Recall@K: per-query tie counts -> outcomes -> rank histogram -> recall.
 
-Every input form (dense scores, flat partials, ranked embeddings) reduces to the same
-per-query :class:`TieCounts`; the tie policy turns them into one outcome per query, and
-outcomes sum into a rank histogram of fixed size, the dense state. Everything here is
-vectorised torch that never reads a tensor value on the host (except
-:func:`recall_from_histogram`, which reads two integers), so it runs unchanged on CPU,
-CUDA and the ``meta`` device. This module imports nothing else of the package.
+Every input form reduces to per-query :class:`TieCounts`; the tie policy turns them into
+one outcome per query, which sum into a rank histogram of fixed size. Vectorised torch
+that reads no tensor value on the host (except :func:`recall_from_histogram`).
 
 Notation, per query: ``s*`` is the best score among the valid positives (not ignored),
 g_> the number of valid negatives scored above ``s*``, e the number of valid negatives
@@ -20,18 +17,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-FLOAT32_EXACT_COUNT = 2**24
-"""Sums of 0/1 float32 values are exact below this many terms."""
-
 
 def count_dtype(terms: int) -> torch.dtype:
-    """The float dtype in which ``terms`` 0/1 comparison results sum exactly.
-
-    Comparisons are written into float buffers and summed rather than counted as
-    ``bool``: on CPU the ``bool``-output kernels of torch are several times slower than
-    the float ones, and a float32 sum of 0/1 values is exact below 2**24 terms.
-    """
-    return torch.float32 if terms < FLOAT32_EXACT_COUNT else torch.float64
+    """The float dtype in which ``terms`` 0/1 comparison results sum exactly (on CPU,
+    torch's bool-output kernels are several times slower than the float ones)."""
+    return torch.float32 if terms < 2**24 else torch.float64
 
 
 class TieCounts(NamedTuple):
@@ -44,7 +34,7 @@ class TieCounts(NamedTuple):
     Attributes:
         greater: g_>, valid negatives scored above s*.
         at_or_above: g_> + e, valid negatives scored at or above s* (what the
-            pessimistic policy ranks by; :func:`tied_negatives` gives e).
+            pessimistic policy ranks by).
         tied_positives: p, valid positives scored exactly s*.
         has_positive: bool, whether the query has any valid positive.
         nan_rows: bool, set only by a kernel whose own reductions reveal which rows hold
@@ -82,14 +72,9 @@ def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:
 
 
 class Workspace:
-    """Scratch buffers reused from one call to the next, never metric state.
-
-    On CPU a fresh multi-megabyte temporary costs a page fault per 4 KiB, several times
-    the arithmetic itself, so a metric keeps one workspace for its updates. Each slot
-    grows to the largest request; :meth:`clear` frees everything (metrics clear it at
-    ``compute()`` and ``reset()``, so scratch memory never outlives an epoch). A buffer
-    made under ``torch.inference_mode()`` is replaced when asked for outside it.
-    """
+    """Scratch buffers reused from one call to the next (a fresh large temporary costs
+    page faults), never metric state. Each slot grows to the largest request; a buffer
+    made under ``torch.inference_mode()`` is replaced when asked for outside it."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -111,10 +96,6 @@ class Workspace:
             self._buffers[key] = buffer
         return buffer[:numel].view(shape)
 
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
     def clear(self) -> None:
         """Free every buffer."""
         self._buffers.clear()
@@ -131,12 +112,6 @@ def scratch(
     if workspace is None:
         return torch.empty(shape, dtype=dtype, device=device)
     return workspace.get(slot, shape, dtype, device)
-
-
-def tied_negatives(counts: TieCounts) -> Tensor:
-    """e, the valid negatives tied at s*."""
-    assert counts.greater is not None and counts.at_or_above is not None
-    return counts.at_or_above - counts.greater
 
 
 def first_hit_rank(counts: TieCounts, ties: str) -> Tensor:
@@ -185,10 +160,9 @@ def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
     """
     has_pos = counts.has_positive
     if ties == "expected":
-        assert counts.greater is not None and counts.tied_positives is not None
-        cdf = expected_hit_probability(
-            counts.greater, tied_negatives(counts), counts.tied_positives, max_k
-        )
+        greater, at_or_above, tied = counts.greater, counts.at_or_above, counts.tied_positives
+        assert greater is not None and at_or_above is not None and tied is not None
+        cdf = expected_hit_probability(greater, at_or_above - greater, tied, max_k)
         pmf = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[..., :1]))
         pmf = torch.where(has_pos.unsqueeze(-1), pmf, 0.0)
         return torch.cat([pmf, (~has_pos).to(pmf.dtype).unsqueeze(-1)], dim=-1)
@@ -215,15 +189,9 @@ def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
 
 
 def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Tensor]:
-    """A batch's contribution to the metric state (see :func:`histogram_of`).
-
-    The same as ``histogram_of(query_outcomes(counts, ties, max_k), max_k)``; for a
-    deterministic policy in fewer tensor operations (a small batch costs their dispatch):
-    one bin a query, r - 1 for a first hit at rank r <= max_k, max_k for a later hit and
-    max_k + 1 without a valid positive, summed by one ``bincount`` (CPU) or
-    ``scatter_add_``. (The clamp at 0 only keeps the meaningless counts of a NaN row a
-    valid index.)
-    """
+    """``histogram_of(query_outcomes(counts, ties, max_k), max_k)``, for a deterministic
+    policy in fewer tensor operations. (The clamp at 0 only keeps the meaningless counts
+    of a NaN row a valid index.)"""
     if ties == "expected":
         return histogram_of(query_outcomes(counts, ties, max_k), max_k)
     ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
@@ -235,8 +203,7 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
         constant(max_k + 1, torch.int64, device),
     )
     if device.type == "cpu":
-        # One operation; bincount sizes its output by a read of the largest bin, a
-        # synchronisation on an accelerator (the bins here are at most max_k + 1).
+        # One operation; on an accelerator bincount would read the largest bin.
         found = torch.bincount(bins, minlength=max_k + 2)
     else:
         found = torch.zeros(max_k + 2, dtype=torch.int64, device=device)
@@ -280,12 +247,9 @@ _CONSTANTS: dict[tuple[float | str, torch.dtype, torch.device], Tensor] = {}
 
 
 def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d tensor of ``value``, made once per (value, dtype, device).
-
-    An operand of ``torch.where`` or a comparison costs less as a tensor than as a
-    Python number (which torch wraps into a fresh tensor on every call). The cached
-    tensor is an ordinary one, never an inference tensor, and must not be written.
-    """
+    """A 0-d tensor of ``value``, made once per (value, dtype, device): cheaper as an
+    operand than a Python number, which torch wraps anew at every call. Never an
+    inference tensor; must not be written."""
     key = (value if value == value else "nan", dtype, device)  # NaN != NaN as a key
     found = _CONSTANTS.get(key)
     if found is None:

@@ -11,7 +11,7 @@ from torch import Tensor
 from recall_at_k import _dense, _flat, _kernel
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_optional_int
-from recall_at_k._outcomes import QueryOutcomes, by_id, from_records
+from recall_at_k._outcomes import QueryOutcomes, from_records
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import EmptyTargetAction, OutputT, Ties
 
@@ -19,15 +19,11 @@ __all__ = ["RetrievalRecallAtK"]
 
 
 def state_tag(ties: str, max_k: int, ignore_index: int | None, complete_queries: bool) -> str:
-    """A suffix that makes state names unique per update-affecting configuration.
+    """A suffix of every state name: the settings that change ``update``.
 
-    torchmetrics' ``MetricCollection`` merges metrics into one compute group when their
-    state names and values coincide after the first update; two instances whose updates
-    differ (another tie policy, another largest K, another ``ignore_index``, another rule
-    for repeated flat queries) must never share state, so those settings are part of
-    every state name. Settings that only change ``compute`` (the K set below the largest
-    K, ``empty_target_action``, ``key``) may share: each instance then computes its own
-    result from the same state.
+    ``MetricCollection`` puts metrics whose state names and values coincide into one
+    compute group; instances whose updates differ must never share state. Settings that
+    only change ``compute`` (the other K, ``empty_target_action``, ``key``) may.
     """
     tag = f"{ties}_k{max_k}"
     if ignore_index is not None:
@@ -105,18 +101,11 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         "query_counts",
     ]
 
+    # Private switches for tests; every value gives the same counts.
     _dense_block_bytes: int = _dense.CPU_BLOCK_BYTES
-    """Bytes of scores per block of rows on the CPU mask path (a private switch for
-    tests; every block size gives the same counts)."""
     _dense_small_batch: int = _dense.SMALL_BATCH
-    """Dense batches of at most this many scores take the paths with the fewest tensor
-    operations (a private switch for tests; every choice gives the same counts)."""
     _flat_path: _flat.SegmentPath = "auto"
-    """How the flat form finds each query's top K (a private switch for tests; every
-    path gives the same counts)."""
     _flat_slack: int | None = None  # None: _flat.compact_slack(max_k)
-    """Rows the flat state may grow by before it is compacted (a private switch for
-    tests; every slack gives the same counts)."""
 
     @overload
     def __init__(
@@ -176,14 +165,12 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         hist_dtype = torch.float64 if expected else torch.int64
         self._add_count_state(self._hist_name, torch.zeros(self.max_k, dtype=hist_dtype))
         self._add_count_state(self._queries_name, torch.zeros(2, dtype=torch.int64))
-        # Flat form: blocks of per-query partial rows (int64 [rows, 5 + max K], see
-        # recall_at_k._flat), concatenated across processes and merged by query id.
+        # Flat form: blocks of per-query partial rows (recall_at_k._flat), merged by id.
         self._flat_name = f"flat_partials_{tag}"
         self._add_list_state(
             self._flat_name, ListLayout((_flat.ROW_PREFIX + self.max_k,), torch.int64)
         )
-        # Dense form with query_ids: one outcome record a query (O(Q)), de-duplicated by
-        # id at compute, so DistributedSampler's padded repeats count once.
+        # Dense form with query_ids: one outcome record a query, de-duplicated by id.
         self._ids_name = f"query_ids_{tag}"
         self._outcomes_name = f"query_outcomes_{tag}"
         self._add_list_state(self._ids_name, ListLayout((), torch.int64))
@@ -312,12 +299,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         state = getattr(self, self._flat_name)
         if not isinstance(state, list) or not state:
             return
-        # The state's row count, carried over from the last call while the list is the
-        # same one grown by one block (torchmetrics replaces the list on sync, forward
-        # and device moves, and empties it in place on reset); counted again otherwise.
-        # Recorded at every call, so that an emptied list never matches. Only ids,
-        # which keep nothing alive and pickle: the list's and its last block's. (A
-        # wrong count would only move the next compaction, never change a result.)
+        # The row count, carried over while the list is the same one grown by one block
+        # (torchmetrics replaces it on sync, forward and moves, empties it on reset),
+        # recorded by ids (they keep nothing alive). A wrong count only moves a merge.
         known = self.__dict__.get("_flat_rows")
         if (
             known is not None
@@ -337,8 +321,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             rows=rows,
         )
         if compacted is not state:
-            # A plain attribute (as torchmetrics keeps list states): object.__setattr__
-            # skips Module's checks, a sizeable part of a small update's cost.
+            # A plain attribute, as torchmetrics keeps list states (skips Module's checks).
             object.__setattr__(self, self._flat_name, compacted)
             rows = sum(block.shape[0] for block in compacted)
         if not compacted:
@@ -347,24 +330,22 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         object.__setattr__(self, "_flat_rows", known)
 
     def _after_forward(self) -> None:
-        # forward updates a fresh state and concatenates it onto the accumulated one, so
-        # the compaction in update never sees the whole flat state; do it here.
+        # forward concatenates a fresh state onto the accumulated one: compact it here.
         self._compact_flat()
+
+    def _flat_counts(self) -> tuple[Tensor, _kernel.TieCounts] | None:
+        state = getattr(self, self._flat_name)
+        return _flat.flat_tie_counts(state, self.max_k, self.complete_queries, path=self._flat_path)
 
     def _histograms(self) -> list[Histogram]:
         hist, queries = self.rank_histogram, self.query_counts
-        flat = _flat.flat_rank_histogram(
-            getattr(self, self._flat_name),
-            self.ties,
-            self.max_k,
-            self.complete_queries,
-            path=self._flat_path,
-        )
-        if flat is not None:
-            hist, queries = hist + flat[0], queries + flat[1]
-        deduplicated = self._deduplicated_histogram()
-        if deduplicated is not None:
-            hist, queries = hist + deduplicated[0], queries + deduplicated[1]
+        flat, dense = self._flat_counts(), self._dense_records()
+        for more in (
+            None if flat is None else _kernel.rank_histogram(flat[1], self.ties, self.max_k),
+            None if dense is None else _kernel.histogram_of(dense[1], self.max_k),
+        ):
+            if more is not None:
+                hist, queries = hist + more[0], queries + more[1]
         return [(hist, queries)]
 
     def query_outcomes(self) -> QueryOutcomes:
@@ -402,13 +383,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 " rank histogram, not one record per query); pass"
                 " `update(scores, target, query_ids=ids)`"
             )
-        flat = _flat.flat_outcomes(
-            getattr(self, self._flat_name),
-            self.ties,
-            self.max_k,
-            self.complete_queries,
-            path=self._flat_path,
-        )
+        flat = self._flat_counts()
         dense = self._dense_records()
         if flat is not None and dense is not None:
             raise ValueError(
@@ -416,37 +391,27 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 " flat items (ids from `indexes`), which are independent ids; give each"
                 " input form a metric of its own"
             )
-        ids, records = flat or dense or self._no_records()
+        if flat is not None:
+            ids, records = flat[0], _kernel.query_outcomes(flat[1], self.ties, self.max_k)
+        elif dense is not None:
+            ids, records = dense
+        else:
+            ids = torch.zeros(0, dtype=torch.int64, device=self.query_counts.device)
+            records = ids.clone()
+            if self.ties == "expected":
+                records = torch.zeros(0, self.max_k + 1, dtype=torch.float64, device=ids.device)
         keys = None if self.single_k else self.output_keys
         return from_records(ids, records, self.ks, self.max_k, self.empty_target_action, keys)
 
     def _dense_records(self) -> tuple[Tensor, Tensor] | None:
-        """The dense records kept with ``query_ids``, sorted by id, each id once."""
-        kept = self._kept_ids_and_outcomes()
-        return None if kept is None else by_id(*kept)
-
-    def _kept_ids_and_outcomes(self) -> tuple[Tensor, Tensor] | None:
-        """The ``query_ids`` and outcomes kept by dense updates (one tensor each, local
-        blocks joined when not synchronised), or None when there are none."""
+        """The ``query_ids`` and outcomes kept by dense updates, sorted by id, each id
+        once (padded repeats), or None when there are none."""
         ids, outcomes = getattr(self, self._ids_name), getattr(self, self._outcomes_name)
         if isinstance(ids, list):  # not synchronised: still this process's list of blocks
-            ids = torch.cat(ids) if ids else None
-            outcomes = torch.cat(outcomes) if outcomes else None
-        if ids is None or ids.numel() == 0:
+            if not ids:
+                return None
+            ids, outcomes = torch.cat(ids), torch.cat(outcomes)
+        if ids.numel() == 0:
             return None
-        return ids, outcomes
-
-    def _no_records(self) -> tuple[Tensor, Tensor]:
-        ids = torch.zeros(0, dtype=torch.int64, device=self.query_counts.device)
-        if self.ties == "expected":
-            return ids, torch.zeros(0, self.max_k + 1, dtype=torch.float64, device=ids.device)
-        return ids, ids.clone()
-
-    def _deduplicated_histogram(self) -> tuple[Tensor, Tensor] | None:
-        """Histogram of the outcomes recorded with query_ids, each id counted once."""
-        kept = self._kept_ids_and_outcomes()
-        if kept is None:
-            return None
-        ids, outcomes = kept
         keep = _kernel.first_of_each_id(ids)
-        return _kernel.histogram_of(outcomes[keep], self.max_k)
+        return ids[keep], outcomes[keep]
