@@ -143,7 +143,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """torchmetrics' ``sync``; before a gather every empty list state gets one empty
         block of its layout and the processes agree on the dtype of float list states
         (:mod:`recall_at_k._sync`); :meth:`unsync` puts this process's own lists back."""
-        if self._will_sync(should_sync, distributed_available) and not self._gathered_states:
+        gather = self._will_sync(should_sync, distributed_available) and not self._gathered_states
+        if gather:  # (torchmetrics raises for a second gather)
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
             floats = [name for name, layout in self._list_layouts.items() if layout.dtype is None]
             before = {name: getattr(self, name) for name in floats}
@@ -154,11 +155,9 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 self, self._list_layouts, dist_sync_fn, process_group or self.process_group
             )
             self._widened = {n: v for n, v in before.items() if getattr(self, n) is not v}
-            super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
-            self._gathered_states = True
-            return
-        # Nothing to gather, or already gathered (torchmetrics raises for that).
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+        if gather:
+            self._gathered_states = True
 
     def _will_sync(
         self, should_sync: bool, distributed_available: Callable[..., Any] | None

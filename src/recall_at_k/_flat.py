@@ -74,6 +74,9 @@ the same result (a private switch for tests)."""
 _NEG_INF = float("-inf")
 _SMALL_MATRIX = 2**15  # cells up to which dispatch, not arithmetic, costs: bool counts
 _FEW_SEGMENTS = 64  # segments up to which _grouping reads ids and counts on the host
+_UNIQUE_CONSECUTIVE: Callable[..., tuple[Tensor, Tensor, Tensor]] = (
+    torch._C._VariableFunctions.unique_consecutive  # type: ignore[attr-defined]
+)
 
 
 def compact_slack(max_k: int) -> int:
@@ -247,19 +250,10 @@ def _sorted_segment_top(counts: Tensor, values: Tensor, max_k: int) -> tuple[Ten
     return top, seg
 
 
-# The operator under torch.unique_consecutive's Python wrapper (not in torch's stubs).
-_UNIQUE_CONSECUTIVE: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = getattr(
-    torch._C._VariableFunctions, "unique_consecutive", None
-)
-
-
 def _runs(values: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.unique_consecutive(values, return_counts=True)``, without the Python
-    wrapper where there is one (about half the cost of a small batch's call)."""
-    if _UNIQUE_CONSECUTIVE is None:
-        runs, counts = torch.unique_consecutive(values, return_counts=True)
-    else:
-        runs, _, counts = _UNIQUE_CONSECUTIVE(values, False, True, None)
+    """``torch.unique_consecutive(values, return_counts=True)`` through its operator, without
+    the Python wrapper (about half the cost of a small batch's call)."""
+    runs, _, counts = _UNIQUE_CONSECUTIVE(values, False, True, None)
     return runs, counts
 
 

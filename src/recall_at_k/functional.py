@@ -1,7 +1,5 @@
-"""Functional Recall@K: check the options and inputs, then call the kernels.
-
-Each function returns what the corresponding metric's ``compute()`` returns: a scalar
-tensor for an int ``k``, else a dict ``{"recall@K": value}`` in the order given.
+"""Functional Recall@K: what the metrics' ``compute()`` returns, in one call (a scalar
+tensor for an int ``k``, else a dict ``{"recall@K": value}`` in the order given).
 
 Example:
     Ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] give R@1 = 0.5 and R@5 = 0.8:
@@ -310,12 +308,11 @@ def embedding_recall_at_k(
 ) -> RecallOutput:
     """Recall@K of query embeddings ranked against a gallery, in one call.
 
-    The ranking of ``EmbeddingRecallAtK.compute()`` (the same kernel) for offline
-    evaluation scripts: a query is relevant to gallery items with its label, never
-    retrieves itself, and the ``Q x G`` score matrix is never built (tiles of at most
-    ``chunk_bytes``). ``gallery=None`` is leave-one-out over ``queries`` (metric
-    learning: every item is a query against all the others); otherwise ``queries`` are
-    ranked against ``gallery`` (re-ID query/gallery splits, image -> text retrieval).
+    The ranking of ``EmbeddingRecallAtK.compute()``: a query is relevant to gallery items
+    with its label, never retrieves itself, and the ``Q x G`` score matrix is never built
+    (tiles of at most ``chunk_bytes``). ``gallery=None`` is leave-one-out over
+    ``queries`` (every item is a query against all the others); otherwise ``queries``
+    are ranked against ``gallery`` (re-ID query/gallery splits, image -> text retrieval).
 
     Args:
         queries: float ``[Q, D]``.
@@ -365,6 +362,7 @@ def embedding_recall_at_k(
     progress = _progress.check_progress(progress)
     query_names = ("queries", "query_labels", "query_groups", "query_ids")
     _embedding_checks.check_batch(queries, query_labels, query_groups, query_ids, query_names)
+    sides = [(queries, query_labels, query_groups, query_ids)]
     if gallery is None:
         for name, value in (
             ("gallery_labels", gallery_labels),
@@ -376,7 +374,6 @@ def embedding_recall_at_k(
                     f"`{name}` was given without `gallery`: pass `gallery` too, or leave"
                     f" `{name}` out for leave-one-out over `queries`"
                 )
-        sides = [(queries, query_labels, query_groups, query_ids)]
     else:
         if gallery_labels is None:
             raise ValueError("`gallery_labels` are required with `gallery`")
@@ -389,10 +386,7 @@ def embedding_recall_at_k(
                 f"`gallery` must have the width and device of `queries` ({queries.shape[1]},"
                 f" {queries.device}), got {gallery.shape[1]}, {gallery.device}"
             )
-        sides = [
-            (queries, query_labels, query_groups, query_ids),
-            (gallery, gallery_labels, gallery_groups, gallery_ids),
-        ]
+        sides.append((gallery, gallery_labels, gallery_groups, gallery_ids))
     if exclude != "none" and any(side[2] is None for side in sides):
         raise ValueError(
             f"`query_groups` and `gallery_groups` are required with exclude={exclude!r}"

@@ -36,27 +36,26 @@ def state_tag(ties: str, max_k: int, ignore_index: int | None, complete_queries:
 class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     r"""Recall@K for several K at once, exact, in constant memory.
 
-    The same number as torchmetrics' ``RetrievalHitRate(top_k=k)`` on data without tied
-    scores -- the share of queries with a true match in their top K -- not torchmetrics'
-    ``RetrievalRecall`` (the fraction of a query's positives retrieved). Ties follow
-    ``ties``, never sort order; negative and zero scores rank like any other.
+    The share of queries with a true match in their top K: torchmetrics'
+    ``RetrievalHitRate(top_k=k)`` on data without tied scores, not ``RetrievalRecall``
+    (the fraction of a query's positives retrieved). Ties follow ``ties``, never sort
+    order; negative and zero scores rank like any other.
 
     ``update(preds, target, indexes=None, *, ignore=None, query_ids=None)`` has
-    torchmetrics' retrieval signature, so the metric is called like ``RetrievalHitRate``,
-    positionally or by keyword, alone or in a ``MetricCollection``. Two input forms:
+    torchmetrics' retrieval signature (positional or keyword, alone or in a
+    ``MetricCollection``). Two input forms:
 
     - dense (``indexes=None``): ``preds`` float ``[Q, G]`` scores, one row per complete
       query; ``target`` a bool / 0-1 integer or float ``[Q, G]`` mask or an integer ``[Q]``
       column of the single true item (-1: none); optional bool ``[Q, G]`` ``ignore``.
-      The state is a histogram of first-hit ranks 1..max K plus two query counts (int64,
-      exact far past 2**31 queries), summed across processes: its size does not depend
-      on Q or G. ``query_ids`` (int64 ``[Q]``) counts a query id seen again once
-      (DistributedSampler padding) at O(Q) state.
-    - flat (``indexes`` given): 1-D ``preds``, ``target`` and ``indexes`` (any int64
-      query ids) of equal length, torchmetrics' retrieval convention. A query's items
-      may arrive over several calls and processes; each query keeps only its best valid
-      positive and its top max K valid negatives (plus a count of negatives tied at the
-      boundary), so the state is O(queries x max K), never O(items).
+      The state, a histogram of first-hit ranks 1..max K and two int64 query counts
+      summed across processes, does not grow with Q or G. ``query_ids`` (int64 ``[Q]``)
+      counts a query id seen again once (DistributedSampler padding) at O(Q) state.
+    - flat (``indexes`` given): 1-D ``preds``, ``target`` and ``indexes`` (int64 query
+      ids) of equal length, torchmetrics' retrieval convention. A query's items may
+      arrive over several calls and processes; each query keeps its best valid positive
+      and top max K valid negatives (and a count of negatives tied at the boundary):
+      O(queries x max K) state, never O(items).
 
     Args:
         k: an int (``compute`` returns a scalar tensor, so ``self.log("val/r1", metric)``
@@ -67,15 +66,13 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             (``"neg"``), a hit (``"pos"``), not at all (``"skip"``) or raises at
             ``compute`` (``"error"``).
         ignore_index: flat form: items whose target equals it are dropped.
-        validate_args: check input values (NaN, target range). Those checks read values
-            on the host; with ``False`` the dense update never synchronises with the
-            device.
+        validate_args: check input values (NaN, target range), which reads them on the
+            host; with ``False`` the dense update never synchronises with the device.
         key: template of the result's keys, ``"recall@{k}"`` by default (for example
             ``"recall_at_{k}"`` for loggers that reject ``@``, or ``"R{k:02d}"``).
         complete_queries: flat form: every update holds all the items of each query id
             it contains (as a query-indexed dataset yields them), so a query id that comes
-            again -- DistributedSampler padding, on this or another process -- is a
-            repeat and counts once. The state stays O(queries x max K).
+            again (DistributedSampler padding, on any process) is a repeat and counts once.
         metric_kwargs: torchmetrics' own (``sync_on_compute``, ``process_group``, ...).
 
     Example:
@@ -211,17 +208,15 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 ``[Q]`` true column (``-1``: no true item in this gallery). Flat: bool /
                 0-1 integer or float ``[N]`` relevance of each item; items whose target
                 equals ``ignore_index`` are dropped first.
-            indexes: flat form: integer ``[N]`` query id of each item (torchmetrics'
-                retrieval convention; any int64 value). Ids are global: the same id in
-                another call or on another process is the same query. Flat ids are
-                independent of dense rows, which are always complete queries of their own.
+            indexes: flat form: integer ``[N]`` query id of each item (any int64 value).
+                Ids are global: the same id in another call or process is the same query.
+                Flat ids are independent of dense rows, always complete queries of their own.
             ignore: dense only: optional bool ``[Q, G]``: items neither positive nor
                 negative (the query's own column, same-instance items, ...).
             query_ids: dense only: optional integer ``[Q]`` id of each query row: a query
-                id seen again (DistributedSampler pads the last batch with repeats, on
-                this or another process) counts once, with the outcome of its first row.
-                Costs O(Q) state instead of O(max K); the rows of one id must be the
-                same query.
+                id seen again (DistributedSampler's padded repeats, on any process) counts
+                once, with the outcome of its first row. Costs O(Q) state instead of
+                O(max K); the rows of one id must be the same query.
 
         Example:
             Query 0's items arrive over two calls:
@@ -302,16 +297,13 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         # The row count, carried over while the list is the same one grown by one block
         # (torchmetrics replaces it on sync, forward and moves, empties it on reset),
         # recorded by ids (they keep nothing alive). A wrong count only moves a merge.
-        known = self.__dict__.get("_flat_rows")
-        if (
+        known: Any = self.__dict__.get("_flat_rows")
+        grown = (
             known is not None
-            and known[0] == id(state)
-            and known[1] == len(state) - 1
-            and id(state[-2]) == known[3]
-        ):
-            rows = known[2] + state[-1].shape[0]
-        else:
-            rows = sum(block.shape[0] for block in state)
+            and known[:2] == (id(state), len(state) - 1)
+            and known[3] == id(state[-2])
+        )
+        rows = known[2] + state[-1].shape[0] if grown else sum(b.shape[0] for b in state)
         compacted = _flat.compact(
             state,
             self.max_k,
@@ -324,10 +316,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             # A plain attribute, as torchmetrics keeps list states (skips Module's checks).
             object.__setattr__(self, self._flat_name, compacted)
             rows = sum(block.shape[0] for block in compacted)
-        if not compacted:
-            return
-        known = (id(compacted), len(compacted), rows, id(compacted[-1]))
-        object.__setattr__(self, "_flat_rows", known)
+        if compacted:
+            known = (id(compacted), len(compacted), rows, id(compacted[-1]))
+            object.__setattr__(self, "_flat_rows", known)
 
     def _after_forward(self) -> None:
         # forward concatenates a fresh state onto the accumulated one: compact it here.
@@ -353,10 +344,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
 
         The ids are the flat form's ``indexes`` or the dense form's ``query_ids`` (a
         repeated id counts once, as in ``compute()``), ascending; ``hits.mean(0)`` is
-        ``compute()``'s Recall@K. The flat state already is one row per query; the
-        dense form keeps one record per query only when ``update`` is given
-        ``query_ids`` (O(Q) state; without them the state is a histogram of O(max K)
-        and this raises a ``ValueError``). See :class:`recall_at_k.QueryOutcomes`.
+        ``compute()``'s Recall@K. The dense form keeps one record per query only when
+        ``update`` is given ``query_ids`` (O(Q) state); without them this raises a
+        ``ValueError``. See :class:`recall_at_k.QueryOutcomes`.
 
         Example:
             >>> import torch
