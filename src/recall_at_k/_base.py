@@ -107,8 +107,6 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """The keys of ``compute()``'s dict, in order (one per K and direction)."""
         return [prefix + key for prefix in self._prefixes for key in self.keys]
 
-    # ------------------------------------------------------------------ states
-
     def _add_count_state(self, name: str, default: Tensor) -> None:
         """A ``"sum"`` state of counts: its dtype never changes (see :meth:`_apply`)."""
         self.add_state(name, default, dist_reduce_fx="sum")
@@ -182,8 +180,6 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             self._filled_for_sync = []
             self._gathered_states = False
 
-    # ------------------------------------------------------------------ life cycle
-
     @property
     def _view_list(self) -> list[RecallView]:
         views: list[RecallView] = self.__dict__["_view_list"]
@@ -235,8 +231,6 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """Free scratch buffers, except inside ``forward`` (which resets once per batch)."""
         if not self._in_forward:
             self._workspace.clear()
-
-    # ------------------------------------------------------------------ results
 
     def _histograms(self) -> list[Histogram]:
         """The (synchronised) rank histogram of each output prefix."""
@@ -320,8 +314,6 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """``fn()`` on the synchronised state, as ``compute()`` sees it."""
         with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self.sync_on_compute):
             return fn()
-
-    # ------------------------------------------------------------------ logging, plots
 
     def per_k(self, prefix: str = "") -> Mapping[str, Metric]:
         """One ``Metric`` per output key, for ``self.log_dict`` in Lightning.

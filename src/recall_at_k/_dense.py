@@ -150,12 +150,9 @@ def dense_tie_counts(
     block_bytes: int = CPU_BLOCK_BYTES,
     small_batch: int = SMALL_BATCH,
 ) -> TieCounts:
-    """Per-query g_>, g_> + e and p (int64 ``[Q]``) of float ``[Q, G]`` scores (a NaN makes
-    its row's counts meaningless), a ``[Q, G]`` 0/1 ``target`` mask or an integer ``[Q]``
-    true column (-1: none), and an optional bool ``[Q, G]`` ``ignore`` (items neither
-    positive nor negative). ``workspace``: scratch buffers to reuse; ``block_bytes`` and
-    ``small_batch``: :data:`CPU_BLOCK_BYTES`, :data:`SMALL_BATCH`.
-    """
+    """Per-query g_>, g_> + e and p of float ``[Q, G]`` scores, a ``[Q, G]`` 0/1 mask or
+    integer ``[Q]`` column ``target`` (-1: none) and an optional bool ``[Q, G]`` ``ignore``
+    (items neither positive nor negative); ``workspace``: scratch buffers to reuse."""
     scores = scores.detach()
     num_queries, gallery = scores.shape
     if gallery == 0 or num_queries == 0:

@@ -169,9 +169,6 @@ def flat_partials(
     return summarise_rows(preds, positive, indexes.to(torch.int64), max_k, path=path)
 
 
-# ----------------------------------------------------------------- segment operations
-
-
 def _gather_column(matrix: Tensor, column: Tensor) -> Tensor:
     """``matrix[i, column[i]]`` for every row, ``column`` clamped to the valid range."""
     index = column.clamp(min=0, max=matrix.shape[1] - 1).unsqueeze(1)
@@ -281,11 +278,8 @@ def summarise_rows(
     preds: Tensor, positive: Tensor, indexes: Tensor, max_k: int, *, path: SegmentPath = "auto"
 ) -> Tensor:
     """Packed state rows (:func:`pack`) of float ``preds`` (no NaN), bool ``positive`` and
-    int64 ``indexes`` ``[n >= 1]``: one row per distinct id, ids ascending.
-
-    Items already grouped by ascending id (as loaders over (query, item) pairs deliver
-    them) are not sorted again; otherwise one sort of the ids groups them.
-    """
+    int64 ``indexes`` ``[n >= 1]``: one row per distinct id, ids ascending. Items grouped
+    by ascending id (as loaders deliver them) are not sorted again."""
     values = preds.float() if preds.dtype in (torch.float16, torch.bfloat16) else preds
     ids, counts = _runs(indexes)
     grouped, width = _grouping(ids, counts)
@@ -379,11 +373,8 @@ def _summarise_sorted(
 def merge(
     parts: Partials, max_k: int, complete_queries: bool = False, *, path: SegmentPath = "auto"
 ) -> Partials:
-    """Merge rows that share a query id into one row per id (ids ascending), exactly.
-
-    With ``complete_queries`` rows that share an id are repeats of one whole query
-    (DistributedSampler padding): the first is kept.
-    """
+    """Rows that share a query id merged into one per id (ids ascending), exactly; with
+    ``complete_queries`` they are repeats of one whole query: the first is kept."""
     rows = parts.ids.numel()
     if rows == 0:
         return parts
@@ -429,9 +420,6 @@ def tie_counts(parts: Partials, max_k: int) -> _kernel.TieCounts:
     hidden_ties = (parts.kept == max_k) & (parts.top[:, -1] == parts.best)
     equal = torch.where(hidden_ties, parts.boundary, equal)
     return _kernel.TieCounts(greater, greater + equal, parts.tied, parts.tied > 0)
-
-
-# ------------------------------------------------------------------- packed state rows
 
 
 def pack(parts: Partials) -> Tensor:

@@ -25,21 +25,10 @@ def count_dtype(terms: int) -> torch.dtype:
 
 
 class TieCounts(NamedTuple):
-    """Per-query counts that decide Recall@K exactly under every tie policy.
-
-    Each field is an ``[Q]`` tensor; a count the policy at hand does not need (see
-    :func:`needed_counts`) may be ``None``. When a query has no valid positive its counts
-    are meaningless.
-
-    Attributes:
-        greater: g_>, valid negatives scored above s*.
-        at_or_above: g_> + e, valid negatives scored at or above s* (what the
-            pessimistic policy ranks by).
-        tied_positives: p, valid positives scored exactly s*.
-        has_positive: bool, whether the query has any valid positive.
-        nan_rows: bool, set only by a kernel whose own reductions reveal which rows hold
-            a NaN score (the counts of such rows are meaningless); None otherwise.
-    """
+    """Per-query ``[Q]`` counts that decide Recall@K exactly under every tie policy: g_>,
+    g_> + e, p (None where the policy does not need them: :func:`needed_counts`;
+    meaningless without a valid positive), whether there is a valid positive, and the
+    rows holding a NaN score where a kernel's own reductions reveal them."""
 
     greater: Tensor | None
     at_or_above: Tensor | None
@@ -124,16 +113,9 @@ def first_hit_rank(counts: TieCounts, ties: str) -> Tensor:
 def expected_hit_probability(
     greater: Tensor, tied_negatives: Tensor, tied_positives: Tensor, max_k: int
 ) -> Tensor:
-    """P(hit@K) for K = 1..max_k under a uniformly random order of the tied items.
-
-    With m = K - g_>, the probability is 0 if m <= 0, 1 if m > e, and
-    otherwise 1 - C(e, m) / C(e + p, m). The ratio is the product over i < m of
-    (e - i) / (e + p - i), summed in log space with ``log1p`` so that galleries of
-    millions of tied items neither overflow nor lose precision.
-
-    Returns:
-        float64 ``[Q, max_k]``; column ``j`` holds P(hit@(j + 1)).
-    """
+    """float64 ``[Q, max_k]``: P(hit@K) for K = 1..max_k under a uniformly random order
+    of the tied items. With m = K - g_>: 0 if m <= 0, 1 if m > e, else 1 - C(e, m) /
+    C(e + p, m), a product of ratios summed in log space (exact for millions of ties)."""
     device = greater.device
     e = tied_negatives.to(torch.float64).unsqueeze(-1)
     p = tied_positives.to(torch.float64).unsqueeze(-1)
@@ -149,15 +131,10 @@ def expected_hit_probability(
 
 
 def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
-    """What each query contributes to the rank histogram, one record a query.
-
-    Returns:
-        For ``"pessimistic"`` / ``"optimistic"``: int64 ``[Q]`` bins, ``r - 1`` for a
-        first hit at rank ``r <= max_k``, ``max_k`` for a later hit and ``max_k + 1`` for
-        a query without a valid positive. For ``"expected"``: float64 ``[Q, max_k + 1]``,
-        the probabilities of a first hit at ranks 1..max_k, then 1.0 for a query without
-        a valid positive (whose probabilities are 0).
-    """
+    """What each query contributes to the rank histogram: an int64 bin, ``r - 1`` for a
+    first hit at rank ``r <= max_k``, ``max_k`` later and ``max_k + 1`` without a valid
+    positive; for ``"expected"`` float64 ``[max_k + 1]``, the probabilities of a first hit
+    at ranks 1..max_k, then 1.0 for a query without a valid positive."""
     has_pos = counts.has_positive
     if ties == "expected":
         greater, at_or_above, tied = counts.greater, counts.at_or_above, counts.tied_positives
@@ -171,14 +148,9 @@ def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
 
 
 def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
-    """Sum :func:`query_outcomes` records into the metric state.
-
-    Returns:
-        ``hist``: ``[max_k]``, entry ``r - 1`` is the number (int64) or, for
-        ``"expected"``, the expected number (float64) of queries whose first hit is at
-        rank ``r``; queries ranked later, or without a positive, are not in it.
-        ``queries``: int64 ``[2]``: (queries with a valid positive, queries without).
-    """
+    """:func:`query_outcomes` records summed into the metric state: ``hist`` ``[max_k]``,
+    the (expected) number of queries whose first hit is at rank ``r``, and ``queries``,
+    int64 ``[2]``: the queries with a valid positive and without."""
     if outcomes.is_floating_point():
         hist = outcomes[:, :max_k].sum(dim=0)
         without = outcomes[:, max_k].sum().to(torch.int64)
@@ -224,13 +196,8 @@ def first_of_each_id(ids: Tensor) -> Tensor:
 def recall_from_histogram(
     hist: Tensor, queries: Tensor, ks: tuple[int, ...], empty_target_action: str
 ) -> tuple[Tensor, int, int]:
-    """Recall@K for each K from a rank histogram and the query counts.
-
-    Returns:
-        float64 ``[len(ks)]`` recalls (NaN when no query is counted), the number of
-        counted queries and the number of queries without a valid positive. Callers
-        decide how to warn or raise; this function reads two integers on the host.
-    """
+    """float64 ``[len(ks)]`` Recall@K from a rank histogram and the query counts (NaN when
+    none is counted), the counted queries and those without a valid positive."""
     cumulative = hist.cumsum(dim=0).to(torch.float64)
     index = torch.tensor([k - 1 for k in ks], device=hist.device)
     hits = cumulative.gather(0, index)

@@ -193,12 +193,11 @@ def paired_comparison(
     ``query_outcomes()`` returned. They must hold the same set of query ids, in any
     order and any split over batches and processes.
 
-    For each K: ``difference`` = R_b - R_a; ``only_a`` / ``only_b`` the queries hit by
-    one model alone; ``p_value`` the exact two-sided McNemar test (a binomial test of
-    ``only_b`` out of the ``only_a + only_b`` discordant queries at 1/2; 1.0 when there
-    are none); ``low`` / ``high`` Newcombe's paired score interval (method 10 of
-    Newcombe, 1998, Statistics in Medicine 17:2635) at ``level``, within [-1, 1].
-    Queries without a valid positive count as ``compute()`` counts them.
+    For each K, a :class:`PairedComparison`: R_b - R_a, the exact two-sided McNemar test
+    (a binomial test of ``only_b`` out of the ``only_a + only_b`` discordant queries at
+    1/2) and Newcombe's paired score interval (method 10 of Newcombe, 1998, Statistics in
+    Medicine 17:2635) at ``level``. Queries without a valid positive count as
+    ``compute()`` counts them.
 
     Hits must be 0 or 1: under ``ties="expected"`` a query whose hit is a probability
     strictly between 0 and 1 (ties at the boundary) raises a ``ValueError``; compare

@@ -19,12 +19,8 @@ __all__ = ["RetrievalRecallAtK"]
 
 
 def state_tag(ties: str, max_k: int, ignore_index: int | None, complete_queries: bool) -> str:
-    """A suffix of every state name: the settings that change ``update``.
-
-    ``MetricCollection`` puts metrics whose state names and values coincide into one
-    compute group; instances whose updates differ must never share state. Settings that
-    only change ``compute`` (the other K, ``empty_target_action``, ``key``) may.
-    """
+    """A suffix of every state name, of the settings that change ``update``: instances
+    whose updates differ must never share a ``MetricCollection`` compute group."""
     tag = f"{ties}_k{max_k}"
     if ignore_index is not None:
         tag += f"_ignore{ignore_index}".replace("-", "m")
@@ -41,21 +37,15 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     (the fraction of a query's positives retrieved). Ties follow ``ties``, never sort
     order; negative and zero scores rank like any other.
 
-    ``update(preds, target, indexes=None, *, ignore=None, query_ids=None)`` has
-    torchmetrics' retrieval signature (positional or keyword, alone or in a
-    ``MetricCollection``). Two input forms:
+    :meth:`update` has torchmetrics' retrieval signature (positional or keyword, alone or
+    in a ``MetricCollection``) and takes two input forms:
 
-    - dense (``indexes=None``): ``preds`` float ``[Q, G]`` scores, one row per complete
-      query; ``target`` a bool / 0-1 integer or float ``[Q, G]`` mask or an integer ``[Q]``
-      column of the single true item (-1: none); optional bool ``[Q, G]`` ``ignore``.
-      The state, a histogram of first-hit ranks 1..max K and two int64 query counts
-      summed across processes, does not grow with Q or G. ``query_ids`` (int64 ``[Q]``)
-      counts a query id seen again once (DistributedSampler padding) at O(Q) state.
-    - flat (``indexes`` given): 1-D ``preds``, ``target`` and ``indexes`` (int64 query
-      ids) of equal length, torchmetrics' retrieval convention. A query's items may
-      arrive over several calls and processes; each query keeps its best valid positive
-      and top max K valid negatives (and a count of negatives tied at the boundary):
-      O(queries x max K) state, never O(items).
+    - dense (``indexes=None``): ``[Q, G]`` scores of complete queries. The state, a
+      histogram of first-hit ranks 1..max K and two int64 query counts summed across
+      processes, does not grow with Q or G (O(Q) with ``query_ids``).
+    - flat (``indexes`` given): (query, item) pairs, a query's items over any calls and
+      processes. Each query keeps its best valid positive and top max K valid negatives
+      (and a count of negatives tied at the boundary): O(queries x max K), never O(items).
 
     Args:
         k: an int (``compute`` returns a scalar tensor, so ``self.log("val/r1", metric)``
