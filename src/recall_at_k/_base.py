@@ -11,6 +11,7 @@ and ``plot()`` of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, cast
 
@@ -38,12 +39,9 @@ from recall_at_k._sync import (
 from recall_at_k._types import EMPTY_TARGET_ACTIONS, TIES, OutputT
 from recall_at_k._views import RecallMetric, RecallView
 
+# (hist [max K], queries [2]) of one output prefix; None: nothing ranked (NaN, no warning)
 Histogram = tuple[Tensor, Tensor] | None
-"""``(hist [max K], queries [2])`` of one output prefix, or None where nothing could be
-ranked (a batch value of ``forward`` without queries or gallery): NaN, no warning."""
-
-ResultKey = tuple[int, ...]
-"""What a kept result was computed from: ``(update_count, states gathered)``."""
+ResultKey = tuple[int, ...]  # the update counts a kept result was computed from
 
 
 class RecallAtKMetric(RecallMetric, Generic[OutputT]):
@@ -195,11 +193,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     @torch.jit.unused
     def forward(self, *args: Any, **kwargs: Any) -> OutputT:
-        """Add the batch and return its own value (torchmetrics' ``forward``).
-
-        Each view of :meth:`per_k` receives its key's batch value, which is what
-        Lightning logs for a metric on ``on_step=True``.
-        """
+        """Add the batch and return its own value (torchmetrics' ``forward``); each view of
+        :meth:`per_k` receives its key's batch value (what Lightning logs on steps)."""
         self._in_forward = True
         try:
             value = super().forward(*args, **kwargs)
@@ -242,8 +237,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         results = []
         for prefix, histogram in zip(self._prefixes, self._histograms(), strict=True):
             if histogram is None:
-                nan = torch.full((len(self.ks),), float("nan"), dtype=torch.float64)
-                results.append((nan, 0))
+                results.append((torch.full((len(self.ks),), math.nan, dtype=torch.float64), 0))
                 continue
             try:
                 results.append(recall_values(*histogram, self.ks, self.empty_target_action))

@@ -30,8 +30,7 @@ from recall_at_k._kernel import (
     scratch,
 )
 
-FEW_VALUES = 64
-"""A ``[Q]`` target of at most this many values is range-checked on the host."""
+FEW_VALUES = 64  # a [Q] target of at most this many values is range-checked on the host
 SMALL_BATCH = 2**15
 """Batches of at most this many scores (dispatch costs, not arithmetic) take the paths
 with the fewest tensor operations."""
@@ -102,9 +101,7 @@ def check_query_ids(query_ids: Tensor, scores: Tensor) -> None:
 
 def check_values(scores: Tensor, target: Tensor) -> None:
     """Target values (index range, 0/1 mask); reads values on the host."""
-    if not target.numel():
-        return
-    if target.dim() == 1:
+    if target.dim() == 1 and target.numel():
         gallery = scores.shape[1]
         if target.numel() <= FEW_VALUES:
             values = target.tolist()  # one host read of a few values
@@ -117,7 +114,7 @@ def check_values(scores: Tensor, target: Tensor) -> None:
                 f"`target` column indices must lie in [-1, {gallery}) (the gallery has"
                 f" {gallery} items; -1 = no true item), got values in [{low}, {high}]"
             )
-    else:
+    elif target.dim() == 2:
         check_binary(target, "`target` mask values")
 
 

@@ -59,8 +59,7 @@ from recall_at_k._checks import (
 )
 
 _ID, _TIED, _KEPT, _BOUNDARY, _BEST = 0, 1, 2, 3, 4
-ROW_PREFIX = _BEST + 1
-"""Columns of a packed state row before the ``max_k`` top scores."""
+ROW_PREFIX = _BEST + 1  # columns of a packed state row before the max_k top scores
 PADDED_FILL = 4
 """A padded ``[segments, longest]`` matrix is used while it holds at most this many cells
 per value; beyond (one huge query among many small ones), a sort on (id, -score)."""
@@ -459,22 +458,20 @@ def _merged(
 def compact(
     state: list[Tensor],
     max_k: int,
-    complete_queries: bool = False,
-    *,
-    path: SegmentPath = "auto",
-    slack: int | None = None,
-    rows: int | None = None,
+    complete_queries: bool,
+    path: SegmentPath,
+    slack: int | None,
+    rows: int,
 ) -> list[Tensor]:
     """The state blocks merged into one once they hold more than twice the rows of the
     first (the last merge's result) plus ``slack`` (default :func:`compact_slack`): the
     state stays within about twice the distinct queries, at O(1) amortised a row.
-    ``rows``: the blocks' row count, when the caller keeps it."""
+    ``rows``: the blocks' row count."""
     if len(state) < 2:
         return state
     if slack is None:
         slack = compact_slack(max_k)
-    total = sum(block.shape[0] for block in state) if rows is None else rows
-    if total <= 2 * state[0].shape[0] + slack:
+    if rows <= 2 * state[0].shape[0] + slack:
         return state
     parts = _merged(state, max_k, complete_queries, path)
     return [] if parts is None else [pack(parts)]

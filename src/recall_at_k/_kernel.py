@@ -12,6 +12,7 @@ least one when the query has a valid positive).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -72,9 +73,7 @@ class Workspace:
         self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> Tensor:
         """An uninitialised tensor of ``shape`` from ``slot``."""
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         key = (slot, dtype, device)
         buffer = self._buffers.get(key)
         stale = (

@@ -190,12 +190,9 @@ def embedding_outcomes(
     """:class:`QueryOutcomes` of direction 0 (query -> gallery) or 1 of
     ``EmbeddingRecallAtK``: the stored items' ``meta`` (:mod:`recall_at_k._items`), the
     direction's ``queries`` (None: nothing was ranked) and their outcome ``records``."""
-    device = meta.device
     if queries is None or records is None:
-        ids = torch.zeros(0, dtype=torch.int64, device=device)
-        empty = torch.zeros((0, len(ks)), dtype=torch.float64, device=device)
-        no_keys = None if keys is None else tuple(keys)
-        return QueryOutcomes(ids, empty, ids.clone(), ks, no_keys, ids.clone())
+        none = torch.zeros(0, dtype=torch.int64, device=meta.device)
+        return from_records(none, none, ks, max_k, empty_target_action, keys, none)
     flags = meta[:, _items.FLAGS]
     has_id = (flags[queries.rows] & _items.HAS_ID) != 0
     with_ids = int(has_id.sum())

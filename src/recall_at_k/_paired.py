@@ -17,8 +17,7 @@ from recall_at_k._base import RecallAtKMetric
 from recall_at_k._checks import check_level
 from recall_at_k._outcomes import QueryOutcomes
 
-EXACT_DISCORDANT = 4096
-"""Up to this many discordant queries the McNemar p-value is summed in exact integers."""
+EXACT_DISCORDANT = 4096  # discordant queries up to which McNemar's sum is exact
 
 
 class PairedComparison(NamedTuple):

@@ -8,17 +8,6 @@ from typing import Any
 
 from torch import Tensor
 
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError as err:  # pragma: no cover - exercised without matplotlib
-        raise ModuleNotFoundError(
-            "plot() needs matplotlib: pip install 'recall-at-k[plot]'"
-        ) from err
-    return plt
-
-
 MARGIN = 0.1  # of the drawn values' span, on each side of them...
 MIN_MARGIN = 0.01  # ... and at least this much, within [0, 1]
 
@@ -38,7 +27,12 @@ def plot_curves(
     ``results``: ``{label: (ks, recalls)}`` (one line per label), or a list of them (one
     per step, labelled by step or by ``labels``); ``bands``: ``{label: (lows, highs)}``.
     """
-    plt = _pyplot()
+    try:
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError as err:  # pragma: no cover - exercised without matplotlib
+        raise ModuleNotFoundError(
+            "plot() needs matplotlib: pip install 'recall-at-k[plot]'"
+        ) from err
     if ax is None:
         fig, ax = plt.subplots()
     else:

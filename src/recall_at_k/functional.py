@@ -209,11 +209,7 @@ def recall_at_k_from_ranks(
         )
     thresholds = torch.tensor(ks, device=ranks.device).unsqueeze(-1)
     hits = ((ranks >= 1) & (ranks <= thresholds)).sum(dim=-1)
-    if ranks.numel() == 0:
-        values = torch.full((len(ks),), float("nan"), device=ranks.device)
-    else:
-        values = hits.to(torch.float64) / ranks.numel()
-    return format_output(values, keys, single)
+    return format_output(hits.to(torch.float64) / ranks.numel(), keys, single)  # 0/0: NaN
 
 
 @overload

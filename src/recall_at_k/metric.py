@@ -18,17 +18,6 @@ from recall_at_k._types import EmptyTargetAction, OutputT, Ties
 __all__ = ["RetrievalRecallAtK"]
 
 
-def state_tag(ties: str, max_k: int, ignore_index: int | None, complete_queries: bool) -> str:
-    """A suffix of every state name, of the settings that change ``update``: instances
-    whose updates differ must never share a ``MetricCollection`` compute group."""
-    tag = f"{ties}_k{max_k}"
-    if ignore_index is not None:
-        tag += f"_ignore{ignore_index}".replace("-", "m")
-    if complete_queries:
-        tag += "_complete"
-    return tag
-
-
 class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     r"""Recall@K for several K at once, exact, in constant memory.
 
@@ -144,7 +133,13 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         )
         self.ignore_index = check_optional_int("ignore_index", ignore_index)
         self.complete_queries = bool(complete_queries)
-        tag = state_tag(ties, self.max_k, self.ignore_index, self.complete_queries)
+        # State names carry the settings that change update(): instances whose updates
+        # differ must never share a MetricCollection compute group.
+        tag = f"{ties}_k{self.max_k}"
+        if self.ignore_index is not None:
+            tag += f"_ignore{self.ignore_index}".replace("-", "m")
+        if self.complete_queries:
+            tag += "_complete"
         self._needed_counts = _kernel.needed_counts(self.ties)
         expected = ties == "expected"
         self._hist_name = f"rank_hist_{tag}"
@@ -223,7 +218,24 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         """
         self._touch_views()
         if indexes is not None:
-            self._update_flat(preds, target, indexes, ignore, query_ids)
+            if query_ids is not None:
+                raise ValueError(
+                    "`query_ids` is for the dense form; in the flat form `indexes` already"
+                    " are the query ids (for padded repeats pass complete_queries=True)"
+                )
+            rows = _flat.flat_partials(
+                preds,
+                target,
+                indexes,
+                ignore,
+                max_k=self.max_k,
+                ignore_index=self.ignore_index,
+                validate_args=self.validate_args,
+                path=self._flat_path,
+            )
+            if rows is not None:
+                getattr(self, self._flat_name).append(rows)
+                self._compact_flat()
             return
         if isinstance(preds, Tensor) and preds.dim() == 1:
             raise ValueError(
@@ -252,34 +264,6 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         getattr(self, self._ids_name).append(query_ids.to(torch.int64, copy=True))
         getattr(self, self._outcomes_name).append(outcomes)
 
-    def _update_flat(
-        self,
-        preds: Tensor,
-        target: Tensor,
-        indexes: Tensor,
-        ignore: Tensor | None,
-        query_ids: Tensor | None,
-    ) -> None:
-        if query_ids is not None:
-            raise ValueError(
-                "`query_ids` is for the dense form; in the flat form `indexes` already are"
-                " the query ids (for padded repeats pass complete_queries=True)"
-            )
-        rows = _flat.flat_partials(
-            preds,
-            target,
-            indexes,
-            ignore,
-            max_k=self.max_k,
-            ignore_index=self.ignore_index,
-            validate_args=self.validate_args,
-            path=self._flat_path,
-        )
-        if rows is not None:
-            state: list[Tensor] = getattr(self, self._flat_name)
-            state.append(rows)
-            self._compact_flat()
-
     def _compact_flat(self) -> None:
         state = getattr(self, self._flat_name)
         if not isinstance(state, list) or not state:
@@ -295,12 +279,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         )
         rows = known[2] + state[-1].shape[0] if grown else sum(b.shape[0] for b in state)
         compacted = _flat.compact(
-            state,
-            self.max_k,
-            self.complete_queries,
-            path=self._flat_path,
-            slack=self._flat_slack,
-            rows=rows,
+            state, self.max_k, self.complete_queries, self._flat_path, self._flat_slack, rows
         )
         if compacted is not state:
             # A plain attribute, as torchmetrics keeps list states (skips Module's checks).

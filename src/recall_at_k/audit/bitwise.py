@@ -16,15 +16,13 @@ from recall_at_k._kernel import Workspace
 from recall_at_k.ranking.budget import AuditSizes
 from recall_at_k.ranking.workers import Workers, worker_count
 
-CODE32_LIMIT = 2**31 - 1
-"""Codes of up to this many items are int32 (the dtype's range), int64 beyond."""
+CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
 
 HASH_PRIME = 2**21 - 9
 """The hash's sums are taken modulo this prime; a sum of up to 2^15 terms (each below
 2^37) is an integer below 2^53, exact in float64 in any order."""
 
-ROWS_SLOT = "audit_rows"
-"""The workspace slot of a block's float64 rows (the hash's, then the projections')."""
+ROWS_SLOT = "audit_rows"  # the workspace slot of a block's float64 rows
 
 
 def code_dtype(num: int) -> torch.dtype:

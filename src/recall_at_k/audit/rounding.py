@@ -29,14 +29,9 @@ IN_ORDER_MARGIN = 2.0**-30
 """Pairs whose sums in any order lie within this relative distance of the boundary are
 summed again in the fixed order (any order is within ``gamma64_D`` of it, far below)."""
 
-PROJECTIONS = 3
-"""The grid's dimensions: a row's first projections."""
-
-FILTERS = 8
-"""Projections in all: a candidate is checked only when every projection is within a cell."""
-
-NOT_FINITE = 2**63 - 1
-"""The cell key of a row that is not finite (it has no copies): above every other."""
+PROJECTIONS = 3  # the grid's dimensions: a row's first projections
+FILTERS = 8  # projections in all: a candidate is checked when each is within a cell
+NOT_FINITE = 2**63 - 1  # the cell key of a row that is not finite (no copies)
 
 
 class Grid(NamedTuple):
