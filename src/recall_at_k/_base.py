@@ -378,12 +378,12 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             for result in results
         ]
         bands = None
-        if interval is not None and len(results) != 1:
-            raise ValueError(
-                "`interval` is the band of one result: pass one `val` (a list of results"
-                " draws one curve each, and one interval cannot belong to all of them)"
-            )
         if interval is not None:
+            if len(results) != 1:
+                raise ValueError(
+                    "`interval` is the band of one result: pass one `val` (a list of results"
+                    " draws one curve each, and one interval cannot belong to all of them)"
+                )
             _check_interval(interval)
             bands = {name: _plot.bounds_of(interval, of) for name, of in keys.items()}
         title = type(self).__name__

@@ -31,12 +31,8 @@ from recall_at_k._kernel import (
 )
 
 FEW_VALUES = 64  # a [Q] target of at most this many values is range-checked on the host
-SMALL_BATCH = 2**15
-"""Batches of at most this many scores (dispatch costs, not arithmetic) take the paths
-with the fewest tensor operations."""
-CPU_BLOCK_BYTES = 2**20
-"""Bytes of scores per torch thread in a block of rows on the CPU paths (the block and
-its scratch stay in the core's cache between passes)."""
+SMALL_BATCH = 2**15  # batches of at most this many scores take the fewest operations
+CPU_BLOCK_BYTES = 2**20  # scores a thread in a block of rows on CPU (stays in the cache)
 
 
 def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> None:
@@ -305,9 +301,7 @@ def _any_per_row(mask: Tensor) -> Tensor:
     return mask.any(dim=-1)
 
 
-WORDS_PER_LANE_SUM = 127
-"""Words of 8 mask bytes (each 0 or 1) summed as int64 without a carry between the
-bytes or into the sign bit (each byte of the sum is at most 127)."""
+WORDS_PER_LANE_SUM = 127  # int64 words of 0/1 bytes summed without a carry out of a byte
 
 
 def _positives_per_row(mask: Tensor) -> Tensor | None:

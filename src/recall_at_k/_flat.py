@@ -60,15 +60,13 @@ from recall_at_k._checks import (
 
 _ID, _TIED, _KEPT, _BOUNDARY, _BEST = 0, 1, 2, 3, 4
 ROW_PREFIX = _BEST + 1  # columns of a packed state row before the max_k top scores
+# A padded [segments, longest] matrix holds at most this many cells a value; beyond (one
+# huge query among many small ones), a sort on (id, -score) finds the top K.
 PADDED_FILL = 4
-"""A padded ``[segments, longest]`` matrix is used while it holds at most this many cells
-per value; beyond (one huge query among many small ones), a sort on (id, -score)."""
+# Rows of at most this many bytes may wait for a merge: small updates merge rarely.
 COMPACT_SLACK_BYTES = 1024 * (ROW_PREFIX + 10) * 8
-"""Rows of at most this many bytes in all may wait for a merge (:func:`compact_slack`):
-small updates merge rarely, and a large max K does not keep more bytes waiting."""
+# How the per-segment top K is found ("auto": choose_path); each gives the same result.
 SegmentPath = Literal["auto", "padded", "sorted"]
-"""How the per-segment top K is found (``"auto"``: :func:`choose_path`); every way gives
-the same result (a private switch for tests)."""
 
 _NEG_INF = float("-inf")
 _SMALL_MATRIX = 2**15  # cells up to which dispatch, not arithmetic, costs: bool counts
@@ -259,8 +257,7 @@ def _grouping(ids: Tensor, counts: Tensor) -> tuple[bool, int]:
     if ids.numel() < 2:
         return True, int(counts[0])
     if ids.numel() <= _FEW_SEGMENTS:
-        id_list = ids.tolist()
-        return all(a < b for a, b in itertools.pairwise(id_list)), max(counts.tolist())
+        return all(a < b for a, b in itertools.pairwise(ids.tolist())), max(counts.tolist())
     ascending = (ids[1:] > ids[:-1]).all().to(counts.dtype)
     flag, width = torch.stack([ascending, counts.max()]).tolist()
     return bool(flag), int(width)
@@ -360,12 +357,8 @@ def _summarise_sorted(
     )
     kept = (counts - num_pos).clamp(max=max_k)
     top, seg = _sorted_segment_top(counts, negatives, max_k)
-    boundary_value = _gather_column(top, kept - 1)
-    at_boundary = (negatives == boundary_value[seg]).to(torch.int64)
-    equal = torch.zeros_like(counts).scatter_add_(0, seg, at_boundary)
-    # ``equal`` counted the positives too when the boundary value is -inf.
-    boundary = equal - torch.where(boundary_value == _NEG_INF, num_pos, 0)
-    boundary = torch.where(kept > 0, boundary, 0)
+    at_boundary = (negatives == _gather_column(top, kept - 1)[seg]) & ~positive
+    boundary = torch.zeros_like(counts).scatter_add_(0, seg, at_boundary.to(torch.int64))
     return Partials(ids, best.to(torch.float64), tied, top.to(torch.float64), kept, boundary)
 
 

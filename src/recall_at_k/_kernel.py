@@ -47,12 +47,12 @@ class NeededCounts(NamedTuple):
 
 
 def needed_counts(ties: str) -> NeededCounts:
-    """The counts that decide hit@K under ``ties``."""
-    if ties == "pessimistic":
-        return NeededCounts(greater=False, at_or_above=True, tied_positives=False)
-    if ties == "optimistic":
-        return NeededCounts(greater=True, at_or_above=False, tied_positives=False)
-    return NeededCounts(greater=True, at_or_above=True, tied_positives=True)
+    """The counts that decide hit@K under ``ties`` (``"expected"`` needs all three)."""
+    return NeededCounts(
+        greater=ties != "pessimistic",
+        at_or_above=ties != "optimistic",
+        tied_positives=ties == "expected",
+    )
 
 
 def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:

@@ -38,8 +38,7 @@ class QueryOutcomes(NamedTuple):
         keys: ``compute()``'s key of each column of ``hits``, or None when ``compute()``
             returns one tensor (an int ``k``).
         labels: for ``EmbeddingRecallAtK``, int64 ``[Q]``: each query's label, in the
-            order of ``ids`` (``labels[i]`` is the label of query ``ids[i]``); None for
-            the score forms (``RetrievalRecallAtK``), whose queries have no label.
+            order of ``ids``; None for ``RetrievalRecallAtK``, whose queries have none.
     """
 
     ids: Tensor
@@ -94,9 +93,7 @@ class QueryOutcomes(NamedTuple):
         values = _checked_groups(groups, self.ids).to(self.hits.device)
         keys = self.keys if self.keys is not None else tuple(f"recall@{k}" for k in self.ks)
         distinct, inverse = torch.unique(values, sorted=True, return_inverse=True)
-        sums = torch.zeros(
-            (distinct.numel(), self.hits.shape[1]), dtype=torch.float64, device=self.hits.device
-        )
+        sums = self.hits.new_zeros((distinct.numel(), self.hits.shape[1]), dtype=torch.float64)
         sums.index_add_(0, inverse, self.hits.to(torch.float64))
         counts = torch.bincount(inverse, minlength=distinct.numel())
         recall = (sums / counts.unsqueeze(1)).to(torch.get_default_dtype())

@@ -33,10 +33,7 @@ def plot_curves(
         raise ModuleNotFoundError(
             "plot() needs matplotlib: pip install 'recall-at-k[plot]'"
         ) from err
-    if ax is None:
-        fig, ax = plt.subplots()
-    else:
-        fig = ax.get_figure()
+    fig, ax = plt.subplots() if ax is None else (ax.get_figure(), ax)
     steps: Sequence[Curves] = [results] if isinstance(results, Mapping) else results
     if labels is not None and len(labels) != len(steps):
         raise ValueError(

@@ -336,8 +336,7 @@ def embedding_recall_at_k(
             tqdm: ``pip install tqdm``).
 
     Example:
-        Leave-one-out over four items of two classes, then two queries against a
-        gallery:
+        Leave-one-out over four items of two classes, then two queries against a gallery:
 
         >>> import torch
         >>> from recall_at_k.functional import embedding_recall_at_k
@@ -390,11 +389,10 @@ def embedding_recall_at_k(
     if validate_args:
         for name, side in zip(("queries", "gallery"), sides, strict=False):
             _embedding_checks.check_finite(side[0], name)
-    device = queries.device
     labels, groups, ids, has_id = (
         torch.cat(parts) for parts in zip(*(_side_columns(side) for side in sides), strict=True)
     )
-    is_query = torch.arange(labels.shape[0], device=device) < queries.shape[0]
+    is_query = torch.arange(labels.shape[0], device=queries.device) < queries.shape[0]
     query_role = torch.where(is_query, _plan.QUERY, 0)
     gallery_role = torch.where(is_query if gallery is None else ~is_query, _plan.GALLERY, 0)
     items = _plan.Items(labels, groups, ids, has_id, query_role | gallery_role)

@@ -18,9 +18,9 @@ from recall_at_k.ranking.workers import Workers, worker_count
 
 CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
 
+# The hash's sums are taken modulo this prime: up to 2^15 terms below 2^37 sum exactly
+# in float64, in any order.
 HASH_PRIME = 2**21 - 9
-"""The hash's sums are taken modulo this prime; a sum of up to 2^15 terms (each below
-2^37) is an integer below 2^53, exact in float64 in any order."""
 
 ROWS_SLOT = "audit_rows"  # the workspace slot of a block's float64 rows
 
@@ -48,10 +48,7 @@ def in_blocks(
     pool: Workers[Callable[[Workspace], None], None]
     pool = Workers(lambda block, workspace: block(workspace), count, Workspace())
     with pool:
-        for _ in pool.map(
-            functools.partial(task, slice(at, at + step)) for at in range(0, num, step)
-        ):
-            pass
+        list(pool.map(functools.partial(task, slice(at, at + step)) for at in range(0, num, step)))
 
 
 def words(rows: Tensor, dtype: torch.dtype | None = None) -> Tensor:
