@@ -180,8 +180,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     @property
     def _view_list(self) -> list[RecallView]:
-        views: list[RecallView] = self.__dict__["_view_list"]
-        return views
+        return cast(list[RecallView], self.__dict__["_view_list"])
 
     def _touch_views(self) -> None:
         """Called first in every ``update``: the first after construction or ``reset``

@@ -371,7 +371,8 @@ def merge(
     if rows == 0:
         return parts
     if complete_queries:
-        return Partials(*(field[_kernel.first_of_each_id(parts.ids)] for field in parts))
+        first = _kernel.first_of_each_id(parts.ids)
+        return Partials(*(field[first] for field in parts))
     if rows > 1 and not bool((parts.ids[1:] >= parts.ids[:-1]).all()):
         order = torch.argsort(parts.ids, stable=True)
         parts = Partials(*(field[order] for field in parts))

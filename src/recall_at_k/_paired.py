@@ -192,7 +192,7 @@ def paired_comparison(
     ``query_outcomes()`` returned. They must hold the same set of query ids, in any
     order and any split over batches and processes.
 
-    For each K, a :class:`PairedComparison`: R_b - R_a, the exact two-sided McNemar test
+    For each K, a ``PairedComparison``: R_b - R_a, the exact two-sided McNemar test
     (a binomial test of ``only_b`` out of the ``only_a + only_b`` discordant queries at
     1/2) and Newcombe's paired score interval (method 10 of Newcombe, 1998, Statistics in
     Medicine 17:2635) at ``level``. Queries without a valid positive count as

@@ -51,8 +51,7 @@ def plot_curves(
             if bands is not None and label in bands:
                 lows, highs = bands[label]
                 ax.fill_between(list(ks), lows, highs, color=line.get_color(), alpha=0.2)
-    all_ks = sorted({k for curves in steps for ks, _ in curves.values() for k in ks})
-    ax.set_xticks(all_ks)
+    ax.set_xticks(sorted({k for curves in steps for ks, _ in curves.values() for k in ks}))
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K")
     ax.set_ylim(*fitted_limits(ax.dataLim.intervaly))

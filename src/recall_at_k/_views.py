@@ -8,7 +8,7 @@ that reads the metric's result (and batch value) for its key and resets the metr
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -59,8 +59,7 @@ class RecallView(RecallMetric):
 
     @property
     def parent(self) -> Metric:
-        parent: Metric = self.__dict__["_parent"]
-        return parent
+        return cast(Metric, self.__dict__["_parent"])
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Nothing: the parent counts (and calls this so that torchmetrics does not warn)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, SupportsIndex, overload
+from typing import Any, ClassVar, SupportsIndex, cast, overload
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     (the fraction of a query's positives retrieved). Ties follow ``ties``, never sort
     order; negative and zero scores rank like any other.
 
-    :meth:`update` has torchmetrics' retrieval signature (positional or keyword, alone or
+    ``update`` has torchmetrics' retrieval signature (positional or keyword, alone or
     in a ``MetricCollection``) and takes two input forms:
 
     - dense (``indexes=None``): ``[Q, G]`` scores of complete queries. The state, a
@@ -142,10 +142,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             tag += "_complete"
         self._needed_counts = _kernel.needed_counts(self.ties)
         expected = ties == "expected"
-        self._hist_name = f"rank_hist_{tag}"
-        self._queries_name = f"query_count_{tag}"
-        hist_dtype = torch.float64 if expected else torch.int64
-        self._add_count_state(self._hist_name, torch.zeros(self.max_k, dtype=hist_dtype))
+        self._hist_name, self._queries_name = f"rank_hist_{tag}", f"query_count_{tag}"
+        hist = torch.zeros(self.max_k, dtype=torch.float64 if expected else torch.int64)
+        self._add_count_state(self._hist_name, hist)
         self._add_count_state(self._queries_name, torch.zeros(2, dtype=torch.int64))
         # Flat form: blocks of per-query partial rows (recall_at_k._flat), merged by id.
         self._flat_name = f"flat_partials_{tag}"
@@ -153,27 +152,20 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             self._flat_name, ListLayout((_flat.ROW_PREFIX + self.max_k,), torch.int64)
         )
         # Dense form with query_ids: one outcome record a query, de-duplicated by id.
-        self._ids_name = f"query_ids_{tag}"
-        self._outcomes_name = f"query_outcomes_{tag}"
+        self._ids_name, self._outcomes_name = f"query_ids_{tag}", f"query_outcomes_{tag}"
         self._add_list_state(self._ids_name, ListLayout((), torch.int64))
-        outcome_layout = (
-            ListLayout((self.max_k + 1,), torch.float64)
-            if expected
-            else ListLayout((), torch.int64)
-        )
-        self._add_list_state(self._outcomes_name, outcome_layout)
+        record = ((self.max_k + 1,), torch.float64) if expected else ((), torch.int64)
+        self._add_list_state(self._outcomes_name, ListLayout(*record))
 
     @property
     def rank_histogram(self) -> Tensor:
         """``[max K]``: (expected) number of dense queries whose first hit is at rank r."""
-        hist: Tensor = getattr(self, self._hist_name)
-        return hist
+        return cast(Tensor, getattr(self, self._hist_name))
 
     @property
     def query_counts(self) -> Tensor:
         """int64 ``[2]``: dense queries with a valid positive, queries without."""
-        queries: Tensor = getattr(self, self._queries_name)
-        return queries
+        return cast(Tensor, getattr(self, self._queries_name))
 
     def update(
         self,

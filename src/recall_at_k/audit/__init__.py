@@ -15,10 +15,9 @@ from torch import Tensor
 
 from recall_at_k import _collectives as collectives
 from recall_at_k.audit import sharded
-from recall_at_k.audit.report import AuditOptions as AuditOptions
+from recall_at_k.audit.report import AuditOptions, audit_direction
 from recall_at_k.audit.report import Codes as Codes
 from recall_at_k.audit.report import DirectionAudit as DirectionAudit
-from recall_at_k.audit.report import audit_direction
 from recall_at_k.audit.report import counted_queries as counted_queries
 from recall_at_k.audit.report import protocol_reports as protocol_reports
 from recall_at_k.audit.report import warning_message as warning_message
