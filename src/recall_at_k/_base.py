@@ -1,23 +1,17 @@
 """The base of both metrics: options, output keys, per-K views, states that casts never
 round, the sync rule for list states, the kept result, scratch memory, results,
-intervals and plots.
+intervals and plots, through torchmetrics' documented ``Metric`` interface only (and
+torch's ``_apply`` hook with torchmetrics' ``exclude_state``).
 
-Only torchmetrics' documented ``Metric`` interface is used: ``add_state``, ``update``,
-``compute``, ``forward``, ``reset``, ``merge_state``, ``sync`` / ``unsync`` /
-``sync_context``, ``plot``, the class attributes and the constructor's keyword
-arguments (read back from their public attributes), and ``_apply(fn, exclude_state)``,
-torch's module hook with the ``exclude_state`` argument torchmetrics provides for states
-a metric handles itself.
-
-A subclass declares its states with :meth:`RecallAtKMetric._add_count_state` and
-:meth:`RecallAtKMetric._add_list_state`, implements ``update`` (calling
-:meth:`RecallAtKMetric._touch_views` first) and :meth:`RecallAtKMetric._histograms`
-(the synchronised rank histogram of each output prefix); the base turns those into
-``compute()``, ``confidence_interval()`` and ``plot()``.
+A subclass declares its states (``_add_count_state``, ``_add_list_state``), implements
+``update`` (calling ``_touch_views`` first) and ``_histograms`` (the synchronised rank
+histogram of each output prefix); the base makes ``compute()``, ``confidence_interval()``
+and ``plot()`` of them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, cast
 
@@ -45,12 +39,9 @@ from recall_at_k._sync import (
 from recall_at_k._types import EMPTY_TARGET_ACTIONS, TIES, OutputT
 from recall_at_k._views import RecallMetric, RecallView
 
+# (hist [max K], queries [2]) of one output prefix; None: nothing ranked (NaN, no warning)
 Histogram = tuple[Tensor, Tensor] | None
-"""``(hist [max K], queries [2])`` of one output prefix, or None where nothing could be
-ranked (a batch value of ``forward`` without queries or gallery): NaN, no warning."""
-
-ResultKey = tuple[int, ...]
-"""What a kept result was computed from: ``(update_count, states gathered)``."""
+ResultKey = tuple[int, ...]  # the update counts a kept result was computed from
 
 
 class RecallAtKMetric(RecallMetric, Generic[OutputT]):
@@ -80,9 +71,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 f"`compute_with_cache` must be a bool (keep compute()'s result until the"
                 f" state changes), got {keep_result!r}"
             )
-        # torchmetrics' own cache of compute() is off: it would outlive sync(), unsync(),
-        # merge_state() and module casts, and only update() and reset() clear it. This
-        # class keeps the result itself (see compute()), as `compute_with_cache` asks.
+        # torchmetrics' cache of compute() would outlive sync(), unsync(), merge_state()
+        # and casts: this class keeps the result itself (see compute()).
         super().__init__(compute_with_cache=False, **metric_kwargs)
         self._keep_result = keep_result
         self._result: Any = None
@@ -116,30 +106,22 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """The keys of ``compute()``'s dict, in order (one per K and direction)."""
         return [prefix + key for prefix in self._prefixes for key in self.keys]
 
-    # ------------------------------------------------------------------ states
-
     def _add_count_state(self, name: str, default: Tensor) -> None:
         """A ``"sum"`` state of counts: its dtype never changes (see :meth:`_apply`)."""
         self.add_state(name, default, dist_reduce_fx="sum")
         self._exact_states.append(name)
 
     def _add_list_state(self, name: str, layout: ListLayout) -> None:
-        """A ``"cat"`` list state of blocks of ``layout``: its blocks keep their dtypes
-        under casts (see :meth:`_apply`; float embeddings are never rounded to half)."""
+        """A ``"cat"`` list state of blocks of ``layout``, whose dtypes casts never change."""
         self.add_state(name, [], dist_reduce_fx="cat")
         self._list_layouts[name] = layout
         self._exact_states.append(name)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = ()) -> Any:
-        """torchmetrics' ``_apply``, except that exact states only change device.
-
-        A module cast (``.to(torch.float16)``, ``.half()``, ``set_dtype``, Lightning's
-        ``precision="16-true"``) would otherwise round counts kept in float64, cast
-        int64 counts and float64 bit patterns to half precision, and round stored
-        embeddings (those stored before the cast too) to half precision. torchmetrics
-        leaves the states named in ``exclude_state`` to the metric; their defaults stay
-        where they are (``reset()`` puts a tensor default on its state's device).
-        """
+        """torchmetrics' ``_apply``, except that exact states only change device: a module
+        cast (``.half()``, Lightning's ``precision="16-true"``) would round counts, bit
+        patterns and stored embeddings. Their defaults stay where they are (``reset()``
+        puts a tensor default on its state's device)."""
         exact: list[str] = self.__dict__.get("_exact_states", [])
         this: Any = super()._apply(fn, exclude_state=(*exclude_state, *exact))
         for name in exact:
@@ -155,34 +137,30 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         should_sync: bool = True,
         distributed_available: Callable[..., Any] | None = None,
     ) -> None:
-        """torchmetrics' ``sync``, with two rules for list states.
-
-        Before a gather, every empty list state gets one empty block of its layout, and
-        the processes agree on the dtype of float list states
-        (:mod:`recall_at_k._sync`); :meth:`unsync` puts this process's own lists back.
-        """
-        if self._will_sync(should_sync, distributed_available) and not self._gathered_states:
+        """torchmetrics' ``sync``; before a gather every empty list state gets one empty
+        block of its layout and the processes agree on the dtype of float list states
+        (:mod:`recall_at_k._sync`); :meth:`unsync` puts this process's own lists back."""
+        gather = self._will_sync(should_sync, distributed_available) and not self._gathered_states
+        if gather:  # (torchmetrics raises for a second gather)
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
             floats = [name for name, layout in self._list_layouts.items() if layout.dtype is None]
             before = {name: getattr(self, name) for name in floats}
-            # torchmetrics' gather, through collectives that let go of their tensors
-            # before they return (recall_at_k._collectives).
+            # Collectives that let go of their tensors before they return.
             if dist_sync_fn is None or dist_sync_fn is gather_all_tensors:
                 dist_sync_fn = _collectives.gather_all_tensors
             agree_float_dtypes(
                 self, self._list_layouts, dist_sync_fn, process_group or self.process_group
             )
             self._widened = {n: v for n, v in before.items() if getattr(self, n) is not v}
-            super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+        super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
+        if gather:
             self._gathered_states = True
             # compute()'s key: every process's update count, gathered as the states were
             # (another process's update changes the gathered states; all decide alike).
             mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
+            assert dist_sync_fn is not None
             counts = dist_sync_fn(mine, process_group or self.process_group)
             self._gathered_key = tuple(int(count) for count in counts)
-            return
-        # Nothing to gather, or already gathered (torchmetrics raises for that).
-        super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
 
     def _will_sync(
         self, should_sync: bool, distributed_available: Callable[..., Any] | None
@@ -207,17 +185,13 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             self._filled_for_sync = []
             self._gathered_states = False
 
-    # ------------------------------------------------------------------ life cycle
-
     @property
     def _view_list(self) -> list[RecallView]:
-        views: list[RecallView] = self.__dict__["_view_list"]
-        return views
+        return cast(list[RecallView], self.__dict__["_view_list"])
 
     def _touch_views(self) -> None:
-        """Called first in every ``update``: the first update after construction or
-        ``reset`` updates the views once (torchmetrics warns about a ``compute`` of a
-        metric never updated); later ones cost one attribute check."""
+        """Called first in every ``update``: the first after construction or ``reset``
+        updates the views (else torchmetrics warns that they compute before an update)."""
         if self.__dict__["_views_need_touch"]:
             for view in self._view_list:
                 view.update()
@@ -225,11 +199,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
 
     @torch.jit.unused
     def forward(self, *args: Any, **kwargs: Any) -> OutputT:
-        """Add the batch and return its own value (torchmetrics' ``forward``).
-
-        Each view of :meth:`per_k` receives its key's batch value, which is what
-        Lightning logs for a metric on ``on_step=True``.
-        """
+        """Add the batch and return its own value (torchmetrics' ``forward``); each view of
+        :meth:`per_k` receives its key's batch value (what Lightning logs on steps)."""
         self._in_forward = True
         try:
             value = super().forward(*args, **kwargs)
@@ -258,12 +229,9 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self._release_scratch()
 
     def _release_scratch(self) -> None:
-        """Free scratch buffers, except inside ``forward`` (which resets and computes
-        internally, once per batch)."""
+        """Free scratch buffers, except inside ``forward`` (which resets once per batch)."""
         if not self._in_forward:
             self._workspace.clear()
-
-    # ------------------------------------------------------------------ results
 
     def _histograms(self) -> list[Histogram]:
         """The (synchronised) rank histogram of each output prefix."""
@@ -275,8 +243,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         results = []
         for prefix, histogram in zip(self._prefixes, self._histograms(), strict=True):
             if histogram is None:
-                nan = torch.full((len(self.ks),), float("nan"), dtype=torch.float64)
-                results.append((nan, 0))
+                results.append((torch.full((len(self.ks),), math.nan, dtype=torch.float64), 0))
                 continue
             try:
                 results.append(recall_values(*histogram, self.ks, self.empty_target_action))
@@ -308,8 +275,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         return result
 
     def _after_compute(self) -> None:
-        """Called by ``compute()`` once it has computed (subclasses warn here: three
-        frames below the caller of ``compute()``, past torchmetrics' compute wrapper)."""
+        """Called by ``compute()`` once it has computed (a subclass warns here)."""
 
     def _result_key_now(self) -> ResultKey:
         """What ``compute()`` would compute from now, inside its sync: this process's
@@ -317,8 +283,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         return self._gathered_key if self._gathered_states else (self.update_count,)
 
     def _value_for_view(self, key: str) -> Tensor:
-        """``compute()[key]`` for a view of :meth:`per_k`: the kept result while it is
-        the one ``compute()`` would compute (``compute()`` decides, on every process)."""
+        """``compute()[key]``, for a view of :meth:`per_k`."""
         result = self.compute()
         value: Tensor = result[key] if isinstance(result, dict) else result
         return value
@@ -346,8 +311,6 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """``fn()`` on the synchronised state, as ``compute()`` sees it."""
         with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self.sync_on_compute):
             return fn()
-
-    # ------------------------------------------------------------------ logging, plots
 
     def per_k(self, prefix: str = "") -> Mapping[str, Metric]:
         """One ``Metric`` per output key, for ``self.log_dict`` in Lightning.
@@ -387,9 +350,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     ) -> tuple[Any, Any]:
         """Draw Recall@K against K (a CMC curve; one per direction when bidirectional).
 
-        The y-axis fits what the axis holds (the curves, and the band when ``interval``
-        is given) with a small margin, within [0, 1]: 0.972-0.989 is not drawn as a
-        flat line at the top of 0-1.
+        The y-axis fits the curves and band with a small margin, within [0, 1], so that
+        0.972-0.989 is not drawn as a flat line at the top of 0-1.
 
         Args:
             val: a result of :meth:`compute` (default: compute now), or a list of them
@@ -411,34 +373,32 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             results = list(val)
         for result in results:
             self._check_plotted(result)
-        curves = []
-        for result in results:
-            curve = {}
-            for prefix in self._prefixes:
-                keys = [prefix + key for key in self.keys]
-                curve[prefix.rstrip("/")] = (self.ks, _plot.values_of(result, keys))
-            curves.append(curve)
+        keys = {
+            prefix.rstrip("/"): [prefix + key for key in self.keys] for prefix in self._prefixes
+        }
+        curves = [
+            {name: (self.ks, _plot.values_of(result, of)) for name, of in keys.items()}
+            for result in results
+        ]
         bands = None
-        if interval is not None and len(results) != 1:
-            raise ValueError(
-                "`interval` is the band of one result: pass one `val` (a list of results"
-                " draws one curve each, and one interval cannot belong to all of them)"
-            )
         if interval is not None:
+            if len(results) != 1:
+                raise ValueError(
+                    "`interval` is the band of one result: pass one `val` (a list of results"
+                    " draws one curve each, and one interval cannot belong to all of them)"
+                )
             _check_interval(interval)
-            bands = {
-                prefix.rstrip("/"): _plot.bounds_of(interval, [prefix + k for k in self.keys])
-                for prefix in self._prefixes
-            }
+            bands = {name: _plot.bounds_of(interval, of) for name, of in keys.items()}
         title = type(self).__name__
         one = len(curves) == 1 and labels is None
         return _plot.plot_curves(curves[0] if one else curves, ax, title, bands, labels)
 
     def _check_plotted(self, result: object) -> None:
-        """Raise unless ``result`` can be one result of :meth:`compute` for :meth:`plot`."""
+        """Raise unless ``result`` can be one result of :meth:`compute` for :meth:`plot`
+        (a mapping's keys are checked where they are looked up)."""
         name = type(self).__name__
         if isinstance(result, Mapping):
-            return  # its keys are checked where they are looked up
+            return
         if isinstance(result, Tensor) and result.numel() == 1:
             if len(self.output_keys) == 1:
                 return

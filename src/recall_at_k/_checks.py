@@ -1,10 +1,6 @@
-"""Check primitives shared by every entry point, in one error style; they compute nothing.
-
-Each check raises ``ValueError`` whose message starts with the argument's name in
-backticks and says what was expected, what came and, where there is one, the remedy.
-Checks read only Python values, shapes, dtypes and devices, so they never synchronise
-with the device, except :func:`check_no_nan`, a value check that entry points run only
-with ``validate_args=True`` (as the value checks beside each input form).
+"""Check primitives shared by every entry point: each raises a ``ValueError`` that names
+the argument in backticks, what was expected, what came and the remedy. Only
+:func:`check_no_nan` and :func:`check_binary` read tensor values (``validate_args``).
 """
 
 from __future__ import annotations
@@ -20,8 +16,6 @@ from torch import Tensor
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 SIGNED_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
-
-
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -47,8 +41,7 @@ def check_torchmetrics_names(kwargs: Mapping[str, Any]) -> None:
 
 
 def refuse_torchmetrics_names(function: Callable[_P, _R]) -> Callable[_P, _R]:
-    """A function that raises :func:`check_torchmetrics_names`' errors first (rather
-    than Python's ``TypeError: unexpected keyword argument``)."""
+    """``function``, raising :func:`check_torchmetrics_names`' errors before a TypeError."""
 
     @functools.wraps(function)
     def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -65,9 +58,7 @@ def describe(tensor: Tensor) -> str:
 
 def _as_int(value: object) -> int | None:
     """An integral value (int, numpy integer, 0-d integer tensor) as int; else None."""
-    if isinstance(value, (bool, float)):
-        return None
-    if not hasattr(value, "__index__"):
+    if isinstance(value, (bool, float)) or not hasattr(value, "__index__"):
         return None
     try:
         return operator.index(cast(SupportsIndex, value))
@@ -176,11 +167,8 @@ def check_id_vector(name: str, value: Tensor | None, length: int, what: str) -> 
 
 
 def check_no_nan(scores: Tensor, name: str = "scores", nan_rows: Tensor | None = None) -> None:
-    """No NaN in ``scores``; ``nan_rows``, when a kernel revealed them, saves the read.
-
-    Without ``nan_rows`` one ``amax`` finds whether there is any (it propagates NaN, and
-    a bool-output ``isnan`` over the batch is several times slower on CPU).
-    """
+    """No NaN in ``scores``: from ``nan_rows`` where a kernel revealed them, else from one
+    ``amax`` (it propagates NaN; a bool ``isnan`` is several times slower on CPU)."""
     if nan_rows is not None:
         found = bool(nan_rows.any())
     else:
@@ -191,11 +179,7 @@ def check_no_nan(scores: Tensor, name: str = "scores", nan_rows: Tensor | None =
 
 
 def check_binary(target: Tensor, what: str, hint: str = "") -> None:
-    """Relevance values 0 or 1 (bool passes unread; integer or float 0/1 values pass).
-
-    A value check (reads the tensor on the host): entry points run it only with
-    ``validate_args=True``.
-    """
+    """Relevance values 0 or 1 (bool passes unread); reads the tensor on the host."""
     if not target.numel() or target.dtype == torch.bool:
         return
     bad = (target != 0) & (target != 1)

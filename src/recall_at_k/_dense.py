@@ -1,22 +1,10 @@
 """The dense form: checks of ``[Q, G]`` scores and their per-query tie counts.
 
-:func:`tie_counts` composes what every dense entry point does: structure checks ->
-value checks (``validate_args``) -> the counting kernel -> the NaN rows that the kernel's
-own reductions reveal (or one NaN check of the scores where they do not).
-
-Counting paths, all exact and equal:
-
-- ``[Q]`` index target (one true item a row): s* by gather, then one comparison pass
-  (on CPU in blocks of rows that stay in the core's cache, :func:`_counts_in_blocks`);
-- ``[Q, G]`` mask target of at most :data:`SMALL_BATCH` scores without ``ignore``: one
-  select and bool comparisons, the fewest tensor operations (:func:`_mask_counts_small`);
-- ``[Q, G]`` mask target on CPU without ``ignore``: byte arithmetic, blocks of rows that
-  stay in the core's cache (:func:`_mask_counts_in_blocks`);
-- otherwise two selects (``torch.where``) of the positives' and negatives' scores.
-
-A batch of at most :data:`SMALL_BATCH` scores costs the dispatch of its tensor
-operations rather than their arithmetic, so there every path counts through ``bool``
-comparisons without scratch buffers.
+Counting paths, all exact and equal: a ``[Q]`` index target gathers s*, then compares;
+a ``[Q, G]`` mask without ``ignore`` goes through bool comparisons in a small batch
+(:func:`_mask_counts_small`) and byte arithmetic on CPU (:func:`_mask_counts_in_blocks`);
+otherwise two selects of the positives' and negatives' scores. CPU paths work in blocks
+of rows that stay in the core's cache.
 """
 
 from __future__ import annotations
@@ -42,22 +30,9 @@ from recall_at_k._kernel import (
     scratch,
 )
 
-FEW_VALUES = 64
-"""A ``[Q]`` target of at most this many values is range-checked on the host (one read
-of the values costs less than a reduction)."""
-
-SMALL_BATCH = 2**15
-"""Batches of at most this many scores take the paths with the fewest tensor operations
-(their per-call cost is dispatch, not arithmetic)."""
-
-CPU_BLOCK_BYTES = 2**20
-"""The CPU paths work on blocks of rows of about this many bytes of scores per torch
-thread, so that each block and its scratch block stay in the core's cache (L2, or the
-nearest slice of L3) between the passes; larger blocks cost fewer operations (at
-256 x 10,000 float32 scores, 1 MiB ran faster than 512 KiB and as fast as 2 MiB)."""
-
-
-# ------------------------------------------------------------------------------ checks
+FEW_VALUES = 64  # a [Q] target of at most this many values is range-checked on the host
+SMALL_BATCH = 2**15  # batches of at most this many scores take the fewest operations
+CPU_BLOCK_BYTES = 2**20  # scores a thread in a block of rows on CPU (stays in the cache)
 
 
 def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> None:
@@ -122,9 +97,7 @@ def check_query_ids(query_ids: Tensor, scores: Tensor) -> None:
 
 def check_values(scores: Tensor, target: Tensor) -> None:
     """Target values (index range, 0/1 mask); reads values on the host."""
-    if not target.numel():
-        return
-    if target.dim() == 1:
+    if target.dim() == 1 and target.numel():
         gallery = scores.shape[1]
         if target.numel() <= FEW_VALUES:
             values = target.tolist()  # one host read of a few values
@@ -137,11 +110,8 @@ def check_values(scores: Tensor, target: Tensor) -> None:
                 f"`target` column indices must lie in [-1, {gallery}) (the gallery has"
                 f" {gallery} items; -1 = no true item), got values in [{low}, {high}]"
             )
-    else:
+    elif target.dim() == 2:
         check_binary(target, "`target` mask values")
-
-
-# ---------------------------------------------------------------------------- counting
 
 
 def tie_counts(
@@ -173,23 +143,9 @@ def dense_tie_counts(
     block_bytes: int = CPU_BLOCK_BYTES,
     small_batch: int = SMALL_BATCH,
 ) -> TieCounts:
-    """Per-query g_>, g_> + e and p of a dense ``[Q, G]`` score matrix.
-
-    Args:
-        scores: float ``[Q, G]`` (a NaN makes its row's counts meaningless).
-        target: bool / 0-1 integer or float ``[Q, G]`` relevance mask, or integer ``[Q]`` column of
-            the single true item (``-1``: none in this gallery).
-        ignore: optional bool ``[Q, G]``; ignored items are neither positive nor negative.
-        needed: which counts to compute.
-        workspace: scratch buffers to reuse (fresh ones without).
-        block_bytes: bytes of scores per block of rows (per torch thread) on the CPU
-            paths.
-        small_batch: batches of at most this many scores take the paths with the fewest
-            tensor operations (every choice gives the same counts).
-
-    Returns:
-        :class:`TieCounts` of int64 ``[Q]`` tensors.
-    """
+    """Per-query g_>, g_> + e and p of float ``[Q, G]`` scores, a ``[Q, G]`` 0/1 mask or
+    integer ``[Q]`` column ``target`` (-1: none) and an optional bool ``[Q, G]`` ``ignore``
+    (items neither positive nor negative); ``workspace``: scratch buffers to reuse."""
     scores = scores.detach()
     num_queries, gallery = scores.shape
     if gallery == 0 or num_queries == 0:
@@ -201,28 +157,11 @@ def dense_tie_counts(
         return _mask_counts_small(scores, target, needed)
     if ignore is None and scores.device.type in ("cpu", "meta"):
         return _mask_counts_in_blocks(scores, target, needed, workspace, block_bytes)
-    return _mask_counts_by_selects(scores, target, ignore, needed, workspace)
+    return _mask_counts_by_selects(scores, target, ignore, needed, workspace, block_bytes)
 
 
 def _constant(value: float, like: Tensor) -> Tensor:
     return constant(value, like.dtype, like.device)
-
-
-def _count(
-    op: str, values: Tensor, threshold: Tensor, workspace: Workspace | None, small: bool
-) -> Tensor:
-    """Row-wise count of ``values >= threshold`` (``"ge"``) or ``values > threshold``;
-    ``small``: through a ``bool`` comparison, fewer operations than a float buffer."""
-    if small:
-        above = values >= threshold if op == "ge" else values > threshold
-        return above.sum(dim=-1)
-    shape = tuple(values.shape)
-    out = scratch(workspace, "count", shape, count_dtype(shape[-1]), values.device)
-    if op == "ge":
-        torch.ge(values, threshold, out=out)
-    else:
-        torch.gt(values, threshold, out=out)
-    return out.sum(dim=-1).to(torch.int64)
 
 
 def block_rows(num_queries: int, gallery: int, element_size: int, block_bytes: int) -> int:
@@ -232,18 +171,24 @@ def block_rows(num_queries: int, gallery: int, element_size: int, block_bytes: i
     return min(max(1, block_bytes * torch.get_num_threads() // per_row), num_queries)
 
 
-def _counts_in_blocks(
+def _counts(
     values: Tensor,
     threshold: Tensor,
     ops: tuple[str, ...],
     workspace: Workspace | None,
-    block_bytes: int,
+    small: bool,
+    block_bytes: int = CPU_BLOCK_BYTES,
 ) -> list[Tensor]:
-    """:func:`_count` of each of ``ops`` (``"ge"`` / ``"gt"``), on CPU, in blocks of rows
-    that stay in the core's cache between the comparison and its sum."""
+    """Row-wise counts of ``values >= threshold`` (``"ge"``) or ``>`` (``"gt"``), one per
+    op: through bool comparisons when ``small``, else through a float buffer, on CPU in
+    blocks of rows that stay in the core's cache between the comparison and its sum."""
+    if small:
+        return [(values >= threshold if op == "ge" else values > threshold).sum(-1) for op in ops]
     num_queries, gallery = values.shape
     sum_dtype = count_dtype(gallery)
-    rows = block_rows(num_queries, gallery, values.element_size(), block_bytes)
+    rows = num_queries
+    if values.device.type == "cpu":
+        rows = block_rows(num_queries, gallery, values.element_size(), block_bytes)
     buffer = scratch(workspace, "count", (rows, gallery), sum_dtype, values.device)
     out = torch.empty((len(ops), num_queries), dtype=sum_dtype, device=values.device)
     for start in range(0, num_queries, rows):
@@ -280,19 +225,11 @@ def _index_counts(
             scores,
             out=scratch(workspace, "negatives", tuple(scores.shape), scores.dtype, scores.device),
         )
-    greater = at_or_above = None
-    if not small and values.device.type == "cpu":
-        ops = ("gt",) * needed.greater + ("ge",) * needed.at_or_above
-        found = _counts_in_blocks(values, best, ops, workspace, block_bytes)
-        if needed.greater:
-            greater = found[0]
-        if needed.at_or_above:
-            # The positive itself is >= s*; subtract it (an ignored positive: none).
-            at_or_above = found[-1] - 1
-    else:
-        greater = _count("gt", values, best, workspace, small) if needed.greater else None
-        if needed.at_or_above:
-            at_or_above = _count("ge", values, best, workspace, small) - 1
+    ops = ("gt",) * needed.greater + ("ge",) * needed.at_or_above
+    found = _counts(values, best, ops, workspace, small, block_bytes)
+    greater = found[0] if needed.greater else None
+    # The positive itself is >= s*; subtract it (an ignored positive: none).
+    at_or_above = found[-1] - 1 if needed.at_or_above else None
     tied = torch.ones_like(target) if needed.tied_positives else None
     return TieCounts(greater, at_or_above, tied, has_pos)
 
@@ -303,13 +240,11 @@ def _mask_counts_by_selects(
     ignore: Tensor | None,
     needed: NeededCounts,
     workspace: Workspace | None,
+    block_bytes: int,
 ) -> TieCounts:
-    """Counts for a ``[Q, G]`` mask through two selects over the batch.
-
-    ``positives_only`` keeps the valid positives' scores (-inf elsewhere) for s*;
-    ``negatives_only`` keeps the valid negatives' scores and puts NaN elsewhere, which
-    compares false with everything, so no count needs a correction.
-    """
+    """Counts for a ``[Q, G]`` mask through two selects: the valid positives' scores
+    (-inf elsewhere) give s*; the valid negatives' scores (NaN elsewhere, which compares
+    false with everything) the counts, without a correction."""
     shape = tuple(scores.shape)
     relevant = target if target.dtype == torch.bool else target != 0
     valid_pos = relevant if ignore is None else relevant & ~ignore
@@ -327,15 +262,15 @@ def _mask_counts_by_selects(
         scores,
         out=scratch(workspace, "negatives", shape, scores.dtype, scores.device),
     )
-    greater = _count("gt", negatives_only, best, workspace, False) if needed.greater else None
-    at_or_above = (
-        _count("ge", negatives_only, best, workspace, False) if needed.at_or_above else None
-    )
+    ops = ("gt",) * needed.greater + ("ge",) * needed.at_or_above
+    found = _counts(negatives_only, best, ops, workspace, False, block_bytes)
+    greater = found[0] if needed.greater else None
+    at_or_above = found[-1] if needed.at_or_above else None
     tied = None
     if needed.tied_positives:
         # Positives at or above s* are exactly the ones tied at s*. When s* = -inf every
         # entry of positives_only is >= s*, but then every valid positive is tied.
-        tied = _count("ge", positives_only, best, workspace, False)
+        (tied,) = _counts(positives_only, best, ("ge",), workspace, False, block_bytes)
         tied = torch.where(best.squeeze(-1) == float("-inf"), valid_pos.sum(dim=-1), tied)
     return TieCounts(greater, at_or_above, tied, _any_per_row(valid_pos))
 
@@ -343,11 +278,9 @@ def _mask_counts_by_selects(
 def _mask_counts_small(scores: Tensor, target: Tensor, needed: NeededCounts) -> TieCounts:
     """Counts for a small ``[Q, G]`` mask without ignore, in few tensor operations.
 
-    s* is the row maximum of the positives' scores (-inf elsewhere). With ``at`` the
-    items scored at or above s*, ``at > relevant`` holds exactly for the negatives among
-    them and ``at & relevant`` for the positives tied at s*; no positive is above s*, so
-    g_> = #(scores > s*). When s* = -inf every item is at or above it, which gives the
-    number of negatives and of positives, the counts that case needs.
+    With ``at`` the items at or above s*, ``at > relevant`` marks the negatives among them
+    and ``at & relevant`` the positives tied at s*; no positive is above s*. When s* =
+    -inf every item is at or above it: the numbers of negatives and positives, as needed.
     """
     relevant = target if target.dtype == torch.bool else target != 0
     best = torch.where(relevant, scores, _constant(float("-inf"), scores))
@@ -368,20 +301,14 @@ def _any_per_row(mask: Tensor) -> Tensor:
     return mask.any(dim=-1)
 
 
-WORDS_PER_LANE_SUM = 127
-"""Words of 8 mask bytes (each 0 or 1) summed as int64 without a carry between the
-bytes or into the sign bit (each byte of the sum is at most 127)."""
+WORDS_PER_LANE_SUM = 127  # int64 words of 0/1 bytes summed without a carry out of a byte
 
 
 def _positives_per_row(mask: Tensor) -> Tensor | None:
     """Per-row number of true values of a bool ``[Q, G]`` mask, int64, or ``None`` where
-    its layout does not allow the fast route.
-
-    The mask is read as int64 words of 8 bytes: summing at most
-    :data:`WORDS_PER_LANE_SUM` such words adds each byte position separately (no
-    carry), and the sum's bytes, read back as uint8, add up to the row's count. One
-    pass over the mask's bytes, about a quarter of the cost of summing a float copy.
-    """
+    its layout does not allow it: the mask read as int64 words, summed at most
+    :data:`WORDS_PER_LANE_SUM` at a time (each byte position apart, no carry), the sums'
+    bytes added up. One pass over the mask's bytes."""
     num_queries, gallery = mask.shape
     words = gallery // 8
     if (
@@ -409,23 +336,13 @@ def _mask_counts_in_blocks(
 ) -> TieCounts:
     """Counts for a ``[Q, G]`` mask target without ignore, on CPU, with NaN rows.
 
-    ``torch.where`` with a ``bool`` condition is not vectorised on CPU (several times the
-    cost of a float comparison), so the mask enters the float domain through byte
-    arithmetic and one int8-to-float conversion instead: ``signs`` is +1 for a negative
-    and -1 for a positive, ``signs * -inf`` is -inf / +inf, and clamping the scores to
-    that from above keeps the positives' scores (-inf elsewhere) exactly, infinities
-    included. Then:
-
-    - s* = the row maximum of that; g_> = #(scores > s*) (no positive is above s*);
-      p = #(kept >= s*), the positives tied at s*; g_> + e = #(scores >= s*) - p;
-    - when s* = -inf (every valid positive scored -inf, or none) the kept row is all
-      -inf, so p and g_> + e come from the number of positives
-      (:func:`_positives_per_row`, or the sum of ``signs`` where that does not apply);
-    - the clamp keeps a NaN score and the row maximum propagates it: s* is NaN exactly
-      when the row holds a NaN, which gives ``nan_rows`` for free.
-
-    Rows go in blocks of about ``block_bytes`` that stay in the core's cache between
-    these passes, with one scratch block that each pass overwrites in turn.
+    ``torch.where`` with a bool condition is slow on CPU, so the mask enters the float
+    domain by byte arithmetic: ``signs`` is +1 for a negative and -1 for a positive, and
+    clamping the scores from above to ``signs * -inf`` keeps the positives' scores (-inf
+    elsewhere) exactly. s* is the row maximum of that (NaN exactly when the row holds a
+    NaN: ``nan_rows``); g_> = #(scores > s*); p = #(kept >= s*); g_> + e = #(scores >=
+    s*) - p. When s* = -inf, p and g_> + e come from the number of positives. Rows go in
+    blocks of about ``block_bytes``, with one scratch block each pass overwrites.
     """
     num_queries, gallery = scores.shape
     device = scores.device
@@ -434,13 +351,11 @@ def _mask_counts_in_blocks(
     relevant_u8 = relevant.view(torch.uint8)
     one = constant(1, torch.uint8, device)
     rows = block_rows(num_queries, gallery, scores.element_size(), block_bytes)
-    # Per block (the block's bytes then stay in the cache for the conversion below):
     # 1 + 254 * mask wraps to 255 (int8 -1) for a positive and is 1 for a negative.
     signs_block = scratch(workspace, "signs", (rows, gallery), torch.uint8, device)
     kept_block = scratch(workspace, "positives", (rows, gallery), scores.dtype, device)
     best = torch.empty((num_queries, 1), dtype=scores.dtype, device=device)
-    # One buffer for the per-row sums: the signs, then the kept scores, the scores at or
-    # above s* and the scores above s*, each as needed.
+    # The per-row sums of the signs, the kept scores >= s*, scores >= s*, scores > s*.
     sums = torch.empty((4, num_queries), dtype=sum_dtype, device=device)
     sign_sum, kept_f, at_or_above_f, greater_f = sums.unbind(0)
     tied_needed = needed.at_or_above or needed.tied_positives

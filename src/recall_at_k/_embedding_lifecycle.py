@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from recall_at_k import audit
+from recall_at_k.audit.report import AuditOptions
 from recall_at_k.ranking import budget, engine, plan
 from recall_at_k.ranking.blocks import Processes
 from recall_at_k.ranking.stored import BroadcastRows
@@ -40,7 +41,7 @@ class Lifecycle:
 
 def audits_for(
     life: Lifecycle,
-    options: audit.AuditOptions,
+    options: AuditOptions,
     planned: plan.Plan,
     sharded: bool,
     group: Processes | None,
@@ -71,7 +72,7 @@ def audits_for(
 
 def keep_report(
     life: Lifecycle,
-    options: audit.AuditOptions,
+    options: AuditOptions,
     audits: Sequence[audit.DirectionAudit | None] | None,
     ranked: Sequence[engine.Ranked | None],
     sides: Sequence[plan.Direction | None],

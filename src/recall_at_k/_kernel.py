@@ -1,11 +1,8 @@
 """The maths of Recall@K: per-query tie counts -> outcomes -> rank histogram -> recall.
 
-Every input form (dense scores, flat partials, ranked embeddings) reduces to the same
-per-query :class:`TieCounts`; the tie policy turns them into one outcome per query, and
-outcomes sum into a rank histogram of fixed size, the dense state. Everything here is
-vectorised torch that never reads a tensor value on the host (except
-:func:`recall_from_histogram`, which reads two integers), so it runs unchanged on CPU,
-CUDA and the ``meta`` device. This module imports nothing else of the package.
+Every input form reduces to per-query :class:`TieCounts`; the tie policy turns them into
+one outcome per query, which sum into a rank histogram of fixed size. Vectorised torch
+that reads no tensor value on the host (except :func:`recall_from_histogram`).
 
 Notation, per query: ``s*`` is the best score among the valid positives (not ignored),
 g_> the number of valid negatives scored above ``s*``, e the number of valid negatives
@@ -15,41 +12,24 @@ least one when the query has a valid positive).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-FLOAT32_EXACT_COUNT = 2**24
-"""Sums of 0/1 float32 values are exact below this many terms."""
-
 
 def count_dtype(terms: int) -> torch.dtype:
-    """The float dtype in which ``terms`` 0/1 comparison results sum exactly.
-
-    Comparisons are written into float buffers and summed rather than counted as
-    ``bool``: on CPU the ``bool``-output kernels of torch are several times slower than
-    the float ones, and a float32 sum of 0/1 values is exact below 2**24 terms.
-    """
-    return torch.float32 if terms < FLOAT32_EXACT_COUNT else torch.float64
+    """The float dtype in which ``terms`` 0/1 comparison results sum exactly (on CPU,
+    torch's bool-output kernels are several times slower than the float ones)."""
+    return torch.float32 if terms < 2**24 else torch.float64
 
 
 class TieCounts(NamedTuple):
-    """Per-query counts that decide Recall@K exactly under every tie policy.
-
-    Each field is an ``[Q]`` tensor; a count the policy at hand does not need (see
-    :func:`needed_counts`) may be ``None``. When a query has no valid positive its counts
-    are meaningless.
-
-    Attributes:
-        greater: g_>, valid negatives scored above s*.
-        at_or_above: g_> + e, valid negatives scored at or above s* (what the
-            pessimistic policy ranks by; :func:`tied_negatives` gives e).
-        tied_positives: p, valid positives scored exactly s*.
-        has_positive: bool, whether the query has any valid positive.
-        nan_rows: bool, set only by a kernel whose own reductions reveal which rows hold
-            a NaN score (the counts of such rows are meaningless); None otherwise.
-    """
+    """Per-query ``[Q]`` counts that decide Recall@K exactly under every tie policy: g_>,
+    g_> + e, p (None where the policy does not need them: :func:`needed_counts`;
+    meaningless without a valid positive), whether there is a valid positive, and the
+    rows holding a NaN score where a kernel's own reductions reveal them."""
 
     greater: Tensor | None
     at_or_above: Tensor | None
@@ -67,12 +47,12 @@ class NeededCounts(NamedTuple):
 
 
 def needed_counts(ties: str) -> NeededCounts:
-    """The counts that decide hit@K under ``ties``."""
-    if ties == "pessimistic":
-        return NeededCounts(greater=False, at_or_above=True, tied_positives=False)
-    if ties == "optimistic":
-        return NeededCounts(greater=True, at_or_above=False, tied_positives=False)
-    return NeededCounts(greater=True, at_or_above=True, tied_positives=True)
+    """The counts that decide hit@K under ``ties`` (``"expected"`` needs all three)."""
+    return NeededCounts(
+        greater=ties != "pessimistic",
+        at_or_above=ties != "optimistic",
+        tied_positives=ties == "expected",
+    )
 
 
 def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:
@@ -82,14 +62,9 @@ def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:
 
 
 class Workspace:
-    """Scratch buffers reused from one call to the next, never metric state.
-
-    On CPU a fresh multi-megabyte temporary costs a page fault per 4 KiB, several times
-    the arithmetic itself, so a metric keeps one workspace for its updates. Each slot
-    grows to the largest request; :meth:`clear` frees everything (metrics clear it at
-    ``compute()`` and ``reset()``, so scratch memory never outlives an epoch). A buffer
-    made under ``torch.inference_mode()`` is replaced when asked for outside it.
-    """
+    """Scratch buffers reused from one call to the next (a fresh large temporary costs
+    page faults), never metric state. Each slot grows to the largest request; a buffer
+    made under ``torch.inference_mode()`` is replaced when asked for outside it."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -98,9 +73,7 @@ class Workspace:
         self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> Tensor:
         """An uninitialised tensor of ``shape`` from ``slot``."""
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         key = (slot, dtype, device)
         buffer = self._buffers.get(key)
         stale = (
@@ -110,10 +83,6 @@ class Workspace:
             buffer = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buffer
         return buffer[:numel].view(shape)
-
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def clear(self) -> None:
         """Free every buffer."""
@@ -133,12 +102,6 @@ def scratch(
     return workspace.get(slot, shape, dtype, device)
 
 
-def tied_negatives(counts: TieCounts) -> Tensor:
-    """e, the valid negatives tied at s*."""
-    assert counts.greater is not None and counts.at_or_above is not None
-    return counts.at_or_above - counts.greater
-
-
 def first_hit_rank(counts: TieCounts, ties: str) -> Tensor:
     """1-based first-hit rank under a deterministic policy; 0 for no valid positive."""
     ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
@@ -149,16 +112,9 @@ def first_hit_rank(counts: TieCounts, ties: str) -> Tensor:
 def expected_hit_probability(
     greater: Tensor, tied_negatives: Tensor, tied_positives: Tensor, max_k: int
 ) -> Tensor:
-    """P(hit@K) for K = 1..max_k under a uniformly random order of the tied items.
-
-    With m = K - g_>, the probability is 0 if m <= 0, 1 if m > e, and
-    otherwise 1 - C(e, m) / C(e + p, m). The ratio is the product over i < m of
-    (e - i) / (e + p - i), summed in log space with ``log1p`` so that galleries of
-    millions of tied items neither overflow nor lose precision.
-
-    Returns:
-        float64 ``[Q, max_k]``; column ``j`` holds P(hit@(j + 1)).
-    """
+    """float64 ``[Q, max_k]``: P(hit@K) for K = 1..max_k under a uniformly random order
+    of the tied items. With m = K - g_>: 0 if m <= 0, 1 if m > e, else 1 - C(e, m) /
+    C(e + p, m), a product of ratios summed in log space (exact for millions of ties)."""
     device = greater.device
     e = tied_negatives.to(torch.float64).unsqueeze(-1)
     p = tied_positives.to(torch.float64).unsqueeze(-1)
@@ -174,21 +130,15 @@ def expected_hit_probability(
 
 
 def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
-    """What each query contributes to the rank histogram, one record a query.
-
-    Returns:
-        For ``"pessimistic"`` / ``"optimistic"``: int64 ``[Q]`` bins, ``r - 1`` for a
-        first hit at rank ``r <= max_k``, ``max_k`` for a later hit and ``max_k + 1`` for
-        a query without a valid positive. For ``"expected"``: float64 ``[Q, max_k + 1]``,
-        the probabilities of a first hit at ranks 1..max_k, then 1.0 for a query without
-        a valid positive (whose probabilities are 0).
-    """
+    """What each query contributes to the rank histogram: an int64 bin, ``r - 1`` for a
+    first hit at rank ``r <= max_k``, ``max_k`` later and ``max_k + 1`` without a valid
+    positive; for ``"expected"`` float64 ``[max_k + 1]``, the probabilities of a first hit
+    at ranks 1..max_k, then 1.0 for a query without a valid positive."""
     has_pos = counts.has_positive
     if ties == "expected":
-        assert counts.greater is not None and counts.tied_positives is not None
-        cdf = expected_hit_probability(
-            counts.greater, tied_negatives(counts), counts.tied_positives, max_k
-        )
+        greater, at_or_above, tied = counts.greater, counts.at_or_above, counts.tied_positives
+        assert greater is not None and at_or_above is not None and tied is not None
+        cdf = expected_hit_probability(greater, at_or_above - greater, tied, max_k)
         pmf = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[..., :1]))
         pmf = torch.where(has_pos.unsqueeze(-1), pmf, 0.0)
         return torch.cat([pmf, (~has_pos).to(pmf.dtype).unsqueeze(-1)], dim=-1)
@@ -197,14 +147,9 @@ def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
 
 
 def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
-    """Sum :func:`query_outcomes` records into the metric state.
-
-    Returns:
-        ``hist``: ``[max_k]``, entry ``r - 1`` is the number (int64) or, for
-        ``"expected"``, the expected number (float64) of queries whose first hit is at
-        rank ``r``; queries ranked later, or without a positive, are not in it.
-        ``queries``: int64 ``[2]``: (queries with a valid positive, queries without).
-    """
+    """:func:`query_outcomes` records summed into the metric state: ``hist`` ``[max_k]``,
+    the (expected) number of queries whose first hit is at rank ``r``, and ``queries``,
+    int64 ``[2]``: the queries with a valid positive and without."""
     if outcomes.is_floating_point():
         hist = outcomes[:, :max_k].sum(dim=0)
         without = outcomes[:, max_k].sum().to(torch.int64)
@@ -215,15 +160,9 @@ def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
 
 
 def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Tensor]:
-    """A batch's contribution to the metric state (see :func:`histogram_of`).
-
-    The same as ``histogram_of(query_outcomes(counts, ties, max_k), max_k)``; for a
-    deterministic policy in fewer tensor operations (a small batch costs their dispatch):
-    one bin a query, r - 1 for a first hit at rank r <= max_k, max_k for a later hit and
-    max_k + 1 without a valid positive, summed by one ``bincount`` (CPU) or
-    ``scatter_add_``. (The clamp at 0 only keeps the meaningless counts of a NaN row a
-    valid index.)
-    """
+    """``histogram_of(query_outcomes(counts, ties, max_k), max_k)``, for a deterministic
+    policy in fewer tensor operations. (The clamp at 0 only keeps the meaningless counts
+    of a NaN row a valid index.)"""
     if ties == "expected":
         return histogram_of(query_outcomes(counts, ties, max_k), max_k)
     ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
@@ -235,8 +174,7 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
         constant(max_k + 1, torch.int64, device),
     )
     if device.type == "cpu":
-        # One operation; bincount sizes its output by a read of the largest bin, a
-        # synchronisation on an accelerator (the bins here are at most max_k + 1).
+        # One operation; on an accelerator bincount would read the largest bin.
         found = torch.bincount(bins, minlength=max_k + 2)
     else:
         found = torch.zeros(max_k + 2, dtype=torch.int64, device=device)
@@ -257,13 +195,8 @@ def first_of_each_id(ids: Tensor) -> Tensor:
 def recall_from_histogram(
     hist: Tensor, queries: Tensor, ks: tuple[int, ...], empty_target_action: str
 ) -> tuple[Tensor, int, int]:
-    """Recall@K for each K from a rank histogram and the query counts.
-
-    Returns:
-        float64 ``[len(ks)]`` recalls (NaN when no query is counted), the number of
-        counted queries and the number of queries without a valid positive. Callers
-        decide how to warn or raise; this function reads two integers on the host.
-    """
+    """float64 ``[len(ks)]`` Recall@K from a rank histogram and the query counts (NaN when
+    none is counted), the counted queries and those without a valid positive."""
     cumulative = hist.cumsum(dim=0).to(torch.float64)
     index = torch.tensor([k - 1 for k in ks], device=hist.device)
     hits = cumulative.gather(0, index)
@@ -280,12 +213,9 @@ _CONSTANTS: dict[tuple[float | str, torch.dtype, torch.device], Tensor] = {}
 
 
 def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d tensor of ``value``, made once per (value, dtype, device).
-
-    An operand of ``torch.where`` or a comparison costs less as a tensor than as a
-    Python number (which torch wraps into a fresh tensor on every call). The cached
-    tensor is an ordinary one, never an inference tensor, and must not be written.
-    """
+    """A 0-d tensor of ``value``, made once per (value, dtype, device): cheaper as an
+    operand than a Python number, which torch wraps anew at every call. Never an
+    inference tensor; must not be written."""
     key = (value if value == value else "nan", dtype, device)  # NaN != NaN as a key
     found = _CONSTANTS.get(key)
     if found is None:

@@ -1,12 +1,7 @@
 """Per-query outcomes (``query_outcomes()``): which query was hit at which K.
 
-Every input form ends in one outcome record a query (:func:`recall_at_k._kernel.query_outcomes`:
-an int64 histogram bin, or for ``"expected"`` float64 first-hit probabilities); this
-module turns the records of identified queries into :class:`QueryOutcomes`, following
-``empty_target_action`` as ``compute()`` does, so that ``hits.mean(0)`` is ``compute()``'s
-value of each K. :meth:`QueryOutcomes.grouped` averages the hits per group value (per
-class with the embedding form's ``labels``, per camera or domain with any ``[Q]`` integer
-tensor).
+The outcome records of identified queries (:func:`recall_at_k._kernel.query_outcomes`)
+become :class:`QueryOutcomes`, following ``empty_target_action`` as ``compute()`` does.
 """
 
 from __future__ import annotations
@@ -43,8 +38,7 @@ class QueryOutcomes(NamedTuple):
         keys: ``compute()``'s key of each column of ``hits``, or None when ``compute()``
             returns one tensor (an int ``k``).
         labels: for ``EmbeddingRecallAtK``, int64 ``[Q]``: each query's label, in the
-            order of ``ids`` (``labels[i]`` is the label of query ``ids[i]``); None for
-            the score forms (``RetrievalRecallAtK``), whose queries have no label.
+            order of ``ids``; None for ``RetrievalRecallAtK``, whose queries have none.
     """
 
     ids: Tensor
@@ -58,12 +52,10 @@ class QueryOutcomes(NamedTuple):
         """Recall@K of each group of queries: per class with ``outcomes.labels``, per
         camera, domain or any other partition with an integer tensor ``[Q]``.
 
-        Each group's value is the mean of its queries' ``hits``, which is what
-        ``compute()`` returns for those queries evaluated on their own against the same
-        gallery (the same tie policy, ``ignore`` and ``exclude`` rules, and
-        ``empty_target_action``: a query without a valid positive is a miss under
-        ``"neg"``, a hit under ``"pos"``, and under ``"skip"`` not among the outcomes,
-        so a group whose queries were all skipped does not appear). Under
+        Each group's value is the mean of its queries' ``hits``: what ``compute()``
+        returns for those queries alone against the same gallery, under the same tie
+        policy, ``ignore`` / ``exclude`` rules and ``empty_target_action`` (under
+        ``"skip"`` a group whose queries were all skipped does not appear). Under
         ``ties="expected"`` the values are expected recalls.
 
         Args:
@@ -101,9 +93,7 @@ class QueryOutcomes(NamedTuple):
         values = _checked_groups(groups, self.ids).to(self.hits.device)
         keys = self.keys if self.keys is not None else tuple(f"recall@{k}" for k in self.ks)
         distinct, inverse = torch.unique(values, sorted=True, return_inverse=True)
-        sums = torch.zeros(
-            (distinct.numel(), self.hits.shape[1]), dtype=torch.float64, device=self.hits.device
-        )
+        sums = self.hits.new_zeros((distinct.numel(), self.hits.shape[1]), dtype=torch.float64)
         sums.index_add_(0, inverse, self.hits.to(torch.float64))
         counts = torch.bincount(inverse, minlength=distinct.numel())
         recall = (sums / counts.unsqueeze(1)).to(torch.get_default_dtype())
@@ -114,8 +104,7 @@ class QueryOutcomes(NamedTuple):
 
 
 def _checked_groups(groups: object, ids: Tensor) -> Tensor:
-    """``groups`` of :meth:`QueryOutcomes.grouped`: an integer tensor ``[Q]`` aligned with
-    ``ids``."""
+    """``groups`` of :meth:`QueryOutcomes.grouped`: an integer ``[Q]`` tensor."""
     length = ids.shape[0]
     if groups is None:
         raise ValueError(
@@ -152,13 +141,9 @@ def from_records(
     keys: Sequence[str] | None,
     labels: Tensor | None = None,
 ) -> QueryOutcomes:
-    """:class:`QueryOutcomes` of identified queries from their outcome records (and
-    their ``labels``, row for row, for embeddings).
-
-    A query without a valid positive is a miss (``"neg"``: rank max K + 1), a hit at
-    every K (``"pos"``: rank 1), left out (``"skip"``), or an error (``"error"``), as in
-    ``compute()``.
-    """
+    """:class:`QueryOutcomes` of identified queries from their outcome records (and, for
+    embeddings, ``labels`` row for row); queries without a valid positive as in
+    ``compute()``."""
     if records.is_floating_point():
         no_positive = records[:, max_k] > 0.5
         cdf = records[:, :max_k].cumsum(dim=1).clamp(max=1.0)
@@ -189,14 +174,6 @@ def from_records(
     )
 
 
-def by_id(ids: Tensor, records: Tensor) -> tuple[Tensor, Tensor]:
-    """Records sorted by id, the first record of each id kept (padded repeats)."""
-    if ids.numel() == 0:
-        return ids, records
-    keep = first_of_each_id(ids)
-    return ids[keep], records[keep]
-
-
 def embedding_outcomes(
     meta: Tensor,
     direction: int,
@@ -207,23 +184,12 @@ def embedding_outcomes(
     empty_target_action: str,
     keys: Sequence[str] | None,
 ) -> QueryOutcomes:
-    """:class:`QueryOutcomes` of one direction of ``EmbeddingRecallAtK``.
-
-    Args:
-        meta: the stored items' metadata (:mod:`recall_at_k._items`).
-        direction: 0 (query -> gallery) or 1 (gallery -> query).
-        queries: the direction's queries (None: nothing was ranked).
-        records: their outcome records, in the order of ``queries``.
-
-    Each query's label is read from ``meta`` and kept row for row with its id.
-    """
-    device = meta.device
+    """:class:`QueryOutcomes` of direction 0 (query -> gallery) or 1 of
+    ``EmbeddingRecallAtK``: the stored items' ``meta`` (:mod:`recall_at_k._items`), the
+    direction's ``queries`` (None: nothing was ranked) and their outcome ``records``."""
     if queries is None or records is None:
-        width = (len(ks),)
-        ids = torch.zeros(0, dtype=torch.int64, device=device)
-        empty = torch.zeros((0, *width), dtype=torch.float64, device=device)
-        no_keys = None if keys is None else tuple(keys)
-        return QueryOutcomes(ids, empty, ids.clone(), ks, no_keys, ids.clone())
+        none = torch.zeros(0, dtype=torch.int64, device=meta.device)
+        return from_records(none, none, ks, max_k, empty_target_action, keys, none)
     flags = meta[:, _items.FLAGS]
     has_id = (flags[queries.rows] & _items.HAS_ID) != 0
     with_ids = int(has_id.sum())

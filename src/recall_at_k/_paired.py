@@ -1,10 +1,6 @@
 """``paired_comparison(a, b)``: two models' Recall@K on the same queries, compared query
-by query (the exact McNemar test and Newcombe's paired score interval).
-
-Per K, with n queries, ``only_a`` of them hit by model A alone and ``only_b`` by B alone,
-the difference is R_b - R_a = (only_b - only_a) / n. The test and the interval use the
-2 x 2 table of the two models' hits on the same queries; pure Python arithmetic on four
-counts (exact integers), after one vectorised count per K.
+by query (the exact McNemar test and Newcombe's paired score interval), from the 2 x 2
+table of the two models' hits per K.
 """
 
 from __future__ import annotations
@@ -21,16 +17,7 @@ from recall_at_k._base import RecallAtKMetric
 from recall_at_k._checks import check_level
 from recall_at_k._outcomes import QueryOutcomes
 
-__all__ = [
-    "PairedComparison",
-    "mcnemar_p_value",
-    "newcombe_interval",
-    "paired_comparison",
-]
-
-
-EXACT_DISCORDANT = 4096
-"""Up to this many discordant queries the McNemar p-value is summed in exact integers."""
+EXACT_DISCORDANT = 4096  # discordant queries up to which McNemar's sum is exact
 
 
 class PairedComparison(NamedTuple):
@@ -59,15 +46,12 @@ class PairedComparison(NamedTuple):
 
 
 Comparable = QueryOutcomes | Mapping[str, QueryOutcomes] | RecallAtKMetric[Any]
-"""A metric with ``query_outcomes()``, or what that method returned."""
 
 
 def mcnemar_p_value(only_a: int, only_b: int) -> float:
-    """The exact two-sided McNemar p-value of ``only_a`` against ``only_b`` discordant
-    queries: ``min(1, 2 sum_{i <= min} C(m, i) / 2^m)`` with m = only_a + only_b; 1.0
-    for m = 0. In exact integers up to :data:`EXACT_DISCORDANT` discordant queries
-    (correctly rounded); beyond, in floating point, summing only the terms that count
-    (O(sqrt(m)) of them; relative error below 1e-10 up to m = 2e9)."""
+    """The exact two-sided McNemar p-value ``min(1, 2 sum_{i <= min} C(m, i) / 2^m)``, m =
+    only_a + only_b (1.0 for m = 0): in exact integers up to :data:`EXACT_DISCORDANT`,
+    beyond in floating point over the terms that count (relative error below 1e-10)."""
     m = only_a + only_b
     low = min(only_a, only_b)
     if m == 0 or 2 * low >= m:
@@ -78,8 +62,7 @@ def mcnemar_p_value(only_a: int, only_b: int) -> float:
             tail += term
             term = term * (m - j) // (j + 1)
         return min(1.0, (2 * tail) / (1 << m))
-    # Terms i = low, low - 1, ... relative to the largest, C(m, low): the ratio of one
-    # to the next is i / (m - i + 1); summed in chunks until they no longer count.
+    # Terms i = low, low - 1, ... relative to C(m, low) (ratio i / (m - i + 1)), in chunks.
     log_top = _log_binomial_half(low, m)
     total, carry, start = 0.0, 0.0, low
     while start >= 0:
@@ -99,9 +82,8 @@ _CHUNK = 2**16
 
 
 def _log_binomial_half(x: int, n: int) -> float:
-    """log(C(n, x) / 2^n), accurate to about 1e-15 relative for any n (Loader's
-    saddle-point form, as in R's ``dbinom``: Stirling's error terms and a deviance
-    computed without cancellation, instead of differences of huge ``lgamma`` values)."""
+    """log(C(n, x) / 2^n), to about 1e-15 relative for any n (Loader's saddle-point form,
+    as in R's ``dbinom``, rather than differences of huge ``lgamma`` values)."""
     if x == 0 or x == n:
         return -n * math.log(2.0)
     y = n - x
@@ -153,17 +135,12 @@ def _wilson(successes: int, n: int, z: float) -> tuple[float, float]:
 def newcombe_interval(
     both: int, only_a: int, only_b: int, neither: int, level: float
 ) -> tuple[float, float]:
-    """Newcombe's (1998) method 10 interval for R_b - R_a on paired data.
-
-    With n queries, P1 = R_b, P2 = R_a, (l1, u1) and (l2, u2) their Wilson score
-    intervals, and psi the correlation of the two models' hits corrected as Newcombe
-    does (A = both * neither - only_a * only_b, M = the product of the four margins:
-    psi = (A - n/2) / sqrt(M) if A > n/2, A / sqrt(M) if A < 0, else 0; 0 when a
-    margin is 0):
-
-        low  = (P1 - P2) - sqrt((P1 - l1)^2 - 2 psi (P1 - l1)(u2 - P2) + (u2 - P2)^2)
-        high = (P1 - P2) + sqrt((u1 - P1)^2 - 2 psi (u1 - P1)(P2 - l2) + (P2 - l2)^2)
-    """
+    """Newcombe's (1998) method 10 interval for R_b - R_a on paired data: P1 = R_b and
+    P2 = R_a with their Wilson intervals (l1, u1), (l2, u2) and psi the corrected
+    correlation of the hits (A = both * neither - only_a * only_b over the root of the
+    margins' product, less n/2 when A > n/2, 0 when 0 <= A <= n/2):
+    low = (P1 - P2) - sqrt((P1 - l1)^2 - 2 psi (P1 - l1)(u2 - P2) + (u2 - P2)^2), and
+    high likewise with (u1 - P1) and (P2 - l2)."""
     n = both + only_a + only_b + neither
     z = NormalDist().inv_cdf(0.5 + level / 2)
     hits_b, hits_a = both + only_b, both + only_a
@@ -215,12 +192,11 @@ def paired_comparison(
     ``query_outcomes()`` returned. They must hold the same set of query ids, in any
     order and any split over batches and processes.
 
-    For each K: ``difference`` = R_b - R_a; ``only_a`` / ``only_b`` the queries hit by
-    one model alone; ``p_value`` the exact two-sided McNemar test (a binomial test of
-    ``only_b`` out of the ``only_a + only_b`` discordant queries at 1/2; 1.0 when there
-    are none); ``low`` / ``high`` Newcombe's paired score interval (method 10 of
-    Newcombe, 1998, Statistics in Medicine 17:2635) at ``level``, within [-1, 1].
-    Queries without a valid positive count as ``compute()`` counts them.
+    For each K, a ``PairedComparison``: R_b - R_a, the exact two-sided McNemar test
+    (a binomial test of ``only_b`` out of the ``only_a + only_b`` discordant queries at
+    1/2) and Newcombe's paired score interval (method 10 of Newcombe, 1998, Statistics in
+    Medicine 17:2635) at ``level``. Queries without a valid positive count as
+    ``compute()`` counts them.
 
     Hits must be 0 or 1: under ``ties="expected"`` a query whose hit is a probability
     strictly between 0 and 1 (ties at the boundary) raises a ``ValueError``; compare

@@ -8,21 +8,8 @@ from typing import Any
 
 from torch import Tensor
 
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError as err:  # pragma: no cover - exercised without matplotlib
-        raise ModuleNotFoundError(
-            "plot() needs matplotlib: pip install 'recall-at-k[plot]'"
-        ) from err
-    return plt
-
-
-MARGIN = 0.1
-"""The y-axis reaches this share of the drawn values' span beyond them on each side..."""
-MIN_MARGIN = 0.01
-"""... and at least this much (one value, or values all equal), within [0, 1]."""
+MARGIN = 0.1  # of the drawn values' span, on each side of them...
+MIN_MARGIN = 0.01  # ... and at least this much, within [0, 1]
 
 Curves = Mapping[str, tuple[Sequence[int], Sequence[float]]]
 Bands = Mapping[str, tuple[Sequence[float], Sequence[float]]]
@@ -35,25 +22,18 @@ def plot_curves(
     bands: Bands | None = None,
     labels: Sequence[str] | None = None,
 ) -> tuple[Any, Any]:
-    """Draw Recall@K against K.
+    """Draw Recall@K against K; return ``(fig, ax)`` (a new figure when ``ax`` is None).
 
-    Args:
-        results: one result, as ``{label: (ks, recalls)}`` (one line per label), or a
-            list of results (one per step, for instance per epoch): then every curve of
-            every step is drawn, labelled with its step.
-        ax: an existing matplotlib axis, or ``None`` for a new figure.
-        title: axis title.
-        bands: ``{label: (lows, highs)}`` drawn as shaded bands (confidence intervals).
-        labels: one legend label per result (in place of the step number).
-
-    Returns:
-        ``(fig, ax)``.
+    ``results``: ``{label: (ks, recalls)}`` (one line per label), or a list of them (one
+    per step, labelled by step or by ``labels``); ``bands``: ``{label: (lows, highs)}``.
     """
-    plt = _pyplot()
-    if ax is None:
-        fig, ax = plt.subplots()
-    else:
-        fig = ax.get_figure()
+    try:
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError as err:  # pragma: no cover - exercised without matplotlib
+        raise ModuleNotFoundError(
+            "plot() needs matplotlib: pip install 'recall-at-k[plot]'"
+        ) from err
+    fig, ax = plt.subplots() if ax is None else (ax.get_figure(), ax)
     steps: Sequence[Curves] = [results] if isinstance(results, Mapping) else results
     if labels is not None and len(labels) != len(steps):
         raise ValueError(
@@ -71,8 +51,7 @@ def plot_curves(
             if bands is not None and label in bands:
                 lows, highs = bands[label]
                 ax.fill_between(list(ks), lows, highs, color=line.get_color(), alpha=0.2)
-    all_ks = sorted({k for curves in steps for ks, _ in curves.values() for k in ks})
-    ax.set_xticks(all_ks)
+    ax.set_xticks(sorted({k for curves in steps for ks, _ in curves.values() for k in ks}))
     ax.set_xlabel("K")
     ax.set_ylabel("Recall@K")
     ax.set_ylim(*fitted_limits(ax.dataLim.intervaly))
@@ -84,10 +63,8 @@ def plot_curves(
 
 
 def fitted_limits(drawn: Sequence[float]) -> tuple[float, float]:
-    """y-axis limits around the drawn values' ``(lowest, highest)``: a margin of
-    :data:`MARGIN` of their span (at least :data:`MIN_MARGIN`) on each side, within
-    [0, 1], so that 0.972-0.989 is not drawn as a flat line at the top of 0-1.
-    ``(0, 1)`` when nothing finite was drawn (NaN values)."""
+    """y-axis limits around the drawn values' ``(lowest, highest)``, within [0, 1];
+    ``(0, 1)`` when nothing finite was drawn."""
     low, high = float(min(drawn)), float(max(drawn))
     if not (math.isfinite(low) and math.isfinite(high)) or low > high:
         return 0.0, 1.0
@@ -110,10 +87,8 @@ def _lookup(result: Mapping[str, Any], key: str) -> Any:
 
 
 def values_of(result: Tensor | Mapping[str, Any], keys: Sequence[str]) -> list[float]:
-    """Recall values of one result, in the order of ``keys`` (a scalar is one value).
-
-    Values that Lightning logged (``trainer.callback_metrics``) plot directly.
-    """
+    """Recall values of one result (or of Lightning's logged values), in the order of
+    ``keys`` (a scalar is one value)."""
     if isinstance(result, Tensor):
         return [float(result)]
     return [float(_lookup(result, key)) for key in keys]

@@ -14,10 +14,8 @@ from recall_at_k._types import RecallOutput
 
 
 def format_output(values: Tensor, keys: Sequence[str], single: bool) -> RecallOutput:
-    """A scalar tensor when ``k`` was an int, else a dict keyed by ``keys`` (one per K).
-
-    ``values`` is ``[len(keys)]``, or ``[len(keys), 2]`` for intervals.
-    """
+    """``values`` (``[len(keys)]``, or ``[len(keys), 2]`` for intervals) as a scalar
+    tensor when ``k`` was an int, else a dict keyed by ``keys``."""
     values = values.to(torch.get_default_dtype())
     if single:
         return values[0]
@@ -52,15 +50,8 @@ def no_positive_error(without_pos: int) -> ValueError:
 
 
 def wilson_interval(values: Tensor, counted: int, level: float) -> Tensor:
-    """The Wilson score interval of proportions ``values`` out of ``counted`` trials.
-
-    With z the two-sided normal quantile of ``level``, n = ``counted`` and p a value:
-    centre (p + z^2 / 2n) / (1 + z^2 / n), half-width
-    z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2). NaN rows where n = 0.
-
-    Returns:
-        float64 ``[len(values), 2]``: (low, high) per value.
-    """
+    """float64 ``[len(values), 2]``: the Wilson score interval (low, high) of each
+    proportion of ``values`` out of ``counted`` trials (NaN where there are none)."""
     p = values.to(torch.float64)
     if counted == 0:
         return torch.full((p.shape[0], 2), math.nan, dtype=torch.float64, device=p.device)

@@ -23,8 +23,6 @@ SIMILARITIES: tuple[str, ...] = get_args(SimilarityName)
 EXCLUDES: tuple[str, ...] = get_args(Exclude)
 ROLES: tuple[str, ...] = get_args(Role)
 
+# What compute() returns: a scalar tensor for an int k, else a dict by key.
 RecallOutput = Tensor | dict[str, Tensor]
-"""What ``compute()`` returns: a scalar tensor for an int ``k``, else a dict by key."""
-
-OutputT = TypeVar("OutputT", Tensor, dict[str, Tensor])
-"""The output type a metric instance is built for (``Tensor`` for an int ``k``)."""
+OutputT = TypeVar("OutputT", Tensor, dict[str, Tensor])  # Tensor for an int k

@@ -1,20 +1,14 @@
 """Per-K child metrics, so that Lightning logs every K of one metric automatically.
 
 Lightning's ``self.log`` accepts a ``Metric`` only when its ``compute()`` returns a
-tensor; on steps it logs the batch value of the metric's last ``forward``, and at epoch
-end it calls ``compute()`` (with its own sync), then ``reset()``. A Recall@K metric
-returns a dict of K values, so each metric owns one :class:`RecallView` per output key:
-a state-less ``Metric`` registered as a submodule of the metric (Lightning finds it
-among the module's children) whose ``compute()`` reads the metric's result for its key,
-whose ``forward`` the metric calls with the key's batch value after its own ``forward``,
-and whose ``reset()`` resets the metric. The metric counts once per batch; its views
-only read it.
+tensor, so each metric owns one state-less :class:`RecallView` submodule per output key
+that reads the metric's result (and batch value) for its key and resets the metric.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -31,16 +25,9 @@ class RecallMetric(Metric):
     plot_upper_bound: float = 1.0
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """``Module.__setattr__``, with a shortcut for a plain value (None, a bool, a
-        number or a str) given to an attribute already in the instance's ``__dict__``.
-
-        ``Module.__setattr__`` stores such a value exactly so, after checks for
-        parameters, buffers and submodules that cost several times a small update's
-        arithmetic (torchmetrics' ``update`` and ``forward`` set a few plain flags and
-        counters at every call). The shortcut changes nothing: a registered parameter,
-        buffer or submodule is never in ``__dict__`` (``Module.__getattr__`` finds it
-        only because of that), and a plain value can become none of them.
-        """
+        """``Module.__setattr__``, skipping its costly checks for a plain value (None, a
+        bool, a number or a str) given to an attribute already in ``__dict__``, where it
+        stores it exactly so (parameters, buffers and submodules are never there)."""
         if type(value) in _PLAIN_TYPES and name in self.__dict__:
             object.__setattr__(self, name, value)
         else:
@@ -51,14 +38,9 @@ _PLAIN_TYPES = frozenset({type(None), bool, int, float, str})
 
 
 class RecallView(RecallMetric):
-    """One output of a Recall@K metric, as a ``Metric`` of its own (see ``per_k()``).
-
-    It has no state; ``update`` does nothing (the parent is updated and tells its views);
-    ``compute`` returns ``read(key)``, the parent's result for this key (computed, and
-    synchronised across processes, once for all views); ``reset`` resets the parent.
-    ``forward(value)`` makes ``value`` (the parent's batch value for this key) the
-    view's own batch value, through torchmetrics' ``forward``.
-    """
+    """One output of a Recall@K metric, as a state-less ``Metric`` (see ``per_k()``):
+    ``compute`` returns ``read(key)``, the parent's result for this key; ``reset`` resets
+    the parent; ``forward(value)`` makes ``value`` the view's batch value."""
 
     __jit_unused_properties__: ClassVar[list[str]] = [
         *Metric.__jit_unused_properties__,
@@ -77,12 +59,10 @@ class RecallView(RecallMetric):
 
     @property
     def parent(self) -> Metric:
-        parent: Metric = self.__dict__["_parent"]
-        return parent
+        return cast(Metric, self.__dict__["_parent"])
 
     def update(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to do: the parent counts; it calls this once after it starts counting,
-        so that torchmetrics does not warn that the view computes before an update."""
+        """Nothing: the parent counts (and calls this so that torchmetrics does not warn)."""
 
     def compute(self) -> Tensor:
         if self._batch is not None:
@@ -92,8 +72,7 @@ class RecallView(RecallMetric):
 
     @torch.jit.unused
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """``forward(value)``: torchmetrics' ``forward``, whose batch value is ``value``
-        (the parent's batch value for this key); the parent is not touched."""
+        """``forward(value)``: torchmetrics' ``forward`` with ``value`` as the batch value."""
         (self._batch,) = args
         try:
             return super().forward()
@@ -101,8 +80,7 @@ class RecallView(RecallMetric):
             self._batch = None
 
     def reset(self) -> None:
-        """Reset the parent (which expires every view); within the view's own
-        ``forward``, torchmetrics' reset of the view alone."""
+        """Reset the parent (which expires every view); in the view's own ``forward``, the view."""
         if self._batch is not None:
             super().reset()
         else:

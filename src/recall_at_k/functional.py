@@ -1,7 +1,5 @@
-"""Functional Recall@K: check the options and inputs, then call the kernels.
-
-Each function returns what the corresponding metric's ``compute()`` returns: a scalar
-tensor for an int ``k``, else a dict ``{"recall@K": value}`` in the order given.
+"""Functional Recall@K: what the metrics' ``compute()`` returns, in one call (a scalar
+tensor for an int ``k``, else a dict ``{"recall@K": value}`` in the order given).
 
 Example:
     Ranks [1, 1, 2, 1, 8, 3, 1, 12, 1, 4] give R@1 = 0.5 and R@5 = 0.8:
@@ -211,11 +209,7 @@ def recall_at_k_from_ranks(
         )
     thresholds = torch.tensor(ks, device=ranks.device).unsqueeze(-1)
     hits = ((ranks >= 1) & (ranks <= thresholds)).sum(dim=-1)
-    if ranks.numel() == 0:
-        values = torch.full((len(ks),), float("nan"), device=ranks.device)
-    else:
-        values = hits.to(torch.float64) / ranks.numel()
-    return format_output(values, keys, single)
+    return format_output(hits.to(torch.float64) / ranks.numel(), keys, single)  # 0/0: NaN
 
 
 @overload
@@ -310,12 +304,11 @@ def embedding_recall_at_k(
 ) -> RecallOutput:
     """Recall@K of query embeddings ranked against a gallery, in one call.
 
-    The ranking of ``EmbeddingRecallAtK.compute()`` (the same kernel) for offline
-    evaluation scripts: a query is relevant to gallery items with its label, never
-    retrieves itself, and the ``Q x G`` score matrix is never built (tiles of at most
-    ``chunk_bytes``). ``gallery=None`` is leave-one-out over ``queries`` (metric
-    learning: every item is a query against all the others); otherwise ``queries`` are
-    ranked against ``gallery`` (re-ID query/gallery splits, image -> text retrieval).
+    The ranking of ``EmbeddingRecallAtK.compute()``: a query is relevant to gallery items
+    with its label, never retrieves itself, and the ``Q x G`` score matrix is never built
+    (tiles of at most ``chunk_bytes``). ``gallery=None`` is leave-one-out over
+    ``queries`` (every item is a query against all the others); otherwise ``queries``
+    are ranked against ``gallery`` (re-ID query/gallery splits, image -> text retrieval).
 
     Args:
         queries: float ``[Q, D]``.
@@ -343,8 +336,7 @@ def embedding_recall_at_k(
             tqdm: ``pip install tqdm``).
 
     Example:
-        Leave-one-out over four items of two classes, then two queries against a
-        gallery:
+        Leave-one-out over four items of two classes, then two queries against a gallery:
 
         >>> import torch
         >>> from recall_at_k.functional import embedding_recall_at_k
@@ -365,6 +357,7 @@ def embedding_recall_at_k(
     progress = _progress.check_progress(progress)
     query_names = ("queries", "query_labels", "query_groups", "query_ids")
     _embedding_checks.check_batch(queries, query_labels, query_groups, query_ids, query_names)
+    sides = [(queries, query_labels, query_groups, query_ids)]
     if gallery is None:
         for name, value in (
             ("gallery_labels", gallery_labels),
@@ -376,7 +369,6 @@ def embedding_recall_at_k(
                     f"`{name}` was given without `gallery`: pass `gallery` too, or leave"
                     f" `{name}` out for leave-one-out over `queries`"
                 )
-        sides = [(queries, query_labels, query_groups, query_ids)]
     else:
         if gallery_labels is None:
             raise ValueError("`gallery_labels` are required with `gallery`")
@@ -389,10 +381,7 @@ def embedding_recall_at_k(
                 f"`gallery` must have the width and device of `queries` ({queries.shape[1]},"
                 f" {queries.device}), got {gallery.shape[1]}, {gallery.device}"
             )
-        sides = [
-            (queries, query_labels, query_groups, query_ids),
-            (gallery, gallery_labels, gallery_groups, gallery_ids),
-        ]
+        sides.append((gallery, gallery_labels, gallery_groups, gallery_ids))
     if exclude != "none" and any(side[2] is None for side in sides):
         raise ValueError(
             f"`query_groups` and `gallery_groups` are required with exclude={exclude!r}"
@@ -400,11 +389,10 @@ def embedding_recall_at_k(
     if validate_args:
         for name, side in zip(("queries", "gallery"), sides, strict=False):
             _embedding_checks.check_finite(side[0], name)
-    device = queries.device
     labels, groups, ids, has_id = (
         torch.cat(parts) for parts in zip(*(_side_columns(side) for side in sides), strict=True)
     )
-    is_query = torch.arange(labels.shape[0], device=device) < queries.shape[0]
+    is_query = torch.arange(labels.shape[0], device=queries.device) < queries.shape[0]
     query_role = torch.where(is_query, _plan.QUERY, 0)
     gallery_role = torch.where(is_query if gallery is None else ~is_query, _plan.GALLERY, 0)
     items = _plan.Items(labels, groups, ids, has_id, query_role | gallery_role)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, SupportsIndex, overload
+from typing import Any, ClassVar, SupportsIndex, cast, overload
 
 import torch
 from torch import Tensor
@@ -11,56 +11,30 @@ from torch import Tensor
 from recall_at_k import _dense, _flat, _kernel
 from recall_at_k._base import Histogram, RecallAtKMetric
 from recall_at_k._checks import check_optional_int
-from recall_at_k._outcomes import QueryOutcomes, by_id, from_records
+from recall_at_k._outcomes import QueryOutcomes, from_records
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import EmptyTargetAction, OutputT, Ties
 
 __all__ = ["RetrievalRecallAtK"]
 
 
-def state_tag(ties: str, max_k: int, ignore_index: int | None, complete_queries: bool) -> str:
-    """A suffix that makes state names unique per update-affecting configuration.
-
-    torchmetrics' ``MetricCollection`` merges metrics into one compute group when their
-    state names and values coincide after the first update; two instances whose updates
-    differ (another tie policy, another largest K, another ``ignore_index``, another rule
-    for repeated flat queries) must never share state, so those settings are part of
-    every state name. Settings that only change ``compute`` (the K set below the largest
-    K, ``empty_target_action``, ``key``) may share: each instance then computes its own
-    result from the same state.
-    """
-    tag = f"{ties}_k{max_k}"
-    if ignore_index is not None:
-        tag += f"_ignore{ignore_index}".replace("-", "m")
-    if complete_queries:
-        tag += "_complete"
-    return tag
-
-
 class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     r"""Recall@K for several K at once, exact, in constant memory.
 
-    The same number as torchmetrics' ``RetrievalHitRate(top_k=k)`` on data without tied
-    scores -- the share of queries with a true match in their top K -- not torchmetrics'
-    ``RetrievalRecall`` (the fraction of a query's positives retrieved). Ties follow
-    ``ties``, never sort order; negative and zero scores rank like any other.
+    The share of queries with a true match in their top K: torchmetrics'
+    ``RetrievalHitRate(top_k=k)`` on data without tied scores, not ``RetrievalRecall``
+    (the fraction of a query's positives retrieved). Ties follow ``ties``, never sort
+    order; negative and zero scores rank like any other.
 
-    ``update(preds, target, indexes=None, *, ignore=None, query_ids=None)`` has
-    torchmetrics' retrieval signature, so the metric is called like ``RetrievalHitRate``,
-    positionally or by keyword, alone or in a ``MetricCollection``. Two input forms:
+    ``update`` has torchmetrics' retrieval signature (positional or keyword, alone or
+    in a ``MetricCollection``) and takes two input forms:
 
-    - dense (``indexes=None``): ``preds`` float ``[Q, G]`` scores, one row per complete
-      query; ``target`` a bool / 0-1 integer or float ``[Q, G]`` mask or an integer ``[Q]``
-      column of the single true item (-1: none); optional bool ``[Q, G]`` ``ignore``.
-      The state is a histogram of first-hit ranks 1..max K plus two query counts (int64,
-      exact far past 2**31 queries), summed across processes: its size does not depend
-      on Q or G. ``query_ids`` (int64 ``[Q]``) counts a query id seen again once
-      (DistributedSampler padding) at O(Q) state.
-    - flat (``indexes`` given): 1-D ``preds``, ``target`` and ``indexes`` (any int64
-      query ids) of equal length, torchmetrics' retrieval convention. A query's items
-      may arrive over several calls and processes; each query keeps only its best valid
-      positive and its top max K valid negatives (plus a count of negatives tied at the
-      boundary), so the state is O(queries x max K), never O(items).
+    - dense (``indexes=None``): ``[Q, G]`` scores of complete queries. The state, a
+      histogram of first-hit ranks 1..max K and two int64 query counts summed across
+      processes, does not grow with Q or G (O(Q) with ``query_ids``).
+    - flat (``indexes`` given): (query, item) pairs, a query's items over any calls and
+      processes. Each query keeps its best valid positive and top max K valid negatives
+      (and a count of negatives tied at the boundary): O(queries x max K), never O(items).
 
     Args:
         k: an int (``compute`` returns a scalar tensor, so ``self.log("val/r1", metric)``
@@ -71,15 +45,13 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             (``"neg"``), a hit (``"pos"``), not at all (``"skip"``) or raises at
             ``compute`` (``"error"``).
         ignore_index: flat form: items whose target equals it are dropped.
-        validate_args: check input values (NaN, target range). Those checks read values
-            on the host; with ``False`` the dense update never synchronises with the
-            device.
+        validate_args: check input values (NaN, target range), which reads them on the
+            host; with ``False`` the dense update never synchronises with the device.
         key: template of the result's keys, ``"recall@{k}"`` by default (for example
             ``"recall_at_{k}"`` for loggers that reject ``@``, or ``"R{k:02d}"``).
         complete_queries: flat form: every update holds all the items of each query id
             it contains (as a query-indexed dataset yields them), so a query id that comes
-            again -- DistributedSampler padding, on this or another process -- is a
-            repeat and counts once. The state stays O(queries x max K).
+            again (DistributedSampler padding, on any process) is a repeat and counts once.
         metric_kwargs: torchmetrics' own (``sync_on_compute``, ``process_group``, ...).
 
     Example:
@@ -105,18 +77,11 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         "query_counts",
     ]
 
+    # Private switches for tests; every value gives the same counts.
     _dense_block_bytes: int = _dense.CPU_BLOCK_BYTES
-    """Bytes of scores per block of rows on the CPU mask path (a private switch for
-    tests; every block size gives the same counts)."""
     _dense_small_batch: int = _dense.SMALL_BATCH
-    """Dense batches of at most this many scores take the paths with the fewest tensor
-    operations (a private switch for tests; every choice gives the same counts)."""
     _flat_path: _flat.SegmentPath = "auto"
-    """How the flat form finds each query's top K (a private switch for tests; every
-    path gives the same counts)."""
     _flat_slack: int | None = None  # None: _flat.compact_slack(max_k)
-    """Rows the flat state may grow by before it is compacted (a private switch for
-    tests; every slack gives the same counts)."""
 
     @overload
     def __init__(
@@ -168,43 +133,39 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         )
         self.ignore_index = check_optional_int("ignore_index", ignore_index)
         self.complete_queries = bool(complete_queries)
-        tag = state_tag(ties, self.max_k, self.ignore_index, self.complete_queries)
+        # State names carry the settings that change update(): instances whose updates
+        # differ must never share a MetricCollection compute group.
+        tag = f"{ties}_k{self.max_k}"
+        if self.ignore_index is not None:
+            tag += f"_ignore{self.ignore_index}".replace("-", "m")
+        if self.complete_queries:
+            tag += "_complete"
         self._needed_counts = _kernel.needed_counts(self.ties)
         expected = ties == "expected"
-        self._hist_name = f"rank_hist_{tag}"
-        self._queries_name = f"query_count_{tag}"
-        hist_dtype = torch.float64 if expected else torch.int64
-        self._add_count_state(self._hist_name, torch.zeros(self.max_k, dtype=hist_dtype))
+        self._hist_name, self._queries_name = f"rank_hist_{tag}", f"query_count_{tag}"
+        hist = torch.zeros(self.max_k, dtype=torch.float64 if expected else torch.int64)
+        self._add_count_state(self._hist_name, hist)
         self._add_count_state(self._queries_name, torch.zeros(2, dtype=torch.int64))
-        # Flat form: blocks of per-query partial rows (int64 [rows, 5 + max K], see
-        # recall_at_k._flat), concatenated across processes and merged by query id.
+        # Flat form: blocks of per-query partial rows (recall_at_k._flat), merged by id.
         self._flat_name = f"flat_partials_{tag}"
         self._add_list_state(
             self._flat_name, ListLayout((_flat.ROW_PREFIX + self.max_k,), torch.int64)
         )
-        # Dense form with query_ids: one outcome record a query (O(Q)), de-duplicated by
-        # id at compute, so DistributedSampler's padded repeats count once.
-        self._ids_name = f"query_ids_{tag}"
-        self._outcomes_name = f"query_outcomes_{tag}"
+        # Dense form with query_ids: one outcome record a query, de-duplicated by id.
+        self._ids_name, self._outcomes_name = f"query_ids_{tag}", f"query_outcomes_{tag}"
         self._add_list_state(self._ids_name, ListLayout((), torch.int64))
-        outcome_layout = (
-            ListLayout((self.max_k + 1,), torch.float64)
-            if expected
-            else ListLayout((), torch.int64)
-        )
-        self._add_list_state(self._outcomes_name, outcome_layout)
+        record = ((self.max_k + 1,), torch.float64) if expected else ((), torch.int64)
+        self._add_list_state(self._outcomes_name, ListLayout(*record))
 
     @property
     def rank_histogram(self) -> Tensor:
         """``[max K]``: (expected) number of dense queries whose first hit is at rank r."""
-        hist: Tensor = getattr(self, self._hist_name)
-        return hist
+        return cast(Tensor, getattr(self, self._hist_name))
 
     @property
     def query_counts(self) -> Tensor:
         """int64 ``[2]``: dense queries with a valid positive, queries without."""
-        queries: Tensor = getattr(self, self._queries_name)
-        return queries
+        return cast(Tensor, getattr(self, self._queries_name))
 
     def update(
         self,
@@ -224,17 +185,15 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 ``[Q]`` true column (``-1``: no true item in this gallery). Flat: bool /
                 0-1 integer or float ``[N]`` relevance of each item; items whose target
                 equals ``ignore_index`` are dropped first.
-            indexes: flat form: integer ``[N]`` query id of each item (torchmetrics'
-                retrieval convention; any int64 value). Ids are global: the same id in
-                another call or on another process is the same query. Flat ids are
-                independent of dense rows, which are always complete queries of their own.
+            indexes: flat form: integer ``[N]`` query id of each item (any int64 value).
+                Ids are global: the same id in another call or process is the same query.
+                Flat ids are independent of dense rows, always complete queries of their own.
             ignore: dense only: optional bool ``[Q, G]``: items neither positive nor
                 negative (the query's own column, same-instance items, ...).
             query_ids: dense only: optional integer ``[Q]`` id of each query row: a query
-                id seen again (DistributedSampler pads the last batch with repeats, on
-                this or another process) counts once, with the outcome of its first row.
-                Costs O(Q) state instead of O(max K); the rows of one id must be the
-                same query.
+                id seen again (DistributedSampler's padded repeats, on any process) counts
+                once, with the outcome of its first row. Costs O(Q) state instead of
+                O(max K); the rows of one id must be the same query.
 
         Example:
             Query 0's items arrive over two calls:
@@ -251,7 +210,24 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         """
         self._touch_views()
         if indexes is not None:
-            self._update_flat(preds, target, indexes, ignore, query_ids)
+            if query_ids is not None:
+                raise ValueError(
+                    "`query_ids` is for the dense form; in the flat form `indexes` already"
+                    " are the query ids (for padded repeats pass complete_queries=True)"
+                )
+            rows = _flat.flat_partials(
+                preds,
+                target,
+                indexes,
+                ignore,
+                max_k=self.max_k,
+                ignore_index=self.ignore_index,
+                validate_args=self.validate_args,
+                path=self._flat_path,
+            )
+            if rows is not None:
+                getattr(self, self._flat_name).append(rows)
+                self._compact_flat()
             return
         if isinstance(preds, Tensor) and preds.dim() == 1:
             raise ValueError(
@@ -280,91 +256,48 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         getattr(self, self._ids_name).append(query_ids.to(torch.int64, copy=True))
         getattr(self, self._outcomes_name).append(outcomes)
 
-    def _update_flat(
-        self,
-        preds: Tensor,
-        target: Tensor,
-        indexes: Tensor,
-        ignore: Tensor | None,
-        query_ids: Tensor | None,
-    ) -> None:
-        if query_ids is not None:
-            raise ValueError(
-                "`query_ids` is for the dense form; in the flat form `indexes` already are"
-                " the query ids (for padded repeats pass complete_queries=True)"
-            )
-        rows = _flat.flat_partials(
-            preds,
-            target,
-            indexes,
-            ignore,
-            max_k=self.max_k,
-            ignore_index=self.ignore_index,
-            validate_args=self.validate_args,
-            path=self._flat_path,
-        )
-        if rows is not None:
-            state: list[Tensor] = getattr(self, self._flat_name)
-            state.append(rows)
-            self._compact_flat()
-
     def _compact_flat(self) -> None:
         state = getattr(self, self._flat_name)
         if not isinstance(state, list) or not state:
             return
-        # The state's row count, carried over from the last call while the list is the
-        # same one grown by one block (torchmetrics replaces the list on sync, forward
-        # and device moves, and empties it in place on reset); counted again otherwise.
-        # Recorded at every call, so that an emptied list never matches. Only ids,
-        # which keep nothing alive and pickle: the list's and its last block's. (A
-        # wrong count would only move the next compaction, never change a result.)
-        known = self.__dict__.get("_flat_rows")
-        if (
+        # The row count, carried over while the list is the same one grown by one block
+        # (torchmetrics replaces it on sync, forward and moves, empties it on reset),
+        # recorded by ids (they keep nothing alive). A wrong count only moves a merge.
+        known: Any = self.__dict__.get("_flat_rows")
+        grown = (
             known is not None
-            and known[0] == id(state)
-            and known[1] == len(state) - 1
-            and id(state[-2]) == known[3]
-        ):
-            rows = known[2] + state[-1].shape[0]
-        else:
-            rows = sum(block.shape[0] for block in state)
+            and known[:2] == (id(state), len(state) - 1)
+            and known[3] == id(state[-2])
+        )
+        rows = known[2] + state[-1].shape[0] if grown else sum(b.shape[0] for b in state)
         compacted = _flat.compact(
-            state,
-            self.max_k,
-            self.complete_queries,
-            path=self._flat_path,
-            slack=self._flat_slack,
-            rows=rows,
+            state, self.max_k, self.complete_queries, self._flat_path, self._flat_slack, rows
         )
         if compacted is not state:
-            # A plain attribute (as torchmetrics keeps list states): object.__setattr__
-            # skips Module's checks, a sizeable part of a small update's cost.
+            # A plain attribute, as torchmetrics keeps list states (skips Module's checks).
             object.__setattr__(self, self._flat_name, compacted)
             rows = sum(block.shape[0] for block in compacted)
-        if not compacted:
-            return
-        known = (id(compacted), len(compacted), rows, id(compacted[-1]))
-        object.__setattr__(self, "_flat_rows", known)
+        if compacted:
+            known = (id(compacted), len(compacted), rows, id(compacted[-1]))
+            object.__setattr__(self, "_flat_rows", known)
 
     def _after_forward(self) -> None:
-        # forward updates a fresh state and concatenates it onto the accumulated one, so
-        # the compaction in update never sees the whole flat state; do it here.
+        # forward concatenates a fresh state onto the accumulated one: compact it here.
         self._compact_flat()
+
+    def _flat_counts(self) -> tuple[Tensor, _kernel.TieCounts] | None:
+        state = getattr(self, self._flat_name)
+        return _flat.flat_tie_counts(state, self.max_k, self.complete_queries, path=self._flat_path)
 
     def _histograms(self) -> list[Histogram]:
         hist, queries = self.rank_histogram, self.query_counts
-        flat = _flat.flat_rank_histogram(
-            getattr(self, self._flat_name),
-            self.ties,
-            self.max_k,
-            self.complete_queries,
-            path=self._flat_path,
-        )
-        if flat is not None:
-            hist, queries = hist + flat[0], queries + flat[1]
-        deduplicated = self._deduplicated_histogram()
-        if deduplicated is not None:
-            hist, queries = hist + deduplicated[0], queries + deduplicated[1]
+        flat, dense = self._flat_counts(), self._dense_records()
+        for more in (
+            None if flat is None else _kernel.rank_histogram(flat[1], self.ties, self.max_k),
+            None if dense is None else _kernel.histogram_of(dense[1], self.max_k),
+        ):
+            if more is not None:
+                hist, queries = hist + more[0], queries + more[1]
         return [(hist, queries)]
 
     def query_outcomes(self) -> QueryOutcomes:
@@ -372,10 +305,9 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
 
         The ids are the flat form's ``indexes`` or the dense form's ``query_ids`` (a
         repeated id counts once, as in ``compute()``), ascending; ``hits.mean(0)`` is
-        ``compute()``'s Recall@K. The flat state already is one row per query; the
-        dense form keeps one record per query only when ``update`` is given
-        ``query_ids`` (O(Q) state; without them the state is a histogram of O(max K)
-        and this raises a ``ValueError``). See :class:`recall_at_k.QueryOutcomes`.
+        ``compute()``'s Recall@K. The dense form keeps one record per query only when
+        ``update`` is given ``query_ids`` (O(Q) state); without them this raises a
+        ``ValueError``. See :class:`recall_at_k.QueryOutcomes`.
 
         Example:
             >>> import torch
@@ -402,13 +334,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 " rank histogram, not one record per query); pass"
                 " `update(scores, target, query_ids=ids)`"
             )
-        flat = _flat.flat_outcomes(
-            getattr(self, self._flat_name),
-            self.ties,
-            self.max_k,
-            self.complete_queries,
-            path=self._flat_path,
-        )
+        flat = self._flat_counts()
         dense = self._dense_records()
         if flat is not None and dense is not None:
             raise ValueError(
@@ -416,37 +342,27 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 " flat items (ids from `indexes`), which are independent ids; give each"
                 " input form a metric of its own"
             )
-        ids, records = flat or dense or self._no_records()
+        if flat is not None:
+            ids, records = flat[0], _kernel.query_outcomes(flat[1], self.ties, self.max_k)
+        elif dense is not None:
+            ids, records = dense
+        else:
+            ids = torch.zeros(0, dtype=torch.int64, device=self.query_counts.device)
+            records = ids.clone()
+            if self.ties == "expected":
+                records = torch.zeros(0, self.max_k + 1, dtype=torch.float64, device=ids.device)
         keys = None if self.single_k else self.output_keys
         return from_records(ids, records, self.ks, self.max_k, self.empty_target_action, keys)
 
     def _dense_records(self) -> tuple[Tensor, Tensor] | None:
-        """The dense records kept with ``query_ids``, sorted by id, each id once."""
-        kept = self._kept_ids_and_outcomes()
-        return None if kept is None else by_id(*kept)
-
-    def _kept_ids_and_outcomes(self) -> tuple[Tensor, Tensor] | None:
-        """The ``query_ids`` and outcomes kept by dense updates (one tensor each, local
-        blocks joined when not synchronised), or None when there are none."""
+        """The ``query_ids`` and outcomes kept by dense updates, sorted by id, each id
+        once (padded repeats), or None when there are none."""
         ids, outcomes = getattr(self, self._ids_name), getattr(self, self._outcomes_name)
         if isinstance(ids, list):  # not synchronised: still this process's list of blocks
-            ids = torch.cat(ids) if ids else None
-            outcomes = torch.cat(outcomes) if outcomes else None
-        if ids is None or ids.numel() == 0:
+            if not ids:
+                return None
+            ids, outcomes = torch.cat(ids), torch.cat(outcomes)
+        if ids.numel() == 0:
             return None
-        return ids, outcomes
-
-    def _no_records(self) -> tuple[Tensor, Tensor]:
-        ids = torch.zeros(0, dtype=torch.int64, device=self.query_counts.device)
-        if self.ties == "expected":
-            return ids, torch.zeros(0, self.max_k + 1, dtype=torch.float64, device=ids.device)
-        return ids, ids.clone()
-
-    def _deduplicated_histogram(self) -> tuple[Tensor, Tensor] | None:
-        """Histogram of the outcomes recorded with query_ids, each id counted once."""
-        kept = self._kept_ids_and_outcomes()
-        if kept is None:
-            return None
-        ids, outcomes = kept
         keep = _kernel.first_of_each_id(ids)
-        return _kernel.histogram_of(outcomes[keep], self.max_k)
+        return ids[keep], outcomes[keep]

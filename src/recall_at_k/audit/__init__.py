@@ -1,14 +1,8 @@
 """The protocol audit of :class:`recall_at_k.EmbeddingRecallAtK`: pure functions, no Metric.
 
-Per direction it counts the queries whose gallery holds a non-ignored item, another
-sample, bitwise equal to them (``identical_positive`` / ``identical_negative``: of their
-label / another) or else equal up to float rounding (``rounding_*``), and the gallery
-items equal to an earlier one (``duplicate_gallery_items``, ``rounding_duplicate_...``);
-the ranking counts the ``near_*`` keys in its tiles, these copies passed in as known.
-:mod:`~recall_at_k.audit.bitwise`: classes of bitwise-equal rows, codes, sorts in parts;
-:mod:`~recall_at_k.audit.rounding`: classes equal up to rounding;
-:mod:`~recall_at_k.audit.report`: the counts, the report, the warning;
-:mod:`~recall_at_k.audit.sharded`: the codes of rows held by several processes."""
+Per direction, the queries whose gallery holds a non-ignored item, another sample,
+bitwise equal to them (``identical_*``) or equal up to float rounding (``rounding_*``),
+and the gallery items equal to an earlier one; the ranking counts the ``near_*`` keys."""
 
 from __future__ import annotations
 
@@ -21,10 +15,9 @@ from torch import Tensor
 
 from recall_at_k import _collectives as collectives
 from recall_at_k.audit import sharded
-from recall_at_k.audit.report import AuditOptions as AuditOptions
+from recall_at_k.audit.report import AuditOptions, audit_direction
 from recall_at_k.audit.report import Codes as Codes
 from recall_at_k.audit.report import DirectionAudit as DirectionAudit
-from recall_at_k.audit.report import audit_direction
 from recall_at_k.audit.report import counted_queries as counted_queries
 from recall_at_k.audit.report import protocol_reports as protocol_reports
 from recall_at_k.audit.report import warning_message as warning_message
@@ -58,9 +51,8 @@ def check_near_duplicate(value: object) -> float | None:
 def codes(
     embeddings: Tensor, labels: Tensor, groups: Tensor | None, sizes: budget.AuditSizes
 ) -> Codes:
-    """The keys the audit counts with, of the rows of ``embeddings`` ``[N, D]`` (bit
-    patterns as stored) and their ``labels`` / ``groups`` ``[N]`` (None: no group codes):
-    :func:`sharded_codes` of one process on its own."""
+    """:func:`sharded_codes` of one process's ``embeddings`` ``[N, D]`` and their
+    ``labels`` / ``groups`` ``[N]`` (None: no group codes)."""
     shard = sharded.Shard([embeddings], [embeddings.shape[0]], False, sizes, embeddings.device)
     return shard.codes(labels, groups)
 
@@ -70,10 +62,9 @@ def audit_directions(
     directions: Sequence[Any],
     options: AuditOptions,
 ) -> list[DirectionAudit | None]:
-    """The audit of each direction (None where it is None; a direction with the sides of
-    the one before, once). ``stored``: the embeddings ``[N, D]`` and metadata ``[N, >= 2]``
-    (label, group first), or a function making their :func:`codes` (a sharded gallery's);
-    ``directions``: ``((query rows, identity), (gallery rows, identity))`` or None each."""
+    """The audit of each direction ``((query rows, identity), (gallery rows, identity))``
+    or None, of ``stored`` embeddings ``[N, D]`` and metadata ``[N, >= 2]`` (label, group
+    first), or of a function making their :func:`codes` (a sharded gallery's)."""
     if all(sides is None for sides in directions):
         return [None for _ in directions]
     if callable(stored):

@@ -1,9 +1,7 @@
 """Classes of bitwise-equal rows, and the integer codes and sorts the audit counts with.
 
-Each row's bits get a 62-bit hash (:func:`hash_words`); the items of one hash form a run
-and each is compared bit for bit with its run's first item (:func:`bitwise_classes`),
-so the classes are exact whatever the hash. O(N log N + N D): sorts run in parts
-(:func:`sorted_parts`), rows are read a block at a time (:func:`in_blocks`), never whole.
+Rows are hashed, and each item compared bit for bit with the first of its hash's run, so
+the classes are exact whatever the hash. Sorts run in parts, rows a block at a time.
 """
 
 from __future__ import annotations
@@ -18,15 +16,13 @@ from recall_at_k._kernel import Workspace
 from recall_at_k.ranking.budget import AuditSizes
 from recall_at_k.ranking.workers import Workers, worker_count
 
-CODE32_LIMIT = 2**31 - 1
-"""Codes of up to this many items are int32 (the dtype's range), int64 beyond."""
+CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
 
+# The hash's sums are taken modulo this prime: up to 2^15 terms below 2^37 sum exactly
+# in float64, in any order.
 HASH_PRIME = 2**21 - 9
-"""The hash's sums are taken modulo this prime; a sum of up to 2^15 terms (each below
-2^37) is an integer below 2^53, exact in float64 in any order."""
 
-ROWS_SLOT = "audit_rows"
-"""The workspace slot of a block's float64 rows (the hash's, then the projections')."""
+ROWS_SLOT = "audit_rows"  # the workspace slot of a block's float64 rows
 
 
 def code_dtype(num: int) -> torch.dtype:
@@ -42,11 +38,9 @@ def in_blocks(
     sizes: AuditSizes,
     device: torch.device,
 ) -> None:
-    """``task(rows, workspace)`` for blocks of the ``num`` rows, each thread's share of
-    ``total`` bytes at ``row_bytes`` a row (smaller where a thread would get under
-    ``blocks_per_worker`` blocks), on the ranking's worker threads: ``torch.get_num_threads()``
-    on CPU, each running torch on one thread with its own scratch, freed after; the caller
-    alone elsewhere. A block's result depends on its rows alone: the same for every count."""
+    """``task(rows, workspace)`` for blocks of the ``num`` rows (``total`` bytes a thread at
+    ``row_bytes`` a row, at least ``blocks_per_worker`` blocks a thread), on the ranking's
+    worker threads; a block's result depends on its rows alone."""
     count = worker_count(device)
     step = max(1, total // max(1, count * row_bytes))
     if count > 1:
@@ -54,16 +48,12 @@ def in_blocks(
     pool: Workers[Callable[[Workspace], None], None]
     pool = Workers(lambda block, workspace: block(workspace), count, Workspace())
     with pool:
-        for _ in pool.map(
-            functools.partial(task, slice(at, at + step)) for at in range(0, num, step)
-        ):
-            pass
+        list(pool.map(functools.partial(task, slice(at, at + step)) for at in range(0, num, step)))
 
 
 def words(rows: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The bits of float ``rows`` ``[m, D]`` (widened exactly to ``dtype``) as int16 words
-    ``[m, W]``; a row-major copy where they are not (stored views have any strides: a
-    single row of width 1 too, which ``contiguous()`` leaves as it is)."""
+    ``[m, W]``, of a row-major copy where the rows are not row-major."""
     rows = rows if dtype is None else rows.to(dtype)
     if rows.stride(-1) != 1 or not rows.is_contiguous():
         rows = rows.clone(memory_format=torch.contiguous_format)
@@ -76,10 +66,8 @@ def same_bits(first: Tensor, second: Tensor) -> Tensor:
 
 
 def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
-    """int64 ``[m]``: the hash of each row of int16 words ``bits``: three sums of its words
-    (shifted to ``[0, 2^16)``) times fixed coefficients below :data:`HASH_PRIME` ``p``,
-    each modulo ``p``, as ``(k0 p + k1) p + k2``; a float64 product of integers, exact in
-    any order, blocking, device or process."""
+    """int64 ``[m]``: each row's hash, three sums of its words times fixed coefficients
+    modulo :data:`HASH_PRIME` (exact float64 integers: the same in any order or place)."""
     generator = torch.Generator().manual_seed(20261203)
     coefficients = torch.randint(1, HASH_PRIME, (bits.shape[1], 3), generator=generator)
     coefficients = coefficients.to(device=bits.device, dtype=torch.float64)
@@ -99,8 +87,7 @@ def hash_rows(
     sizes: AuditSizes,
     device: torch.device,
 ) -> Tensor:
-    """int64 ``[num]``: the :func:`hash_words` of the bits of the rows ``rows_of(part)``,
-    a block at a time (``row_bytes`` a row: its float64 words and its copy)."""
+    """int64 ``[num]``: the :func:`hash_words` of the rows ``rows_of(part)``, in blocks."""
     out = torch.empty(num, dtype=torch.int64, device=device)
 
     def hash_block(part: slice, workspace: Workspace) -> None:
@@ -113,14 +100,10 @@ def hash_rows(
 def bitwise_classes(
     hashes: Tensor, same: Callable[[Tensor, Tensor], Tensor], sizes: AuditSizes
 ) -> tuple[Tensor, Tensor]:
-    """``[N]`` codes: the classes of bitwise-equal items, ``0..C-1`` in the order of each
-    class's first item; and ``[C]`` those first items.
-
-    ``hashes``: int64 ``[N]``, each item's row hash (freed once coded). ``same(items,
-    firsts)``: bool per pair of int64 item indices, whether their rows have the same bits,
-    called with the same pairs wherever ``hashes`` is the same (for a collective). Items
-    are walked ``candidate_pairs`` at a time; those unequal to their run's first (a hash
-    collision) leave it together and only they are compared again, with their own first."""
+    """``[N]`` codes of the classes of bitwise-equal items, ``0..C-1`` in the order of each
+    class's first item, and ``[C]`` those first items, from each item's row hash and
+    ``same(items, firsts)`` (bool per pair: the same bits; a collective's, called alike
+    wherever ``hashes`` is). Items unequal to their run's first leave it together."""
     num, device = hashes.shape[0], hashes.device
     run = code(hashes, sizes)
     del hashes
@@ -155,11 +138,8 @@ def first_items(codes: Tensor, sizes: AuditSizes) -> Tensor:
 
 def sorted_parts(keys: Tensor, sizes: AuditSizes) -> Iterator[tuple[Tensor, Tensor]]:
     """The stable ascending sort of integer ``keys`` ``[N]`` in consecutive parts ``(order,
-    values)``, about ``sort_items`` items each where the keys allow, equal keys in one.
-
-    The ranges come from a regular sample of the keys: a key that fills a range alone is a
-    part of its own, its values one key broadcast (every item of a collapsed model);
-    between such keys, the keys strictly between. A part costs a pass over the keys."""
+    values)`` of about ``sort_items`` items, split at sampled keys; each splitter's items
+    are a part of their own, its values one key broadcast."""
     num = keys.shape[0]
     if num <= sizes.sort_items:
         values, order = torch.sort(keys, stable=True)
@@ -216,8 +196,7 @@ def code(values: Tensor, sizes: AuditSizes) -> Tensor:
 
 
 def pair_code(first: Tensor, second: Tensor, sizes: AuditSizes) -> Tensor:
-    """The code of each pair of codes (``[N]`` each, in ``[0, N)``), in ``[0, N)`` (made of
-    an int32 key where the pairs fit one)."""
+    """The code in ``[0, N)`` of each pair of codes (``[N]`` each, in ``[0, N)``)."""
     if first.numel() == 0:
         return first.clone()
     radix = int(second.max()) + 1

@@ -1,8 +1,6 @@
 """Per direction, the queries with copies in their gallery and the gallery's duplicates;
-the report dicts and the warning. A query's gallery items of class ``c`` are counted by
-binary search in the gallery's sorted keys, the ignore rules by inclusion-exclusion: for
-its own class (identical items), each class equal to it up to rounding (none on ordinary
-data) or any class (the counted queries). O(N log N), no pairs of items."""
+the report dicts and the warning. Items are counted by binary search in the gallery's
+sorted keys, the ignore rules by inclusion-exclusion: no pairs of items."""
 
 from __future__ import annotations
 
@@ -74,8 +72,7 @@ def audit_direction(keys: Codes, sides: Any, options: AuditOptions) -> Direction
 
     def present(klass: Tensor, pairs: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """bool ``[Q]`` twice: the queries whose gallery holds a non-ignored item, another
-        sample, of class ``c`` (of ``klass``) for one of their ``pairs`` (query, int64
-        ``c``), of the query's label / of another."""
+        sample, of class ``c`` for one of their ``pairs`` (query, c), of their label / not."""
 
         def table(more: Tensor | None = None) -> Tensor:  # the gallery's sorted keys
             key = klass[g_rows].to(torch.int64)
@@ -139,9 +136,8 @@ def audit_direction(keys: Codes, sides: Any, options: AuditOptions) -> Direction
 
 
 def own_samples(sides: Any, num: int, sizes: AuditSizes) -> tuple[Tensor, Tensor]:
-    """The query's own sample in the gallery (the ranking ignores it), found through a
-    sort of the gallery's identities: bool ``[Q]`` whether it is there, and its row
-    (:func:`code_dtype` of ``num``; the query's row where it is not)."""
+    """bool ``[Q]``: whether the query's own sample is in the gallery, and its row (the
+    query's row where it is not), through a sort of the gallery's identities."""
     (q_rows, q_identity), (g_rows, g_identity) = sides
     dtype = code_dtype(num)
     if g_identity.shape[0] == 0 or q_identity.shape[0] == 0:
@@ -191,11 +187,10 @@ def protocol_reports(
     counted: Sequence[int | None],
     options: AuditOptions,
 ) -> list[dict[str, int]]:
-    """The report of each direction, its keys in the documented order (the same on every
-    process: its parts are), from its audit (None: without queries or gallery), the
-    ranking's near counts (positive, negative, negative without a valid positive, hits at
-    1, summed over processes; None: none) and the queries ``compute()`` counted (None:
-    counted here)."""
+    """The report of each direction, keys in the documented order, from its audit (None:
+    nothing ranked), the ranking's near counts (positive, negative, negative without a
+    valid positive, hits at 1; None: none) and ``compute()``'s counted queries (None:
+    from the audit)."""
     reports, counts_all = [], options.empty_target_action not in ("skip", "error")
     for audit, found, queries in zip(audits, near, counted, strict=True):
         if queries is None:
@@ -227,8 +222,7 @@ def warning_message(
     names: Sequence[str], reports: Sequence[dict[str, int]], directions: Sequence[Any]
 ) -> str | None:
     """The warning about identical positives, duplicate gallery items or their rounding
-    copies, or None. ``names``: the direction names (``""`` for one direction);
-    ``directions``: each direction's sides, or None."""
+    copies (None: nothing to warn about), per direction name and sides."""
     findings = []
     for name, found, sides in zip(names, reports, directions, strict=False):
         gallery = 0 if sides is None else int(sides[1][0].shape[0])

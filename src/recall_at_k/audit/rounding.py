@@ -1,9 +1,8 @@
 """Copies equal up to float rounding: the pairs of bitwise classes that are such copies.
 
-Each class's first row, normalised, is projected on random directions and placed in a
-grid whose cells are as wide as a copy's projections can differ, whatever their rounding:
-a copy lies in the same or a neighbouring cell. One sort finds these few candidates, each
-checked by the definition (:func:`within`). O(N D), a sort in parts, O(candidates x D)."""
+Each class's first row, normalised, is projected on random directions into a grid whose
+cells are as wide as a copy's projections can differ: a copy lies in the same or a
+neighbouring cell. The candidates found by one sort are checked by :func:`within`."""
 
 from __future__ import annotations
 
@@ -30,14 +29,9 @@ IN_ORDER_MARGIN = 2.0**-30
 """Pairs whose sums in any order lie within this relative distance of the boundary are
 summed again in the fixed order (any order is within ``gamma64_D`` of it, far below)."""
 
-PROJECTIONS = 3
-"""The grid's dimensions: a row's first projections."""
-
-FILTERS = 8
-"""Projections in all: a candidate is checked only when every projection is within a cell."""
-
-NOT_FINITE = 2**63 - 1
-"""The cell key of a row that is not finite (it has no copies): above every other."""
+PROJECTIONS = 3  # the grid's dimensions: a row's first projections
+FILTERS = 8  # projections in all: a candidate is checked when each is within a cell
+NOT_FINITE = 2**63 - 1  # the cell key of a row that is not finite (no copies)
 
 
 class Grid(NamedTuple):
@@ -49,9 +43,8 @@ class Grid(NamedTuple):
 
 
 def grid(width: int, device: torch.device) -> Grid:
-    """The projections of rows of ``width`` (fixed, the same everywhere) and the cell: a
-    copy's distance in a projection of the unit rows, ``|w| 2 tau / (1 - tau)``
-    (Cauchy-Schwarz), widened by 2^-20 and a float64 rounding term a step."""
+    """The fixed projections of rows of ``width`` and the cell: a copy's largest distance
+    in a projection of the unit rows, ``|w| 2 tau / (1 - tau)``, widened for rounding."""
     generator = torch.Generator().manual_seed(20261204)
     weights = torch.randn((width, FILTERS), generator=generator, dtype=torch.float64)
     rounding = 8 * (width + 2) * 2.0**-53 / (1 - (width + 2) * 2.0**-53)
@@ -85,10 +78,8 @@ def project(grid: Grid, rows: Tensor, scratch: Tensor) -> Tensor:
 
 
 class Places(NamedTuple):
-    """Each class's place in the grid, 10 bytes: the cell of its first PROJECTIONS
-    projections as one int64 key (NOT_FINITE: no copies), and each other projection's cell
-    index modulo 8, three bits each, in an int16 (a copy's differ by 7, 0 or 1: a weaker
-    filter than the projections, as sound)."""
+    """Each class's place in the grid: the cell of its first PROJECTIONS projections as an
+    int64 key (NOT_FINITE: no copies), the other cells modulo 8 in three bits each."""
 
     key: Tensor  # int64 [C]
     others: Tensor  # int16 [C]
@@ -102,8 +93,7 @@ def place_rows(
     sizes: AuditSizes,
     device: torch.device,
 ) -> Places:
-    """The places of the rows ``rows_of(part)`` (``row_bytes`` a row with its float64
-    copy), projected ``project_bytes`` at a time."""
+    """The places of the rows ``rows_of(part)``, projected ``project_bytes`` at a time."""
     places = Places(
         torch.empty(num, dtype=torch.int64, device=device),
         torch.empty(num, dtype=torch.int16, device=device),
@@ -128,10 +118,8 @@ def place_rows(
 
 
 def candidates(grid: Grid, places: Places, sizes: AuditSizes) -> Iterator[tuple[Tensor, Tensor]]:
-    """The candidate pairs ``(a, b)`` of classes (rows of ``places``), each unordered pair
-    once, ``candidate_pairs`` at a time: the finite rows in the same or a neighbouring cell
-    (the 13 of one half-space) whose other projections are within a cell too. Processes
-    holding the same places walk the same chunks."""
+    """The candidate pairs ``(a, b)`` of classes, each unordered pair once, in chunks: the
+    finite rows in the same or a neighbouring cell whose other cells are neighbours too."""
     key, members = sorted_copy(places.key, sizes)
     key = key[: int(torch.searchsorted(key, torch.tensor(NOT_FINITE, device=key.device)))]
     steps = itertools.product((-1, 0, 1), repeat=PROJECTIONS)
@@ -156,9 +144,8 @@ def candidates(grid: Grid, places: Places, sizes: AuditSizes) -> Iterator[tuple[
 
 
 def within(first: Tensor, second: Tensor) -> Tensor:
-    """bool per pair of rows (``[m, D]`` each): equal up to rounding (:data:`TOLERANCE`).
-    The sums are taken in any order (terms non-negative: within ``gamma64_D``); pairs
-    within :data:`IN_ORDER_MARGIN` of the boundary again in the order ``d = 0 .. D-1``."""
+    """bool per pair of rows (``[m, D]`` each): equal up to rounding (:data:`TOLERANCE`);
+    pairs within :data:`IN_ORDER_MARGIN` of the boundary summed again in a fixed order."""
     a = first.to(torch.float64, copy=True)  # scaled in place: never the caller's rows
     b = second.to(torch.float64, copy=True)
     largest = torch.stack([a.amax(1), a.amin(1).neg_(), b.amax(1), b.amin(1).neg_()]).amax(0)
@@ -182,8 +169,7 @@ def within(first: Tensor, second: Tensor) -> Tensor:
 
 
 def both_orientations(found: Sequence[Tensor], count: int, device: torch.device) -> Tensor:
-    """int64 ``[P, 2]``: the pairs of ``found`` (``[m, 2]`` blocks, each unordered pair
-    once) in both orientations, sorted (classes below ``count``)."""
+    """int64 ``[P, 2]``: the unordered pairs ``found`` in both orientations, sorted."""
     if not found:
         return torch.zeros((0, 2), dtype=torch.int64, device=device)
     pairs = torch.cat(list(found))
@@ -194,9 +180,8 @@ def both_orientations(found: Sequence[Tensor], count: int, device: torch.device)
 def rounding_pairs(
     grid: Grid, places: Places, check: Callable[[Tensor, Tensor], Tensor], sizes: AuditSizes
 ) -> Tensor:
-    """int64 ``[P, 2]``: the pairs ``(a, b)``, ``a != b``, of classes (rows of ``places``)
-    that are copies up to rounding, both orientations, sorted; ``check(a, b)``:
-    :func:`within` of each candidate pair's first rows."""
+    """int64 ``[P, 2]``: the pairs of classes that are copies up to rounding, both
+    orientations, sorted; ``check(a, b)``: :func:`within` of their first rows."""
     found = []
     for a, b in candidates(grid, places, sizes):
         if a.numel():

@@ -1,11 +1,8 @@
 """The audit's codes of rows sharded across processes (one process: a shard of its own).
 
-Every process runs the one-process steps alike on small gathered per-item data: the
-hashes of its own rows (8 bytes an item) for :func:`~recall_at_k.audit.bitwise.bitwise_classes`,
-the grid places of the classes whose first row it holds (10 bytes a class) for
-:func:`~recall_at_k.audit.rounding.rounding_pairs`; :meth:`Shard.check` moves only the
-rows of the pairs they compare, each once, a block at a time. Collective: every process
-calls :func:`sharded_codes` together; a failure on one process raises on every process."""
+Every process runs the one-process steps alike on small gathered per-item data (hashes,
+grid places); :meth:`Shard.check` moves only the rows of the pairs compared. Collective:
+a failure on one process raises on every process."""
 
 from __future__ import annotations
 
@@ -34,11 +31,9 @@ def sharded_codes(
     sizes: AuditSizes,
 ) -> Codes:
     """:func:`recall_at_k.audit.codes` of every process's rows in process order: this
-    process's rows as ``[b, D]`` ``blocks`` of any float dtype and strides (stored views,
-    never copied whole; compared in the widest dtype any process holds, widened exactly),
-    ``counts`` the rows of each process of ``group`` (None: the default group, or one
-    process without torch.distributed), ``labels`` / ``groups`` int64 ``[sum(counts)]``
-    of every process in the same order (``groups`` None: no group codes)."""
+    process's ``[b, D]`` ``blocks`` (any float dtype, compared in the widest held),
+    ``counts`` the rows of each process of ``group``, and int64 ``labels`` / ``groups``
+    ``[sum(counts)]`` of every process (``groups`` None: no group codes)."""
     distributed = dist.is_available() and dist.is_initialized()
     shard = Shard(blocks, counts, group if distributed else False, sizes, labels.device)
     return shard.codes(labels, groups)
@@ -127,8 +122,8 @@ class Shard:
         return codes_of(klass, adjacent, labels, groups, sizes)
 
     def guarded(self, fallback: T, work: Callable[..., T], *args: Any) -> T:
-        """``work(*args)``, this process's own work; after a failure here, ``fallback``: the
-        process keeps taking part in every collective, and :meth:`raise_any` raises."""
+        """``work(*args)``, or after a failure here ``fallback`` (the process keeps taking
+        part in every collective; :meth:`raise_any` raises)."""
         if self.failure is None:
             try:
                 return work(*args)
@@ -183,10 +178,8 @@ class Shard:
         return out
 
     def check(self, a: Tensor, b: Tensor, test: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """bool per pair of items ``(a, b)`` (global indices, the same on every process):
-        ``test`` of their two rows (deciding on each pair alone), the same everywhere. The
-        process holding ``a`` tests; the rows of ``b`` come from their owner, each once (a
-        broadcast where another process needs them), ``step`` rows at a time."""
+        """bool per pair of items ``(a, b)`` (global indices): ``test`` of their rows, by the
+        process holding ``a``; the rows of ``b`` are broadcast by their owner, each once."""
         a, b, step = a.long(), b.long(), self.step
         ends = torch.tensor(self.starts[1:], device=self.device)
         owner_a, owner_b = (torch.searchsorted(ends, x, right=True) for x in (a, b))
