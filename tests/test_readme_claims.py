@@ -230,8 +230,9 @@ def test_the_readme_names_the_default_selection_and_the_command_for_every_test()
     text = _flat(README)
     assert conftest.LEFT_OUT_BY_DEFAULT == ("slow", "memory")
     assert (
-        "every test but the benchmark smoke runs (marked `slow`) and the resident-memory"
-        " probes (marked `memory`)" in text
+        "every test but the slow ones (marked `slow`: the benchmark smoke runs and the"
+        " ranking's exactness and property sweeps) and the resident-memory probes (marked"
+        " `memory`)" in text
     )
     assert "python -m pytest -q --all\n" in _bash_blocks(README)
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
@@ -259,8 +260,8 @@ def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     rest = 'python -m pytest -q -m "slow or memory"'
     assert commands == ["python -m pytest -q", rest, fewer, fewer]
     said = (
-        "those two runs leave out the memory probes, benchmark smoke runs and the"
-        " ranking's exactness sweeps"
+        "those two runs are the default selection, less the band tests: they leave out the"
+        " memory probes, benchmark smoke runs and the ranking's exactness sweeps"
     )
     assert said in _flat(README)
     assert said in _flat(readme_sections.fill(DOCS["index.md"]))  # the README's section
