@@ -1,0 +1,42 @@
+"""The one budget: what a ranking holds at once, by share of ``chunk_bytes``, adds up to
+at most ``chunk_bytes`` beside the one copy of the embeddings and the per-item
+bookkeeping (``tests/test_memory.py`` measures the same bound on resident memory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from recall_at_k.ranking import budget
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("items", [1, 100, 24_000, 96_000, 1_000_000, 10_000_000])
+@pytest.mark.parametrize("width", [1, 64, 256, 2048])
+@pytest.mark.parametrize("chunk_bytes", [None, 4 * MiB, 32 * MiB, 256 * MiB, 8 * 2**30])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_shares_of_a_compute_add_up_to_at_most_chunk_bytes(
+    items: int, width: int, chunk_bytes: int | None, sharded: bool
+) -> None:
+    least = budget.least_chunk_bytes(items, width)
+    chunk = least if chunk_bytes is None else chunk_bytes
+    sizes = budget.budget(chunk, items, width)
+    shares = sizes.shares(sharded)
+    assert all(value >= 0 for value in shares.values())
+    assert sum(shares.values()) <= sizes.scratch
+    # The scratch and the bookkeeping fill chunk_bytes, or the least chunk_bytes the
+    # items need (a smaller chunk_bytes is raised to it).
+    assert budget.bookkeeping_bytes(items) + sizes.scratch <= max(chunk, least)
+    # Every block a ranking takes is one of the shares.
+    assert sizes.tile_bytes <= shares["tiles"]
+    assert sizes.pending_bytes <= shares["pending"]
+    assert sizes.canonical_bytes <= shares["decisions"]
+    assert (2 * sizes.run_bytes if sharded else 0) <= shares["run"]
+
+
+def test_the_least_chunk_bytes_holds_row_blocks_of_the_least_rows() -> None:
+    for items, width in [(100_000, 128), (24_000, 256), (10, 4096)]:
+        least = budget.least_chunk_bytes(items, width)
+        sizes = budget.budget(least, items, width)
+        assert sizes.row_block_rows() >= budget.MIN_BLOCK_ROWS
+        assert sizes.scratch >= budget.min_scratch_bytes(items)
