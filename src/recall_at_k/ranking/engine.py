@@ -149,6 +149,17 @@ class _Result(NamedTuple):
     found: list[tuple[int, Found]]  # (kind, pairs), positives first
 
 
+class _Walk(NamedTuple):
+    """What walking one block's queries needs besides the block."""
+
+    state: _State
+    decider: Decider
+    options: RankOptions
+    budget: Budget
+    workers: int
+    progress: Progress
+
+
 def _merge(result: _Result, state: _State, decider: Decider, offset: int = 0) -> None:
     part = slice(result.first, result.stop)
     if result.has_positive is not None:
@@ -181,11 +192,9 @@ def rank_direction(
         device = gallery.fast.device
         workers = 1 if callable(options.similarity) else worker_count(device)
         progress = Progress(queries.labels.shape[0], options.progress)
-        done = False
-        if _squares_possible(source, options, device):
-            done = _squares(source, state, decider, options, budget, workers, progress)
-        if not done:
-            _tiles(source, state, decider, options, budget, workers, progress)
+        walk = _Walk(state, decider, options, budget, workers, progress)
+        if not (_squares_possible(source, options, device) and _squares(source, walk)):
+            _tiles(source, walk)
         decider.flush(gallery)
         progress.close()
     else:
@@ -221,16 +230,9 @@ def _counts(
 # ---------------------------------------------------------------- tiles of one block
 
 
-def _tiles(
-    source: LocalSource,
-    state: _State,
-    decider: Decider,
-    options: RankOptions,
-    budget: Budget,
-    workers: int,
-    progress: Progress,
-) -> None:
+def _tiles(source: LocalSource, walk: _Walk) -> None:
     """Every query in tiles against the one block (see the module)."""
+    state, decider, options, budget, workers, progress = walk
     gallery, located, queries = source.gallery, source.located, source.queries
     stats, similarity = source.stats, options.similarity
     num_gallery, dim = gallery.fast.shape
@@ -423,20 +425,13 @@ def _squares_possible(source: LocalSource, options: RankOptions, device: torch.d
     return int(count.max()) <= WIDE_LABELS * count.shape[0]
 
 
-def _squares(
-    source: LocalSource,
-    state: _State,
-    decider: Decider,
-    options: RankOptions,
-    budget: Budget,
-    workers: int,
-    progress: Progress,
-) -> bool:
+def _squares(source: LocalSource, walk: _Walk) -> bool:
     """Leave-one-out in square blocks ``(I, J)``, ``J >= I``, whose rows are the queries
     of span I and whose columns, read down, the queries of span J: every score computed
     once for both of its items. First each query's band from its label's run; the squares
     then hide every item of a query's own label and see negatives only. Whether the
     squares were taken (not when their blocks would be too small, ``"auto"``)."""
+    state, decider, options, budget, workers, progress = walk
     gallery, located, stats = source.gallery, source.located, source.stats
     num = gallery.fast.shape[0]
     device, itemsize = gallery.fast.device, gallery.fast.element_size()
