@@ -262,14 +262,9 @@ def statistics(
             largest_norm = max(largest_norm, float(torch.linalg.vector_norm(rows, dim=1).max()))
     largest_norm = reduce.max(largest_norm, device)
     max_norm = float(norm_upper(torch.tensor([largest_norm], dtype=torch.float64), dim, fast))
-    return Stats(
-        fast,
-        centre,
-        max_norm,
-        bound_coefficient(similarity, dim, fast, device),
-        bound_absolute(similarity, dim, fast),
-        may_produce_nan(largest, dim, fast, similarity),
-    )
+    coefficient = bound_coefficient(similarity, dim, fast, device)
+    nan = may_produce_nan(largest, dim, fast, similarity)
+    return Stats(fast, centre, max_norm, coefficient, bound_absolute(similarity, dim, fast), nan)
 
 
 def run_of(rows: Tensor) -> slice | None:
@@ -331,26 +326,17 @@ class LocalSource:
             Reduce(None),
         )
         self.fast = embeddings.to(self.stats.dtype)
-        self.gallery = gallery_block(
-            canonical,
-            self.fast[index],
-            plan.labels[index],
-            plan.groups[index],
-            identity,
-            self.stats,
-        )
+        fast, labels, groups = self.fast[index], plan.labels[index], plan.groups[index]
+        self.gallery = gallery_block(canonical, fast, labels, groups, identity, self.stats)
+        del fast, labels, groups
         lo, hi = share
         narrow = index_dtype(hi)
         everything = queries.rows is items.rows and (lo, hi) == (0, rows.shape[0])
         if everything:  # leave-one-out: the gallery's own items, in its order
-            position = torch.arange(hi, dtype=narrow, device=device)
-            self.queries = Queries(
-                rows,
-                self.gallery.labels,
-                self.gallery.groups,
-                identity,
-                position if order is None else order.to(narrow),
-            )
+            if order is None:
+                order = torch.arange(hi, dtype=narrow, device=device)
+            labels, groups = self.gallery.labels, self.gallery.groups
+            self.queries = Queries(rows, labels, groups, identity, order.to(narrow))
         else:
             query_rows, query_identity = queries.rows[lo:hi], queries.identity[lo:hi]
             position = torch.arange(lo, hi, dtype=narrow, device=device)
@@ -359,14 +345,9 @@ class LocalSource:
                 query_rows, query_identity = query_rows[by_label], query_identity[by_label]
                 position = position[by_label]
             query_index: slice | Tensor = query_rows.long() if query_run is None else query_run
-            self.queries = Queries(
-                query_rows,
-                plan.labels[query_index],
-                plan.groups[query_index],
-                query_identity,
-                position,
-            )
-        del order
+            labels, groups = plan.labels[query_index], plan.groups[query_index]
+            self.queries = Queries(query_rows, labels, groups, query_identity, position)
+        del order, labels, groups
         self.located = locate(self.queries, self.gallery)
         # The identities served to find each query's own column: not kept.
         nothing = identity.new_empty(0)
