@@ -91,7 +91,8 @@ def gallery_block(
     block_labels, counts = block_labels.clone(), counts.to(index_dtype(labels.shape[0]), copy=True)
     starts = torch.cumsum(counts, dim=0, dtype=counts.dtype) - counts
     identity_sorted, identity_column = torch.sort(identity)
-    identity_column = identity_column.to(index_dtype(identity.shape[0]))
+    by_identity = identity_sorted, identity_column.to(index_dtype(identity.shape[0]))
+    del identity_sorted, identity_column  # the int64 columns: not held
     neg_sq_norms = None
     if stats.centre is not None:
         neg_sq_norms = torch.empty((1, fast.shape[0]), dtype=fast.dtype, device=fast.device)
@@ -99,18 +100,9 @@ def gallery_block(
             neg_sq_norms[0, first : first + part.shape[0]] = (
                 (part - stats.centre).square_().sum(dim=1).neg_()
             )
+    blocks = block_labels, starts, counts
     return Gallery(
-        canonical,
-        fast,
-        labels,
-        groups,
-        block_labels,
-        starts,
-        counts,
-        identity_sorted,
-        identity_column,
-        stats.centre,
-        neg_sq_norms,
+        canonical, fast, labels, groups, *blocks, *by_identity, stats.centre, neg_sq_norms
     )
 
 

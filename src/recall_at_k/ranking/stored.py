@@ -9,6 +9,7 @@ broadcast from ``r`` a run at a time, in process order (a collective).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,9 +37,7 @@ class StoredRows:
         self, blocks: Sequence[Tensor], width: int, device: torch.device | None = None
     ) -> None:
         self.blocks = [block.reshape(-1, width) for block in blocks if block.numel()]
-        self.starts = [0]
-        for block in self.blocks:
-            self.starts.append(self.starts[-1] + block.shape[0])
+        self.starts = [0, *itertools.accumulate(block.shape[0] for block in self.blocks)]
         self.shape = (self.starts[-1], width)
         self.dtype = widest_float([block.dtype for block in self.blocks])
         first = self.blocks[0].device if self.blocks else torch.device("cpu")
@@ -84,7 +83,7 @@ class BroadcastRows:
     def runs(self, rows: int) -> Iterator[tuple[int, Tensor]]:
         """``(first row, rows)`` of every process's rows in process order, at most
         ``rows`` a part (one buffer reused from part to part)."""
-        starts = [sum(self.counts[:rank]) for rank in range(len(self.counts))]
+        starts = [0, *itertools.accumulate(self.counts)]
         for rank, first, part in self.broadcast(rows, [None] * len(self.counts)):
             yield starts[rank] + first, part
 
