@@ -1,8 +1,7 @@
 """The score of a (query, item) pair: what ranks a gallery, defined once.
 
-**The score.** A query's gallery is ranked by one canonical score per pair, a function
-of the stored embeddings alone (the same for every tiling, thread count, process count
-and device):
+**The score.** A gallery is ranked by one canonical score per pair, a function of the
+stored embeddings alone (the same for every tiling, thread, process and device):
 
 - embeddings are first brought to float32 (float64 stays float64); for ``"cosine"`` each
   row ``x`` becomes ``n = fl32(x / sqrt(S))``, where ``S`` is the float64 sum of
@@ -15,29 +14,27 @@ and device):
 - a callable: its scores as returned, per tile (outside the guarantee: they may depend
   on the tile's shape).
 
-Embeddings stored in float64 (float64 inputs) have inexact products; the fixed order and
-separate multiply and add still give one value per pair on every device. (For float32
-rows the canonical dot product uses a fused multiply-add per ``d``: the product being
-exact, it rounds exactly like a multiply then an add.)
+Float64 embeddings have inexact products; the fixed order and separate multiply and add
+still give one value per pair on every device (float32 rows use a fused multiply-add per
+``d``: the product being exact, it rounds exactly like a multiply then an add).
 
-**Fast path and certificate.** The canonical scores are not what is computed for every
-pair: each tile (or panel) of scores is one float32 matrix product, the *fast* score.
-For each query a bound ``B`` with ``|fast - canonical| <= B`` for every gallery item is
-known in advance (:func:`bound_coefficient`, :func:`bound_absolute`): for a dot product
-of length D, ``|fl(q.g) - q.g| <= gamma_D * sum_d |q_d g_d| + D eta (1 + gamma_D)
-<= gamma_D |q| |g| + D eta (1 + gamma_D)`` with ``gamma_D = D u / (1 - D u)`` whatever
-the order or blocking of the sum, where ``eta`` (2**-150 in float32) is the absolute
-rounding of a product (or fused multiply-add) whose result falls below the smallest
-normal number (2**-126): those round in steps of 2**-149, not relatively. So
-``B = 2 (gamma32_D + gamma64_D) |q| max_g |g| + 2 D eta (1 + gamma32_{D+3})`` (the
-factor 2 covers the norms' own rounding and the band's edges; the norms are upper
-bounds, raised past their rounding and their squares' underflow). With ``s*_f`` the
-best fast score of a query's valid positives, an item whose fast score exceeds
-``s*_f + 2B`` is surely above the canonical ``s*``, one below ``s*_f - 2B`` surely
-below; the items inside that band -- the positives near ``s*`` among them, the best
-always -- are re-scored canonically, and ``s*``, the ties and the order at ``s*`` are
-decided on those canonical scores. The result is thus exactly the ranking by canonical
-scores, and only the band costs more than the product.
+**Fast path and certificate.** Each tile (or panel) of scores is one float32 matrix
+product, the *fast* score. For each query a bound ``B`` with ``|fast - canonical| <= B``
+for every gallery item is known in advance (:func:`bound_coefficient`,
+:func:`bound_absolute`): for a dot product of length D, ``|fl(q.g) - q.g| <= gamma_D *
+sum_d |q_d g_d| + D eta (1 + gamma_D) <= gamma_D |q| |g| + D eta (1 + gamma_D)`` with
+``gamma_D = D u / (1 - D u)`` whatever the order or blocking of the sum, where ``eta``
+(2**-150 in float32) is the absolute rounding of a product (or fused multiply-add) whose
+result falls below the smallest normal number (2**-126): those round in steps of
+2**-149, not relatively. So ``B = 2 (gamma32_D + gamma64_D) |q| max_g |g| + 2 D eta (1 +
+gamma32_{D+3})`` (the factor 2 covers the norms' own rounding and the band's edges; the
+norms are upper bounds, raised past their rounding and their squares' underflow). With
+``s*_f`` the best fast score of a query's valid positives, an item whose fast score
+exceeds ``s*_f + 2B`` is surely above the canonical ``s*``, one below ``s*_f - 2B``
+surely below; the items inside that band -- the positives near ``s*`` among them, the
+best always -- are re-scored canonically, and ``s*``, the ties and the order at ``s*``
+are decided on those canonical scores. The result is thus exactly the ranking by
+canonical scores, and only the band costs more than the product.
 
 ``"euclidean"`` is computed on vectors centred on the gallery's mean ``m``:
 ``q' = fl(q - m)``, ``g' = fl(g - m)``, fast score ``2 q'.g' - |q'|^2 - |g'|^2``, so a

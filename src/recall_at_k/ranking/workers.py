@@ -76,7 +76,7 @@ class Workers(Generic[Item, Result]):
         self.workspace = workspace  # the caller's, for one worker
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
-        self.caller: contextlib.AbstractContextManager[None] | None = None
+        self.held = contextlib.ExitStack()  # the pool, then the caller on one thread
         self.inference = False
 
     def __enter__(self) -> Workers[Item, Result]:
@@ -84,17 +84,13 @@ class Workers(Generic[Item, Result]):
         self.inference = torch.is_inference_mode_enabled()
         if self.count > 1:
             self.pool = _single_threaded_pool(self.count)
-            self.caller = caller_on_one_thread()
-            self.caller.__enter__()
+            self.held.enter_context(caller_on_one_thread())
+            self.held.callback(self.pool.shutdown, wait=True, cancel_futures=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
-        if self.caller is not None:
-            self.caller.__exit__(None, None, None)
-            self.caller = None
+        self.held.close()
+        self.pool = None
 
     def _run(self, item: Item) -> Result:
         workspace = getattr(self.local, "workspace", None)
