@@ -1,23 +1,13 @@
 """Where the engine's blocks come from: this process's queries and the gallery in blocks.
 
-The engine (:mod:`~recall_at_k.ranking.engine`) ranks a block of queries against a block
-of gallery items at a time. A source gives it:
-
-- :attr:`~LocalSource.queries`: this process's queries, in label order, and their rows as
-  the fast product reads them (:meth:`~LocalSource.query_rows`);
-- :attr:`~LocalSource.stats`: what every block shares -- the fast products' dtype, the
-  ``"euclidean"`` centre, the largest gallery norm that bounds every query's rounding;
-- :meth:`~LocalSource.galleries`: the gallery in blocks, each sorted by label
-  (:class:`Gallery`), so that a query's items of its label in a block are one run of
-  columns;
-- :meth:`~LocalSource.canonical`: the canonical scores of pairs of a block.
-
-:class:`LocalSource` serves the one ordered copy (one process, or every process holding
-the gathered items, with its share of the queries): one block, the whole gallery, a view
-of the copy. :class:`ShardedSource` serves a gallery sharded across processes: every
-process's gallery items pass by every process in runs, broadcast and prepared by their
-owner, and each process ranks the queries it holds; the processes agree on the
-statistics with collectives.
+A source gives the engine (:mod:`~recall_at_k.ranking.engine`) this process's queries in
+label order (:attr:`~LocalSource.queries`, their rows by :meth:`~LocalSource.query_rows`),
+what every block shares (:attr:`~LocalSource.stats`), the gallery in blocks sorted by
+label (:meth:`~LocalSource.galleries`, :class:`Gallery`: a label's items are one run of
+columns) and the canonical scores of a block's pairs (:meth:`~LocalSource.canonical`).
+:class:`LocalSource` serves the one ordered copy: one block, a view. :class:`ShardedSource`
+serves a gallery sharded across processes: every process's items pass by every process
+in runs, broadcast and prepared by their owner; the statistics agreed by collectives.
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ from torch import Tensor
 from recall_at_k import _collectives as collectives
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.budget import STATS_CHUNK_BYTES, Budget
+from recall_at_k.ranking.budget import STATS_CHUNK_BYTES
 from recall_at_k.ranking.plan import Direction, Plan
 from recall_at_k.ranking.score import (
     bound_absolute,
@@ -85,8 +75,7 @@ class Gallery(NamedTuple):
 
 
 class Located(NamedTuple):
-    """Queries located in a gallery block: their label's run of columns (``length`` 0:
-    none) and their own column (``own``, -1: not in the block)."""
+    """Each query's label run of columns (``length`` 0: none), its own column (-1: none)."""
 
     start: Tensor
     length: Tensor
@@ -98,11 +87,12 @@ def gallery_block(
 ) -> Gallery:
     """A :class:`Gallery` of rows already sorted by label."""
     block_labels, counts = torch.unique_consecutive(labels, return_counts=True)
-    # Copies of their own size (the storages keep the capacity of every item's).
+    # Copies of their own size (the storages keep every item's capacity).
     block_labels, counts = block_labels.clone(), counts.to(index_dtype(labels.shape[0]), copy=True)
     starts = torch.cumsum(counts, dim=0, dtype=counts.dtype) - counts
     identity_sorted, identity_column = torch.sort(identity)
-    identity_column = identity_column.to(index_dtype(identity.shape[0]))
+    by_identity = identity_sorted, identity_column.to(index_dtype(identity.shape[0]))
+    del identity_sorted, identity_column  # the int64 columns: not held
     neg_sq_norms = None
     if stats.centre is not None:
         neg_sq_norms = torch.empty((1, fast.shape[0]), dtype=fast.dtype, device=fast.device)
@@ -110,38 +100,26 @@ def gallery_block(
             neg_sq_norms[0, first : first + part.shape[0]] = (
                 (part - stats.centre).square_().sum(dim=1).neg_()
             )
+    blocks = block_labels, starts, counts
     return Gallery(
-        canonical,
-        fast,
-        labels,
-        groups,
-        block_labels,
-        starts,
-        counts,
-        identity_sorted,
-        identity_column,
-        stats.centre,
-        neg_sq_norms,
+        canonical, fast, labels, groups, *blocks, *by_identity, stats.centre, neg_sq_norms
     )
 
 
 def chunks(rows: Tensor) -> Iterator[tuple[int, Tensor]]:
-    """``(first, rows)`` of ``rows``, :data:`~recall_at_k.ranking.budget.STATS_CHUNK_BYTES`
-    at a time (views)."""
+    """``(first, rows)`` of ``rows``, :data:`STATS_CHUNK_BYTES` at a time (views)."""
     step = max(1, STATS_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
     for first in range(0, rows.shape[0], step):
         yield first, rows[first : first + step]
 
 
 def index_dtype(count: int) -> torch.dtype:
-    """The dtype of positions among ``count`` items: int32 where they fit (half the
-    bytes of every item's bookkeeping)."""
+    """The dtype of positions among ``count`` items: int32 where they fit."""
     return torch.int32 if count < 2**31 else torch.int64
 
 
 def locate(queries: Queries, gallery: Gallery) -> Located:
-    """Where each query's label run and own column lie in ``gallery`` (int32 where the
-    gallery allows)."""
+    """Where each query's label run and own column lie in ``gallery``."""
     device = queries.labels.device
     narrow = index_dtype(gallery.labels.shape[0])
     if gallery.block_labels.numel() == 0:
@@ -178,10 +156,9 @@ def bounds(rows: Tensor, stats: Stats) -> Tensor:
 def product(
     queries: Tensor, gallery: Gallery, first: int, stop: int, workspace: Workspace
 ) -> Tensor:
-    """Fast scores ``[T, stop - first]`` of queries (centred like the gallery for
-    ``"euclidean"``) against the gallery columns ``first:stop``, in the workspace's tile
-    buffer; ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2``, the gallery rows centred a
-    part at a time (a part no larger than the tile)."""
+    """Fast scores ``[T, stop - first]`` of queries against the gallery columns
+    ``first:stop`` in the workspace's tile; ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2``
+    on centred rows, the gallery's centred a part no larger than the tile at a time."""
     rows, width = queries.shape[0], stop - first
     out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
     if gallery.centre is None or gallery.neg_sq_norms is None:
@@ -225,8 +202,7 @@ def scores_of(
 
 
 class Processes(NamedTuple):
-    """The processes a ranking is shared among: those of ``group`` (None: the default
-    group)."""
+    """The processes a ranking is shared among: those of ``group`` (None: the default)."""
 
     group: Any
 
@@ -278,43 +254,38 @@ def statistics(
             largest_norm = max(largest_norm, float(torch.linalg.vector_norm(rows, dim=1).max()))
     largest_norm = reduce.max(largest_norm, device)
     max_norm = float(norm_upper(torch.tensor([largest_norm], dtype=torch.float64), dim, fast))
-    return Stats(
-        fast,
-        centre,
-        max_norm,
-        bound_coefficient(similarity, dim, fast, device),
-        bound_absolute(similarity, dim, fast),
-        may_produce_nan(largest, dim, fast, similarity),
-    )
+    coefficient = bound_coefficient(similarity, dim, fast, device)
+    nan = may_produce_nan(largest, dim, fast, similarity)
+    return Stats(fast, centre, max_norm, coefficient, bound_absolute(similarity, dim, fast), nan)
 
 
 def run_of(rows: Tensor) -> slice | None:
     """The slice ``rows`` are, where they are one ascending run, else None."""
     if rows.numel() == 0:
         return None
-    first = int(rows[0])
-    if int(rows[-1]) != first + rows.shape[0] - 1:
+    first, count = int(rows[0]), rows.shape[0]
+    if int(rows[-1]) != first + count - 1:
         return None
-    run = torch.arange(first, first + rows.shape[0], dtype=rows.dtype, device=rows.device)
-    return slice(first, first + rows.shape[0]) if torch.equal(rows, run) else None
-
-
-def label_order(rows: Tensor, labels: Tensor) -> Tensor:
-    """The order that sorts ``rows`` by ``labels[rows]`` (stable)."""
-    return torch.sort(labels[rows.long()], stable=True)[1]
+    run = torch.arange(first, first + count, dtype=rows.dtype, device=rows.device)
+    return slice(first, first + count) if torch.equal(rows, run) else None
 
 
 def in_label_order(rows: Tensor, labels: Tensor) -> tuple[Tensor | None, slice | None]:
-    """The order that sorts ``rows`` by their labels (stable), or None where they are
-    sorted already; and the slice they are where (then) they are one run of rows (the
-    plan puts galleries and leave-one-out queries so: no sort, no copy)."""
+    """The order that sorts ``rows`` by their labels (stable; None: sorted already), and
+    the slice they then are if one run (as the plan puts galleries: no sort, no copy)."""
     run = run_of(rows)
     if run is not None:
         values = labels[run]
         if bool((values[1:] >= values[:-1]).all()):
             return None, run
-    order = label_order(rows, labels)
+    order = torch.sort(labels[rows.long()], stable=True)[1]
     return order, run_of(rows[order])
+
+
+def _by_label(rows: Tensor, lo: int, hi: int, labels: Tensor) -> Tensor:
+    """The positions of the ``rows`` in ``[lo, hi)``, sorted by their labels (stable)."""
+    at = ((rows >= lo) & (rows < hi)).nonzero().view(-1)
+    return at[torch.sort(labels[rows[at]], stable=True)[1]]
 
 
 class LocalSource:
@@ -329,14 +300,13 @@ class LocalSource:
         embeddings = plan.embeddings
         assert embeddings is not None
         self.embeddings, self.similarity = embeddings, similarity
-        queries, items = sides
+        device, (queries, items) = embeddings.device, sides
         order, run = in_label_order(items.rows, plan.labels)
-        rows = items.rows if order is None else items.rows[order]
-        identity = items.identity if order is None else items.identity[order]
-        del order
+        rows, identity = items.rows, items.identity
+        if order is not None:
+            rows, identity = rows[order], identity[order]
         index: slice | Tensor = rows.long() if run is None else run
         canonical = embeddings[index]
-        device = embeddings.device
         self.stats = statistics(
             similarity,
             lambda: (part for _, part in chunks(embeddings)),
@@ -347,51 +317,34 @@ class LocalSource:
             device,
             Reduce(None),
         )
-        self.fast = (
-            embeddings if self.stats.dtype == embeddings.dtype else embeddings.to(self.stats.dtype)
-        )
-        self.gallery = gallery_block(
-            canonical,
-            self.fast[index],
-            plan.labels[index],
-            plan.groups[index],
-            identity,
-            self.stats,
-        )
+        self.fast = embeddings.to(self.stats.dtype)
+        fast, labels, groups = self.fast[index], plan.labels[index], plan.groups[index]
+        self.gallery = gallery_block(canonical, fast, labels, groups, identity, self.stats)
+        del fast, labels, groups
         lo, hi = share
         narrow = index_dtype(hi)
         everything = queries.rows is items.rows and (lo, hi) == (0, rows.shape[0])
         if everything:  # leave-one-out: the gallery's own items, in its order
-            self.queries = Queries(
-                rows,
-                self.gallery.labels,
-                self.gallery.groups,
-                identity,
-                torch.arange(hi, dtype=narrow, device=device)
-                if order_is_none(items.rows, rows)
-                else _positions(items.rows, rows, narrow),
-            )
+            if order is None:
+                order = torch.arange(hi, dtype=narrow, device=device)
+            labels, groups = self.gallery.labels, self.gallery.groups
+            self.queries = Queries(rows, labels, groups, identity, order.to(narrow))
         else:
-            by_label, query_run = in_label_order(queries.rows[lo:hi], plan.labels)
-            query_rows = queries.rows[lo:hi] if by_label is None else queries.rows[lo:hi][by_label]
+            query_rows, query_identity = queries.rows[lo:hi], queries.identity[lo:hi]
             position = torch.arange(lo, hi, dtype=narrow, device=device)
-            query_identity = queries.identity[lo:hi]
+            by_label, query_run = in_label_order(query_rows, plan.labels)
             if by_label is not None:
-                position, query_identity = position[by_label], query_identity[by_label]
+                query_rows, query_identity = query_rows[by_label], query_identity[by_label]
+                position = position[by_label]
             query_index: slice | Tensor = query_rows.long() if query_run is None else query_run
-            self.queries = Queries(
-                query_rows,
-                plan.labels[query_index],
-                plan.groups[query_index],
-                query_identity,
-                position,
-            )
+            labels, groups = plan.labels[query_index], plan.groups[query_index]
+            self.queries = Queries(query_rows, labels, groups, query_identity, position)
+        del order, labels, groups
         self.located = locate(self.queries, self.gallery)
         # The identities served to find each query's own column: not kept.
         nothing = identity.new_empty(0)
         self.gallery = self.gallery._replace(identity_sorted=nothing, identity_column=nothing)
-        # Leave-one-out: the queries are the gallery's items in its order, each ignoring
-        # only itself by identity.
+        # Leave-one-out: each query ignores only itself, by identity.
         own = torch.arange(rows.shape[0], dtype=self.located.own.dtype, device=device)
         self.leave_one_out = everything and torch.equal(self.located.own, own)
 
@@ -399,8 +352,7 @@ class LocalSource:
         yield self.gallery
 
     def query_rows(self, first: int, stop: int) -> Tensor:
-        """The fast rows of queries ``first:stop`` (a new tensor, centred for
-        ``"euclidean"``)."""
+        """The fast rows of queries ``first:stop`` (new, centred for ``"euclidean"``)."""
         rows = self.fast.index_select(0, self.queries.rows[first:stop].long())
         return rows if self.stats.centre is None else rows.sub_(self.stats.centre)
 
@@ -412,18 +364,6 @@ class LocalSource:
         return canonical_scores(
             self.embeddings, gallery.canonical, rows, columns, self.similarity, workspace, batch
         )
-
-
-def order_is_none(before: Tensor, after: Tensor) -> bool:
-    """Whether a side's rows kept their order (``after`` is ``before``)."""
-    return before is after
-
-
-def _positions(before: Tensor, after: Tensor, narrow: torch.dtype) -> Tensor:
-    """The position in ``before`` of each entry of ``after`` (a permutation of it)."""
-    inverse = torch.empty(int(before.max()) + 1, dtype=narrow, device=before.device)
-    inverse[before.long()] = torch.arange(before.shape[0], dtype=narrow, device=before.device)
-    return inverse[after.long()]
 
 
 class ShardedSource:
@@ -441,18 +381,11 @@ class ShardedSource:
         rows = plan.rows
         assert isinstance(rows, BroadcastRows)
         self.rows, self.similarity, self.plan = rows, similarity, plan
-        local, device = rows.local, rows.device
-        self.dtype = rows.dtype
-        starts = [sum(rows.counts[:r]) for r in range(len(rows.counts) + 1)]
-        self.starts = starts
+        local, device, self.dtype = rows.local, rows.device, rows.dtype
+        starts = self.starts = [sum(rows.counts[:r]) for r in range(len(rows.counts) + 1)]
         queries, items = sides
         query_rows = queries.rows.long()
-        here = (
-            ((query_rows >= rows.offset) & (query_rows < rows.offset + rows.counts[rows.rank]))
-            .nonzero()
-            .view(-1)
-        )
-        here = here[label_order(query_rows[here], plan.labels)]
+        here = _by_label(query_rows, starts[rows.rank], starts[rows.rank + 1], plan.labels)
         mine = query_rows[here]
         self.queries = Queries(
             mine - rows.offset, plan.labels[mine], plan.groups[mine], queries.identity[here], here
@@ -462,12 +395,7 @@ class ShardedSource:
         self.orders: list[Tensor] = []
         self.identities: list[Tensor] = []
         for rank in range(len(rows.counts)):
-            owned = (
-                ((gallery_rows >= starts[rank]) & (gallery_rows < starts[rank + 1]))
-                .nonzero()
-                .view(-1)
-            )
-            owned = owned[label_order(gallery_rows[owned], plan.labels)]
+            owned = _by_label(gallery_rows, starts[rank], starts[rank + 1], plan.labels)
             self.orders.append(gallery_rows[owned] - starts[rank])
             self.identities.append(items.identity[owned])
         own_order = self.orders[rows.rank]
@@ -498,7 +426,7 @@ class ShardedSource:
         for owner, first, part in self.rows.broadcast(self.run_rows, self.orders, self.prepare):
             order = self.orders[owner][first : first + part.shape[0]]
             stored = order + self.starts[owner]
-            fast = part if self.stats.dtype == part.dtype else part.to(self.stats.dtype)
+            fast = part.to(self.stats.dtype)
             identity = self.identities[owner][first : first + part.shape[0]]
             yield gallery_block(part, fast, labels[stored], groups[stored], identity, self.stats)
 
@@ -519,8 +447,3 @@ class ShardedSource:
 
 Source = LocalSource | ShardedSource
 """A source of blocks (see the module)."""
-
-
-def tile_budget(budget: Budget, device: torch.device, workers: int) -> int:
-    """The bytes of one worker's tile."""
-    return budget.tile_for(device, workers)

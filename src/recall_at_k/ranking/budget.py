@@ -4,15 +4,13 @@ row count it works in: one module, so that one test can add them up.
 ``EmbeddingRecallAtK.compute()`` adds one copy of the stored (or gathered) embeddings in
 the ranking's order; everything else comes out of ``chunk_bytes``: the per-item
 bookkeeping (:func:`bookkeeping_bytes`), then the scratch (:func:`scratch_bytes`), cut
-into the shares of :class:`Budget`. While the ranking runs, its tiles, their scans'
-buffers, the pairs waiting to be decided, their decision and (sharded) the run of
-gallery rows passing by are held at once: :meth:`Budget.shares` lists them, and their
-sum never exceeds the scratch (a test holds it). Copying, normalising and auditing the
-rows happen before the ranking, a block of :attr:`Budget.row_block_bytes` at a time.
-
-A ``chunk_bytes`` smaller than :func:`least_chunk_bytes` cannot hold the bookkeeping and
-the least scratch: the ranking then takes the least scratch. Results never depend on any
-size here.
+into the shares of :class:`Budget`. While the ranking runs, its tiles and their scans'
+buffers, the pairs waiting to be decided and their decision, and (sharded) the run of
+gallery rows passing by are held at once: their shares sum to less than the scratch.
+Copying, normalising and auditing the rows happen before the ranking, a block of
+:attr:`Budget.row_block_bytes` at a time. A ``chunk_bytes`` smaller than
+:func:`least_chunk_bytes` cannot hold the bookkeeping and the least scratch: the ranking
+then takes the least scratch. Results never depend on any size here.
 """
 
 from __future__ import annotations
@@ -24,19 +22,16 @@ import torch
 # --- the bookkeeping beside the scratch
 
 BOOKKEEPING_BYTES_PER_ITEM = 128
-"""What a ranking keeps per item, at most: labels, groups, sides, identities, orders and
-the per-query state (bounds, band edges, best scores, counts)."""
+"""What a ranking keeps per item, at most (labels, groups, sides, orders, per-query state)."""
 
 RESERVED_BYTES = 3 * 2**18
-"""Held back for what no tensor accounts for: Python objects and C heap blocks that stay
-resident between larger ones."""
+"""Held back for what no tensor accounts for (Python objects, C heap blocks)."""
 
 MIN_SCRATCH_BYTES = 2**18
 """The least scratch of a ranking (unless ``chunk_bytes`` itself is smaller) ..."""
 
 MIN_SCRATCH_BYTES_PER_ITEM = 8
-"""... or this many bytes an item, if more: a fixed scratch would cut a large ranking into
-very many small blocks."""
+"""... or this many bytes an item, if more (a fixed scratch would cut into tiny blocks)."""
 
 MIN_BLOCK_ROWS = 16
 """Rows are copied, normalised and audited in blocks of at least this many rows."""
@@ -44,29 +39,22 @@ MIN_BLOCK_ROWS = 16
 # --- the shares of the scratch while the ranking runs (their sum is at most 1)
 
 TILE_SHARE = 4
-"""Tiles of queries' scores, all worker threads' together: ``scratch / TILE_SHARE``. The
-buffers of a tile's scan (marks, gathered rows, label blocks) are shaped like the tile
-and take as much again."""
+"""All worker threads' tiles: ``scratch / TILE_SHARE``; their scans' buffers as much again."""
 
 PENDING_SHARE = 8
-"""Pairs waiting for their canonical score take at most ``scratch / PENDING_SHARE``;
-deciding them (their rows' indices and scores) as much again."""
+"""Pairs waiting for their canonical score; deciding them takes as much again."""
 
 CANONICAL_SHARE = 16
-"""A batch of canonical re-scoring: its gathered rows, ``scratch / CANONICAL_SHARE``
-(two float64 sides and the rows' own dtype: at most 2.5 batches)."""
+"""A canonical batch's gathered rows (two float64 sides and the rows' dtype: 2.5 batches)."""
 
 RUN_SHARE = 32
-"""A sharded gallery passes by in runs of ``scratch / RUN_SHARE`` (the run's rows and
-their prepared copy, twice that)."""
+"""A sharded gallery's run (its rows and their prepared copy: twice that)."""
 
 ROW_BLOCK_SHARE = 4
-"""Before the ranking: rows are copied, normalised and audited ``scratch /
-ROW_BLOCK_SHARE`` bytes at a time (their float64 and bit-pattern copies included)."""
+"""Before the ranking: rows copied, normalised and audited (copies included) at a time."""
 
 PAIR_BYTES = 24
-"""A waiting pair: its query, its gallery row (int64 each) and a score kept for a
-callable similarity."""
+"""A waiting pair: query and gallery row (int64 each) and a callable's score."""
 
 # --- speed on CPU: sizes that buy nothing larger (none is a bound on memory)
 
@@ -74,43 +62,35 @@ CPU_TILE_BYTES = 32 * 2**20
 """On CPU, tiles hold at most this many bytes of scores."""
 
 CPU_PANEL_BYTES = 2 * 2**20
-"""On CPU a tile's scores beyond its label blocks are computed in panels of columns of
-about this many bytes, each scanned while it is still in the core's cache."""
+"""On CPU a tile's scores beyond its label blocks come in cache-sized panels of columns ..."""
 
 CPU_PANEL_COLUMNS = 512
-"""... at most this many columns wide (the BLAS keeps a packing buffer of the widest
-panel), so tiles take more rows instead."""
+"""... at most this many columns wide (the BLAS packs the widest panel)."""
 
 CPU_STACK_BYTES = 4 * 2**20
-"""The panel rows that reach their band are copied aside, panel after panel, into a
-buffer of about this many bytes, then compared at once."""
+"""Panel rows that reach their band are stacked aside in about this many bytes."""
 
 CPU_SQUARE_BYTES = 4 * 2**20
-"""Leave-one-out on CPU: the product in square blocks of about this many bytes, each
-scanned for the queries of its rows and of its columns."""
+"""Leave-one-out on CPU: the product in square blocks of about this many bytes."""
 
 SQUARE_MIN_ROWS = 64
-"""Square blocks of fewer rows (but not every item) cost more than they save: the
-queries then go through tiles."""
+"""Square blocks of fewer rows (but not every item) cost more than tiles."""
 
 CANONICAL_BATCH_BYTES = 4 * 2**20
 """A canonical batch never takes more than this, whatever the scratch."""
 
 CANONICAL_DIM_BLOCK = 64
-"""Canonical re-scoring gathers its pairs' rows this many dimensions at a time (the sum's
-order stays ``d = 0 .. D-1``): a batch holds many pairs even where ``D`` is large."""
+"""Canonical re-scoring gathers this many dimensions at a time (in the order ``d = 0..D-1``)."""
 
 PENDING_PAIRS = 2**16
-"""Pairs are decided once this many wait (or the pending share is full, or at the end):
-one canonical pass over ``D`` for many tiles."""
+"""Pairs are decided once this many wait (or the pending share is full, or at the end)."""
 
 STATS_CHUNK_BYTES = 2**20
 """The gallery's norms, centre and largest value are read this many bytes at a time."""
 
 
 class Budget(NamedTuple):
-    """The sizes of one ranking of ``items`` items of width ``width`` within
-    ``chunk_bytes``."""
+    """The sizes of one ranking of ``items`` items of width ``width`` within ``chunk_bytes``."""
 
     chunk_bytes: int
     items: int
@@ -122,38 +102,19 @@ class Budget(NamedTuple):
     run_bytes: int  # a sharded gallery's run
     row_block_bytes: int
 
-    def shares(self, sharded: bool = False) -> dict[str, int]:
-        """What the ranking holds at once beside the bookkeeping, by share: their sum is
-        at most :attr:`scratch` (a test holds it for every size)."""
-        return {
-            "tiles": self.tile_bytes,
-            "scans": self.tile_bytes,
-            "pending": self.pending_bytes,
-            "decisions": self.pending_bytes + 5 * self.canonical_bytes // 2,
-            "run": 2 * self.run_bytes if sharded else 0,
-        }
-
     def tile_for(self, device: torch.device, workers: int = 1) -> int:
-        """The bytes of one worker's tile on ``device`` (CPU: at most
-        :data:`CPU_TILE_BYTES`)."""
-        tile = self.tile_bytes
-        if device.type == "cpu":
-            tile = min(tile, CPU_TILE_BYTES)
+        """The bytes of one worker's tile on ``device`` (CPU: at most :data:`CPU_TILE_BYTES`)."""
+        tile = min(self.tile_bytes, CPU_TILE_BYTES) if device.type == "cpu" else self.tile_bytes
         return max(1, tile // max(1, workers))
-
-    def rows_of(self, share_bytes: int, row_bytes: int) -> int:
-        """Rows of ``row_bytes`` that ``share_bytes`` hold, at least one."""
-        return max(1, share_bytes // max(1, row_bytes))
 
     def row_block_rows(self, bytes_per_value: int = 16) -> int:
         """Rows copied, normalised or audited at a time (``bytes_per_value``: the copies
         each value of a row takes)."""
-        return self.rows_of(self.row_block_bytes, bytes_per_value * max(1, self.width))
+        return max(1, self.row_block_bytes // (bytes_per_value * max(1, self.width)))
 
 
 def bookkeeping_bytes(items: int) -> int:
-    """What the bookkeeping of ``items`` items may take, :data:`RESERVED_BYTES`
-    included."""
+    """What the bookkeeping of ``items`` items may take, :data:`RESERVED_BYTES` included."""
     return BOOKKEEPING_BYTES_PER_ITEM * max(0, items) + RESERVED_BYTES
 
 
@@ -180,19 +141,10 @@ def least_chunk_bytes(items: int, width: int) -> int:
 def budget(chunk_bytes: int, items: int, width: int) -> Budget:
     """The sizes of a ranking of ``items`` items of width ``width``."""
     scratch = scratch_bytes(chunk_bytes, items)
-    canonical = min(CANONICAL_BATCH_BYTES, scratch // CANONICAL_SHARE)
+    tiles, pending, run = (max(1, scratch // s) for s in (TILE_SHARE, PENDING_SHARE, RUN_SHARE))
+    canonical = max(1, min(CANONICAL_BATCH_BYTES, scratch // CANONICAL_SHARE))
     row_block = max(1, scratch // ROW_BLOCK_SHARE, MIN_BLOCK_ROWS * 16 * width)
-    return Budget(
-        chunk_bytes,
-        items,
-        width,
-        scratch,
-        max(1, scratch // TILE_SHARE),
-        max(1, scratch // PENDING_SHARE),
-        max(1, canonical),
-        max(1, scratch // RUN_SHARE),
-        row_block,
-    )
+    return Budget(chunk_bytes, items, width, scratch, tiles, pending, canonical, run, row_block)
 
 
 # --- the protocol audit

@@ -1,14 +1,11 @@
 """Deciding the pairs in band on canonical scores: ``s*``, the ties and the order at ``s*``.
 
-The scans (:mod:`~recall_at_k.ranking.scan`) hand in three kinds of pairs of a gallery
-block: a query's valid positives within ``2B`` of ``s*_f`` (its best among them is
-``s*``, whatever block it lies in), its negatives within its band (above, at or below
-``s*``), and its negatives within ``B`` of the near-duplicate threshold. They wait here,
-then are re-scored canonically in one pass over ``D`` for many tiles, while their block
-is at hand. Positives are always decided before negatives: a query's positives are all
-handed in before any of its negatives, so its ``s*`` is final when a negative of it is
-compared. Every count is an integer sum of per-pair facts: the result does not depend on
-how pairs are grouped into tiles, blocks, threads, flushes or processes.
+The scans (:mod:`~recall_at_k.ranking.scan`) hand in a query's valid positives within
+``2B`` of ``s*_f``, its negatives within its band, and its negatives within ``B`` of the
+near-duplicate threshold. They wait here, then are re-scored canonically in one pass over
+``D`` for many tiles, positives first (so ``s*`` is final when a negative is compared).
+Every count is an integer sum of per-pair facts: the result does not depend on how pairs
+are grouped into tiles, blocks, threads, flushes or processes.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ POSITIVE, NEGATIVE, NEAR = range(3)
 
 
 class Decided(NamedTuple):
-    """Per query: ``s*`` (float64, -inf: no positive), ``p``, the negatives decided at
-    ``s*``, and whether a negative reached the near-duplicate threshold (those decided
-    above ``s*`` are added to the caller's ``greater``)."""
+    """Per query: ``s*`` (float64, -inf: no positive), ``p``, the negatives at ``s*``, and
+    whether a negative reached the near-duplicate threshold."""
 
     best: Tensor
     tied: Tensor
@@ -58,9 +54,9 @@ class Decider:
         counts = torch.int32 if budget.items < 2**31 else torch.int64  # exact: at most N
         self.tied = torch.zeros(count, dtype=counts, device=device)
         self.equal = torch.zeros(count, dtype=counts, device=device)
-        self.near = None
-        if near_threshold is not None:
-            self.near = torch.zeros(count, dtype=torch.bool, device=device)
+        self.near = (
+            None if near_threshold is None else torch.zeros_like(self.best, dtype=torch.bool)
+        )
         self.rescored = 0
         self.batch_bytes = budget.canonical_bytes
         self.limit = max(1, min(PENDING_PAIRS, budget.pending_bytes // PAIR_BYTES))
@@ -81,10 +77,8 @@ class Decider:
             waiting = self.pending[kind]
             if waiting.size == 0:
                 continue
-            rows, columns, values = waiting.take()
-            if values is not None:  # a callable's scores, kept
-                scores = values
-            else:
+            rows, columns, scores = waiting.take()
+            if scores is None:  # else a callable's scores, kept
                 scores = self.source.canonical(
                     gallery, rows, columns, self.workspace, self.batch_bytes
                 )
@@ -99,8 +93,7 @@ class Decider:
                 self.near[rows[scores >= self.threshold]] = True
 
     def _positives(self, rows: Tensor, scores: Tensor) -> None:
-        """Merge positives' canonical scores into each query's best and its count (in
-        arrays of the queries touched only)."""
+        """Merge positives' scores into each touched query's best and its count."""
         touched, inverse = torch.unique(rows, return_inverse=True)
         before = self.best[touched]
         best = torch.full_like(before, -math.inf).scatter_reduce_(0, inverse, scores, "amax")
@@ -118,9 +111,8 @@ class Decider:
 
 
 class _Waiting:
-    """The waiting pairs of one kind, in one buffer that grows by half as they come (not
-    a list of the small tensors each scan finds: kept from block to block among the
-    blocks' temporaries, those fragment the C heap)."""
+    """The waiting pairs of one kind, in one buffer grown by half as needed (many small
+    tensors kept among the blocks' temporaries would fragment the C heap)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,20 +1,14 @@
-"""The plan of a ranking, built once: stored rows -> sides -> the one ordered copy.
-
-``compute()``, ``query_outcomes()``, ``protocol_report()`` and
-``functional.embedding_recall_at_k`` all call :func:`make_plan` and read what it
-returns:
+"""The plan of a ranking, built once (:func:`make_plan`) by ``compute()``,
+``query_outcomes()``, ``protocol_report()`` and ``functional.embedding_recall_at_k``:
 
 - each direction's sides: its queries and its gallery, each item once per sample
   identity (ids repeated within a role count once; an item without an id is alone);
-- the ranking's order of the items: the first direction's gallery sorted by label, then
-  the second direction's gallery items not placed yet (sorted by label), then every
-  other item (sorted by label), so that each gallery -- and the queries of leave-one-out
-  and of disjoint query and gallery sets -- is one run of rows, its labels in one run a
-  label;
-- the one copy of the embeddings in that order (:attr:`Plan.embeddings`), written a
-  block of stored rows at a time, every bit kept (the protocol audit reads it as
-  stored); :func:`prepare` then normalises it in place for ``"cosine"``. A sharded
-  ranking makes no copy: its rows stay where they are stored (:attr:`Plan.rows`);
+- the ranking's order: the first direction's gallery, then the second's items not placed
+  yet, then every other item, each part sorted by label, so that each gallery (and the
+  queries of leave-one-out and of disjoint sets) is one run of rows, a label one run;
+- the one copy of the embeddings in that order (:attr:`Plan.embeddings`), every bit kept
+  (the protocol audit reads it as stored), normalised in place for ``"cosine"`` by
+  :func:`prepare`; none when sharded (:attr:`Plan.rows` are read where stored);
 - the labels and groups in that order, int32 where they fit.
 """
 
@@ -107,7 +101,7 @@ def directions(items: Items, count: int) -> list[Direction | tuple[int, str] | N
     seen: list[Tensor] = []
 
     def narrow(values: Tensor) -> Tensor:
-        """int32 where the items allow (half the bookkeeping); an equal tensor held once."""
+        """int32 where the items allow; an equal tensor held once."""
         for other in seen:
             if other.shape == values.shape and torch.equal(other, values):
                 return other
@@ -129,21 +123,13 @@ def directions(items: Items, count: int) -> list[Direction | tuple[int, str] | N
 
 def ranking_order(labels: Tensor, directions: Sequence[Direction | None]) -> Tensor:
     """The stored row of each row of the ranking's order (see the module)."""
-    num = labels.shape[0]
-    placed = torch.zeros(num, dtype=torch.bool, device=labels.device)
+    placed = torch.zeros(labels.shape[0], dtype=torch.bool, device=labels.device)
     parts = []
-    for sides in directions:
-        if sides is None:
-            continue
-        rows = sides[1].rows.long()
+    for sides in [*filter(None, directions), None]:  # the galleries, then the rest
+        rows = (~placed).nonzero().view(-1) if sides is None else sides[1].rows.long()
         rows = rows[~placed[rows]]
-        if rows.numel():
-            parts.append(rows[torch.sort(labels[rows], stable=True)[1]])
-            placed[rows] = True
-    rest = (~placed).nonzero().view(-1)
-    if rest.numel():
-        rest = rest[torch.sort(labels[rest], stable=True)[1]]
-    parts.append(rest)
+        parts.append(rows[torch.sort(labels[rows], stable=True)[1]])
+        placed[rows] = True
     return torch.cat(parts)
 
 
@@ -197,7 +183,6 @@ def make_plan(
     planned: list[Direction | None] = [
         None if s is None else (renumber(s[0]), renumber(s[1])) for s in sides
     ]
-    del order  # only the positions are kept
     return Plan(copy, rows, labels, group_column, planned, plan_budget)
 
 

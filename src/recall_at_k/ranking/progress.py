@@ -1,16 +1,12 @@
-"""A progress bar over a ranking's queries (``progress=True``): tqdm, on stderr.
+"""A progress bar over a ranking's queries (``progress=True``): tqdm (optional), on stderr.
 
-tqdm is optional: :func:`check_progress` is called where ``progress`` is given, so that
-``progress=True`` without tqdm fails there, saying what to install. Under DDP only the
-process of rank 0 shows a bar (:func:`recall_at_k.ranking.rank.rank_shared`).
+Under DDP only the process of rank 0 shows a bar.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-INSTALL = "pip install tqdm"
 
 
 def check_progress(progress: object) -> bool:
@@ -27,21 +23,19 @@ def check_progress(progress: object) -> bool:
 
 
 def _tqdm() -> Any:
-    """tqdm's ``tqdm`` class, or an ImportError that says what to install."""
+    """tqdm's ``tqdm`` class, or an ImportError saying what to install."""
     try:
         module = importlib.import_module("tqdm")
     except ImportError as err:
         raise ImportError(
-            f"progress=True shows its bar with tqdm, which is not installed: {INSTALL}"
+            "progress=True shows its bar with tqdm, which is not installed: pip install tqdm"
             " (or pass progress=False)"
         ) from err
     return module.tqdm
 
 
 class Progress:
-    """A bar over ``total`` queries (``enabled``), or over other units (a sharded gallery's
-    blocks), advanced as tiles or blocks of queries are ranked; nothing at all when not
-    enabled."""
+    """A bar over ``total`` queries (or other units) when ``enabled``, else nothing."""
 
     def __init__(
         self, total: int, enabled: bool, description: str = "ranking", unit: str = "query"

@@ -1,8 +1,7 @@
 """The score of a (query, item) pair: what ranks a gallery, defined once.
 
-**The score.** A query's gallery is ranked by one canonical score per pair, a function
-of the stored embeddings alone (the same for every tiling, thread count, process count
-and device):
+**The score.** A gallery is ranked by one canonical score per pair, a function of the
+stored embeddings alone (the same for every tiling, thread, process and device):
 
 - embeddings are first brought to float32 (float64 stays float64); for ``"cosine"`` each
   row ``x`` becomes ``n = fl32(x / sqrt(S))``, where ``S`` is the float64 sum of
@@ -15,29 +14,27 @@ and device):
 - a callable: its scores as returned, per tile (outside the guarantee: they may depend
   on the tile's shape).
 
-Embeddings stored in float64 (float64 inputs) have inexact products; the fixed order and
-separate multiply and add still give one value per pair on every device. (For float32
-rows the canonical dot product uses a fused multiply-add per ``d``: the product being
-exact, it rounds exactly like a multiply then an add.)
+Float64 embeddings have inexact products; the fixed order and separate multiply and add
+still give one value per pair on every device (float32 rows use a fused multiply-add per
+``d``: the product being exact, it rounds exactly like a multiply then an add).
 
-**Fast path and certificate.** The canonical scores are not what is computed for every
-pair: each tile (or panel) of scores is one float32 matrix product, the *fast* score.
-For each query a bound ``B`` with ``|fast - canonical| <= B`` for every gallery item is
-known in advance (:func:`bound_coefficient`, :func:`bound_absolute`): for a dot product
-of length D, ``|fl(q.g) - q.g| <= gamma_D * sum_d |q_d g_d| + D eta (1 + gamma_D)
-<= gamma_D |q| |g| + D eta (1 + gamma_D)`` with ``gamma_D = D u / (1 - D u)`` whatever
-the order or blocking of the sum, where ``eta`` (2**-150 in float32) is the absolute
-rounding of a product (or fused multiply-add) whose result falls below the smallest
-normal number (2**-126): those round in steps of 2**-149, not relatively. So
-``B = 2 (gamma32_D + gamma64_D) |q| max_g |g| + 2 D eta (1 + gamma32_{D+3})`` (the
-factor 2 covers the norms' own rounding and the band's edges; the norms are upper
-bounds, raised past their rounding and their squares' underflow). With ``s*_f`` the
-best fast score of a query's valid positives, an item whose fast score exceeds
-``s*_f + 2B`` is surely above the canonical ``s*``, one below ``s*_f - 2B`` surely
-below; the items inside that band -- the positives near ``s*`` among them, the best
-always -- are re-scored canonically, and ``s*``, the ties and the order at ``s*`` are
-decided on those canonical scores. The result is thus exactly the ranking by canonical
-scores, and only the band costs more than the product.
+**Fast path and certificate.** Each tile (or panel) of scores is one float32 matrix
+product, the *fast* score. For each query a bound ``B`` with ``|fast - canonical| <= B``
+for every gallery item is known in advance (:func:`bound_coefficient`,
+:func:`bound_absolute`): for a dot product of length D, ``|fl(q.g) - q.g| <= gamma_D *
+sum_d |q_d g_d| + D eta (1 + gamma_D) <= gamma_D |q| |g| + D eta (1 + gamma_D)`` with
+``gamma_D = D u / (1 - D u)`` whatever the order or blocking of the sum, where ``eta``
+(2**-150 in float32) is the absolute rounding of a product (or fused multiply-add) whose
+result falls below the smallest normal number (2**-126): those round in steps of
+2**-149, not relatively. So ``B = 2 (gamma32_D + gamma64_D) |q| max_g |g| + 2 D eta (1 +
+gamma32_{D+3})`` (the factor 2 covers the norms' own rounding and the band's edges; the
+norms are upper bounds, raised past their rounding and their squares' underflow). With
+``s*_f`` the best fast score of a query's valid positives, an item whose fast score
+exceeds ``s*_f + 2B`` is surely above the canonical ``s*``, one below ``s*_f - 2B``
+surely below; the items inside that band -- the positives near ``s*`` among them, the
+best always -- are re-scored canonically, and ``s*``, the ties and the order at ``s*``
+are decided on those canonical scores. The result is thus exactly the ranking by
+canonical scores, and only the band costs more than the product.
 
 ``"euclidean"`` is computed on vectors centred on the gallery's mean ``m``:
 ``q' = fl(q - m)``, ``g' = fl(g - m)``, fast score ``2 q'.g' - |q'|^2 - |g'|^2``, so a
@@ -71,34 +68,21 @@ from recall_at_k._types import Similarity
 from recall_at_k.ranking.budget import CANONICAL_BATCH_BYTES, CANONICAL_DIM_BLOCK
 
 SAFETY = 2.0
-"""Factor on the certified rounding bound (covers the float64 norms' own rounding)."""
+"""Factor on the certified rounding bound (covers the norms' own rounding, the band's edges)."""
 
 
 def prepare_rows(rows: Tensor, similarity: Similarity, dtype: torch.dtype) -> Tensor:
     """Rows ``[m, D]`` as the ranking scores them: a new tensor of ``dtype`` (at least
-    float32), L2-normalised for ``"cosine"``. Each row's value depends on that row alone
-    (the float64 sum of squares over ``d = 0 .. D-1``), so it is the same in every batch,
-    process and device."""
+    float32), for ``"cosine"`` divided by the float64 norm of each row alone (summed over
+    ``d = 0 .. D-1``, clamped to at least 1e-12): the same in every batch and device."""
     if similarity != "cosine":
         return rows.to(dtype, copy=True)
-    return normalised(rows, cosine_norms(rows), dtype)
-
-
-def cosine_norms(rows: Tensor) -> Tensor:
-    """float64 ``[m]``: the norm each row is divided by for ``"cosine"`` (the float64 sum
-    of squares in the order ``d = 0 .. D-1``, its square root clamped to at least 1e-12).
-    Pass a few rows at a time (a float64 copy of them is made)."""
-    wide = rows.to(torch.float64)  # exact
+    wide = rows.to(torch.float64, copy=True)  # exact
     total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     term = torch.empty_like(total)
     for column in wide.T:
         total.add_(torch.mul(column, column, out=term))
-    return total.sqrt_().clamp_min_(1e-12)
-
-
-def normalised(rows: Tensor, norms: Tensor, dtype: torch.dtype) -> Tensor:
-    """``rows`` divided by their :func:`cosine_norms` in float64, rounded to ``dtype``."""
-    return rows.to(torch.float64, copy=True).div_(norms.unsqueeze(1)).to(dtype)
+    return wide.div_(total.sqrt_().clamp_min_(1e-12).unsqueeze(1)).to(dtype)
 
 
 def canonical_scores(
@@ -111,13 +95,8 @@ def canonical_scores(
     batch_bytes: int = CANONICAL_BATCH_BYTES,
 ) -> Tensor:
     """The canonical float64 score of each pair ``(queries[query_rows[i]],
-    gallery[gallery_rows[i]])`` (prepared rows of one dtype; the two may be one tensor).
-
-    The sum over ``d = 0 .. D-1`` in that order, one elementwise multiply (or difference
-    and square) and one add per ``d``: never a BLAS product or a reduction whose order
-    could depend on shapes, threads or the device. Rows are gathered
-    :data:`~recall_at_k.ranking.budget.CANONICAL_DIM_BLOCK` dimensions at a time,
-    ``batch_bytes`` of float64 rows a side.
+    gallery[gallery_rows[i]])`` (prepared rows of one dtype): elementwise, one term per
+    ``d = 0 .. D-1`` in order, never a BLAS product or a reduction of shape-dependent order.
     """
     if queries.dtype != gallery.dtype:
         raise TypeError(f"rows of one dtype expected, got {queries.dtype} and {gallery.dtype}")
@@ -147,9 +126,7 @@ def canonical_scores(
                 if similarity == "euclidean":
                     torch.sub(q[d], g[d], out=term)
                     total.add_(term.mul_(term))
-                elif exact_products:
-                    # A float32 x float32 product is exact in float64, so a fused
-                    # multiply-add rounds exactly like a multiply then an add.
+                elif exact_products:  # exact product: rounds as a multiply then an add
                     total.addcmul_(q[d], g[d])
                 else:
                     total.add_(torch.mul(q[d], g[d], out=term))
@@ -159,14 +136,11 @@ def canonical_scores(
 
 def gamma(terms: int, unit: float) -> float:
     """gamma_n = n u / (1 - n u), the relative bound of a sum of n rounded terms."""
-    if terms * unit >= 1:
-        return math.inf
-    return terms * unit / (1 - terms * unit)
+    return math.inf if terms * unit >= 1 else terms * unit / (1 - terms * unit)
 
 
 def input_unit(dtype: torch.dtype, device: torch.device) -> float:
-    """The unit roundoff of a product's inputs when the matrix product rounds them
-    (TF32 or bfloat16 under ``torch.set_float32_matmul_precision``); 0 otherwise."""
+    """The unit roundoff of a matrix product's inputs under TF32 or bfloat16; else 0."""
     if dtype != torch.float32 or device.type != "cuda":
         return 0.0
     precision = torch.get_float32_matmul_precision()
@@ -177,8 +151,7 @@ def bound_coefficient(
     similarity: Similarity, dim: int, dtype: torch.dtype, device: torch.device
 ) -> float:
     """``B``'s relative part, per unit of ``|q| max |g|`` (dot, cosine) or
-    ``(|q| + max |g|)^2`` (euclidean): with :func:`bound_absolute`, the certified
-    distance between a fast and a canonical score."""
+    ``(|q| + max |g|)^2`` (euclidean)."""
     if callable(similarity):
         return 0.0
     unit = float(torch.finfo(dtype).eps) / 2
@@ -198,12 +171,8 @@ def subnormal_step(dtype: torch.dtype) -> float:
 
 
 def bound_absolute(similarity: Similarity, dim: int, dtype: torch.dtype) -> float:
-    """``B``'s absolute part: products (and fused multiply-adds) whose result falls
-    below the smallest normal number round absolutely (up to ``eta``, half the subnormal
-    step), not relatively: ``|fl(q.g) - q.g| <= gamma_D sum_d |q_d g_d| + D eta (1 +
-    gamma_D)``; for ``"euclidean"`` four such sums (``2 q'.g'`` counts twice, both
-    squared norms). The canonical sum adds ``D`` such roundings only for float64
-    embeddings (float32 products are exact in float64)."""
+    """``B``'s absolute part: ``D eta`` per sum (four for ``"euclidean"``), plus ``D``
+    float64 ``eta`` for the canonical sum of float64 embeddings (see the module)."""
     if callable(similarity):
         return 0.0
     sums = 4 if similarity == "euclidean" else 1
@@ -215,31 +184,24 @@ def bound_absolute(similarity: Similarity, dim: int, dtype: torch.dtype) -> floa
 
 
 def norm_upper(norms: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
-    """Upper bounds of the exact norms of vectors of length ``dim`` whose norms were
-    computed in ``dtype`` as ``norms`` (float64, modified in place): raised past their
-    relative rounding (``gamma_{D+2}``) and what squares below the smallest normal
-    number may lose (``sqrt(D * step)``)."""
+    """Upper bounds (in place) of the exact norms of length-``dim`` vectors computed in
+    ``dtype`` as ``norms``: past their rounding and their squares' underflow."""
     unit = float(torch.finfo(dtype).eps) / 2
     slack = math.sqrt(dim * subnormal_step(dtype))
     return norms.mul_(1 + 2 * gamma(dim + 2, unit)).add_(slack)
 
 
 UNDERFLOW_SCALE = 2.0**-100
-"""The fast path runs in float64 when the largest ``|x_d|^2`` is below this (every float32
-product is then within 2**26 of the subnormal range, where :func:`bound_absolute` would
-widen most bands)."""
+"""The fast path runs in float64 when the largest ``|x_d|^2`` is below this (near underflow)."""
 
 
 def fast_dtype(largest: float, dim: int, dtype: torch.dtype, similarity: Similarity) -> torch.dtype:
-    """The dtype of the fast products of prepared rows of ``dtype`` whose largest
-    magnitude is ``largest``: float64 where float32 products could overflow (``"dot"`` /
-    ``"euclidean"`` on huge values) or all come close to the subnormal range. The
-    canonical scores, hence the result, are the same either way."""
+    """The fast products' dtype for prepared rows of ``dtype`` up to ``largest``: float64
+    where float32 products could overflow or all come near the subnormal range."""
     if callable(similarity) or dtype != torch.float32:
         return dtype
-    if 0 < largest * largest < UNDERFLOW_SCALE:
-        return torch.float64
-    if similarity != "cosine" and overflows(largest, dim, dtype):
+    tiny = 0 < largest * largest < UNDERFLOW_SCALE
+    if tiny or (similarity != "cosine" and overflows(largest, dim, dtype)):
         return torch.float64
     return dtype
 
@@ -251,12 +213,8 @@ def overflows(largest: float, dim: int, dtype: torch.dtype) -> bool:
 
 
 def may_produce_nan(largest: float, dim: int, dtype: torch.dtype, similarity: Similarity) -> bool:
-    """Whether scores could be NaN although the embeddings (in ``dtype``, the fast
-    products') are finite: a callable's may; dot / euclidean overflow to inf (and
-    ``inf - inf``) only for huge values."""
-    if callable(similarity):
-        return True
-    return similarity != "cosine" and overflows(largest, dim, dtype)
+    """Whether scores of finite embeddings could be NaN: a callable's, or an overflow."""
+    return callable(similarity) or (similarity != "cosine" and overflows(largest, dim, dtype))
 
 
 def largest_magnitude(rows: Tensor) -> float:

@@ -1,16 +1,15 @@
 """The stored embeddings, read without a whole copy: this process's blocks
 (:class:`StoredRows`), or every process's rows read together (:class:`BroadcastRows`).
 
-A metric keeps its embeddings as a list of ``[b, D]`` blocks (each in the wider of
-float32 and its own dtype). A ranking reads them in runs of rows -- to write its one
-ordered copy, to prepare a tile of queries, to pass a sharded gallery around -- and never
-concatenates them. Under DDP, process ``r``'s rows are broadcast from ``r`` a run at a
-time, in process order (a collective: every process reads them together), so that every
-process sees the gathered state's rows, in its order, holding one run at a time.
+A metric keeps its embeddings as a list of ``[b, D]`` blocks, which a ranking reads in
+runs of rows or gathered by index, never concatenated. Under DDP, process ``r``'s rows are
+broadcast from ``r`` a run at a time, in process order (a collective).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,12 +24,8 @@ FLOAT_FLOOR = torch.float32
 
 
 def widest_float(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """The dtype float blocks of ``dtypes`` are ranked in together: the promotion of them
-    all and :data:`FLOAT_FLOOR`."""
-    widest = FLOAT_FLOOR
-    for dtype in dtypes:
-        widest = torch.promote_types(widest, dtype)
-    return widest
+    """The dtype float blocks of ``dtypes`` are ranked in together (at least float32)."""
+    return functools.reduce(torch.promote_types, dtypes, FLOAT_FLOOR)
 
 
 class StoredRows:
@@ -42,9 +37,7 @@ class StoredRows:
         self, blocks: Sequence[Tensor], width: int, device: torch.device | None = None
     ) -> None:
         self.blocks = [block.reshape(-1, width) for block in blocks if block.numel()]
-        self.starts = [0]
-        for block in self.blocks:
-            self.starts.append(self.starts[-1] + block.shape[0])
+        self.starts = [0, *itertools.accumulate(block.shape[0] for block in self.blocks)]
         self.shape = (self.starts[-1], width)
         self.dtype = widest_float([block.dtype for block in self.blocks])
         first = self.blocks[0].device if self.blocks else torch.device("cpu")
@@ -77,24 +70,20 @@ class StoredRows:
 
 
 class BroadcastRows:
-    """Every process's :class:`StoredRows`, read together: process ``r``'s rows are
-    broadcast from ``r`` a run at a time, in process order. ``counts`` (rows per process)
+    """Every process's :class:`StoredRows`, read together. ``counts`` (rows per process)
     and ``dtype`` (the widest any process stores) come from :func:`process_rows`."""
 
     def __init__(self, local: StoredRows, counts: list[int], dtype: torch.dtype, group: Any):
-        self.local = local
-        self.counts = counts
+        self.local, self.counts, self.dtype, self.group = local, counts, dtype, group
         self.shape = (sum(counts), local.shape[1])
-        self.dtype = dtype
         self.device = local.device
-        self.group = group
         self.rank = dist.get_rank(group)
         self.offset = sum(counts[: self.rank])
 
     def runs(self, rows: int) -> Iterator[tuple[int, Tensor]]:
         """``(first row, rows)`` of every process's rows in process order, at most
         ``rows`` a part (one buffer reused from part to part)."""
-        starts = [sum(self.counts[:rank]) for rank in range(len(self.counts))]
+        starts = [0, *itertools.accumulate(self.counts)]
         for rank, first, part in self.broadcast(rows, [None] * len(self.counts)):
             yield starts[rank] + first, part
 
@@ -102,10 +91,8 @@ class BroadcastRows:
         self, rows: int, orders: Sequence[Tensor | None], prepare: Any = None
     ) -> Iterator[tuple[int, int, Tensor]]:
         """``(owner, first position among the owner's, rows)``: every process's rows in
-        process order, each
-        process's in the order ``orders[r]`` gives (its local row indices; None: stored
-        order, all of them), at most ``rows`` a part; ``prepare(rows)`` (on the owner,
-        before the broadcast) turns a part into what is sent, of :attr:`dtype`."""
+        process order, each in the order ``orders[r]`` gives (local row indices; None: all,
+        stored order), at most ``rows`` a part, turned by ``prepare`` on the owner."""
         width = self.shape[1]
         buffer = torch.empty((rows, width), dtype=self.dtype, device=self.device)
         for rank, count in enumerate(self.counts):
@@ -115,10 +102,11 @@ class BroadcastRows:
                 part = buffer[: min(rows, total - first)]
                 if rank == self.rank:
                     stop = first + part.shape[0]
-                    if order is None:
-                        index = torch.arange(first, stop, device=self.device)
-                    else:
-                        index = order[first:stop].to(torch.int64)
+                    index = (
+                        torch.arange(first, stop, device=self.device)
+                        if order is None
+                        else order[first:stop].long()
+                    )
                     self.local.take(index, out=part)
                     if prepare is not None:
                         part.copy_(prepare(part))

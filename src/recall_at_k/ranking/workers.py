@@ -1,20 +1,15 @@
 """Worker threads for the CPU routes: independent tiles and blocks ranked on every core.
 
-Between the matrix products, a tile's scan is many small tensor operations, too small
-for torch's own threads to share well, and a Python loop between them. So on CPU with
-``torch.get_num_threads() > 1`` the routes hand whole tiles (or symmetric blocks) to
-that many worker threads, each of which runs torch on one thread (torch operations
-release the GIL): every core runs a product and its scan. The caller merges each
-task's results in the order the tasks were given; what a task returns depends only on
-its inputs (copies taken when it was given), so the counts are integer sums over
-independent tiles, exact and the same for any number of threads. Each worker has its
-own scratch :class:`~recall_at_k._kernel.Workspace`; tasks never write shared tensors.
-Meanwhile the caller, which merges, runs torch on one thread too
-(:func:`caller_on_one_thread`): its own torch threads would otherwise wake for its
-larger operations and spin after each, taking the workers' cores.
-
-With one thread (or on a GPU, or for a callable similarity, whose thread safety is
-the user's) the tasks run one after the other in the calling thread, the same code.
+A tile's scan is many small tensor operations, too small for torch's own threads to
+share well, so on CPU with ``torch.get_num_threads() > 1`` whole tiles (or symmetric
+blocks) go to that many worker threads, each running torch on one thread (torch
+releases the GIL), each with its own :class:`~recall_at_k._kernel.Workspace`. The caller
+merges the results in the order the tasks were given; a task's result depends only on
+its inputs, so the counts are exact and the same for any number of threads. The caller
+runs torch on one thread meanwhile (:func:`caller_on_one_thread`), so that its own
+threads do not spin on the workers' cores. With one thread (or on a GPU, or for a
+callable similarity, whose thread safety is the user's) the tasks run in the calling
+thread, the same code.
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 WINDOW_PER_WORKER = 2
-"""Tasks given ahead of the one being merged, per worker: enough to keep every worker
-busy while the caller merges, few enough that copies of what they read stay current."""
+"""Tasks given ahead of the one being merged, per worker (keeps every worker busy)."""
 
 
 _held = threading.local()  # .count: the caller's torch threads while it runs on one
@@ -52,12 +46,9 @@ def worker_count(device: torch.device) -> int:
 
 @contextlib.contextmanager
 def caller_on_one_thread(hold: bool = True) -> Iterator[None]:
-    """Inside, the calling thread runs torch on one thread while :func:`worker_count`
-    still gives its own count: its larger operations go to worker threads, and its own
-    torch threads (OpenMP) never wake to spin between them, taking the workers' cores
-    (worse where the machine is shared: threads spinning at a barrier wait for others
-    that are not running). Its count is back after; nested, the outer one holds it.
-    Nothing changes with ``hold=False``."""
+    """Inside, the calling thread runs torch on one thread while :func:`worker_count` still
+    gives its own count (its OpenMP threads would spin on the workers' cores). Nested, the
+    outer one holds it; nothing changes with ``hold=False``."""
     count = torch.get_num_threads()
     held: int = getattr(_held, "count", 0)
     if not hold or count == 1 or held:
@@ -79,37 +70,27 @@ class Workers(Generic[Item, Result]):
     """
 
     def __init__(
-        self,
-        task: Callable[[Item, Workspace], Result],
-        count: int,
-        workspace: Workspace,
+        self, task: Callable[[Item, Workspace], Result], count: int, workspace: Workspace
     ) -> None:
-        self.task = task
-        self.count = count
+        self.task, self.count = task, count
         self.workspace = workspace  # the caller's, for one worker
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
-        self.caller: contextlib.AbstractContextManager[None] | None = None
+        self.held = contextlib.ExitStack()  # the pool, then the caller on one thread
         self.inference = False
 
     def __enter__(self) -> Workers[Item, Result]:
-        # Inference mode is per thread: the workers take the caller's, so that a task
-        # may write into a tensor the caller made under torch.inference_mode().
+        # Inference mode is per thread: the workers take the caller's.
         self.inference = torch.is_inference_mode_enabled()
         if self.count > 1:
             self.pool = _single_threaded_pool(self.count)
-            # The caller merges on one thread while the workers hold the cores.
-            self.caller = caller_on_one_thread()
-            self.caller.__enter__()
+            self.held.enter_context(caller_on_one_thread())
+            self.held.callback(self.pool.shutdown, wait=True, cancel_futures=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
-        if self.caller is not None:
-            self.caller.__exit__(None, None, None)
-            self.caller = None
+        self.held.close()
+        self.pool = None
 
     def _run(self, item: Item) -> Result:
         workspace = getattr(self.local, "workspace", None)
@@ -119,10 +100,9 @@ class Workers(Generic[Item, Result]):
             return self.task(item, workspace)
 
     def map(self, items: Iterable[Item]) -> Iterator[Result]:
-        """The task's result for each item, in order. ``items`` is read lazily: an item
-        is taken (and may copy the caller's state) only after the result
-        ``WINDOW_PER_WORKER * count`` places before it was yielded and merged, so what
-        every task sees is the same whatever the threads' timing."""
+        """The task's result for each item, in order. ``items`` is read lazily: an item is
+        taken only after the result ``WINDOW_PER_WORKER * count`` places before it was
+        merged, so what every task sees is the same whatever the threads' timing."""
         if self.pool is None:
             for item in items:
                 yield self.task(item, self.workspace)
@@ -143,12 +123,8 @@ class Workers(Generic[Item, Result]):
 
 
 def _single_threaded_pool(count: int) -> ThreadPoolExecutor:
-    """A pool of ``count`` started threads, each running torch on one thread.
-
-    ``torch.set_num_threads(1)`` in a thread sets that thread's OpenMP and MKL thread
-    counts, and also the count that threads starting later take: so the pool's threads
-    start, each sets its own, and then the caller's count is put back for the others.
-    """
+    """A pool of ``count`` started threads, each running torch on one thread (setting it
+    also sets later threads' count: the caller's is put back once all have started)."""
     before = torch.get_num_threads()
     ready = threading.Barrier(count + 1)
 
