@@ -102,6 +102,17 @@ class Budget(NamedTuple):
     run_bytes: int  # a sharded gallery's run
     row_block_bytes: int
 
+    def shares(self, sharded: bool = False) -> dict[str, int]:
+        """What the ranking holds at once beside the bookkeeping, by share: their sum is
+        at most :attr:`scratch` (``tests/test_budget.py`` holds it for every size)."""
+        return {
+            "tiles": self.tile_bytes,
+            "scans": self.tile_bytes,
+            "pending": self.pending_bytes,
+            "decisions": self.pending_bytes + 5 * self.canonical_bytes // 2,
+            "run": 2 * self.run_bytes if sharded else 0,
+        }
+
     def tile_for(self, device: torch.device, workers: int = 1) -> int:
         """The bytes of one worker's tile on ``device`` (CPU: at most :data:`CPU_TILE_BYTES`)."""
         tile = min(self.tile_bytes, CPU_TILE_BYTES) if device.type == "cpu" else self.tile_bytes
