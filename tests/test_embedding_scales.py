@@ -30,6 +30,9 @@ from recall_at_k.functional import embedding_recall_at_k
 from recall_at_k.ranking import blocks as _blocks
 from recall_at_k.ranking import score as _score
 
+# Sweeps over scales and similarities: `-m slow` runs them, as CI does.
+pytestmark = pytest.mark.slow
+
 KS = (1, 2, 5, 10)
 SIMILARITIES = ("cosine", "dot", "euclidean")
 LAYOUTS = ("leave-one-out", "query-gallery")

@@ -389,6 +389,7 @@ def test_cases_plant_what_they_should() -> None:
         assert totals[key] > 0, key
 
 
+@pytest.mark.slow  # a sweep over every case, against the brute force
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_report_equals_brute_force(case: Case) -> None:
     expected = brute_force(case)
@@ -428,6 +429,7 @@ def test_report_does_not_depend_on_tiles_or_batches(case: Case) -> None:
     assert small.protocol_report() == brute_force(case)
 
 
+@pytest.mark.slow  # a sweep over every case, against the brute force
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_near_counts_on_every_route(case: Case) -> None:
     """The near counts come from the ranking's own tiles: every way the engine walks the
