@@ -21,6 +21,7 @@ from reference import reference_first_hit_rank, reference_recall
 
 from recall_at_k import RetrievalRecallAtK, _dense, _kernel
 from recall_at_k.functional import retrieval_first_hit_rank, retrieval_recall_at_k
+from recall_at_k.ranking import budget
 
 
 def _random_case(rng: random.Random) -> dict[str, object]:
@@ -143,7 +144,7 @@ def _several_row_blocks_case() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     # 262 rows fit a block of the default size a thread: 3 blocks at 1 thread, 2 at 2
     num_queries, gallery = 600, 1000
-    assert num_queries * gallery * 4 > _dense.CPU_BLOCK_BYTES * min(torch.get_num_threads(), 2)
+    assert num_queries * gallery * 4 > budget.DENSE_BLOCK_BYTES * min(torch.get_num_threads(), 2)
     levels = torch.tensor([float("-inf"), -1.0, 0.0, 0.5, 1.0, float("inf")])
     scores = levels[torch.randint(0, len(levels), (num_queries, gallery), generator=gen)]
     mask = torch.rand(num_queries, gallery, generator=gen) < 0.01

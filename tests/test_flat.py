@@ -32,6 +32,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.retrieval import RetrievalHitRate, RetrievalMRR, RetrievalNormalizedDCG
 
 from recall_at_k import RetrievalRecallAtK, _flat
+from recall_at_k.ranking import budget
 
 IGNORE = -1
 INF = math.inf
@@ -529,8 +530,9 @@ def test_compaction_keeps_the_state_bounded_when_queries_arrive_in_many_pieces()
 def test_the_rows_waiting_for_a_merge_hold_a_bounded_number_of_bytes(max_k: int) -> None:
     slack = _flat.compact_slack(max_k)
     row_bytes = 8 * (_flat.ROW_PREFIX + max_k)
-    assert slack >= 1 and slack * row_bytes <= _flat.COMPACT_SLACK_BYTES
-    assert (slack + 1) * row_bytes > _flat.COMPACT_SLACK_BYTES
+    assert budget.FLAT_SLACK_BYTES == 1024 * (_flat.ROW_PREFIX + 10) * 8  # 1,024 rows at K = 10
+    assert slack >= 1 and slack * row_bytes <= budget.FLAT_SLACK_BYTES
+    assert (slack + 1) * row_bytes > budget.FLAT_SLACK_BYTES
     assert _flat.compact_slack(10) == 1024
 
 

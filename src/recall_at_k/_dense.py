@@ -29,10 +29,10 @@ from recall_at_k._kernel import (
     no_positive_counts,
     scratch,
 )
+from recall_at_k.ranking.budget import DENSE_BLOCK_BYTES
 
 FEW_VALUES = 64  # a [Q] target of at most this many values is range-checked on the host
 SMALL_BATCH = 2**15  # batches of at most this many scores take the fewest operations
-CPU_BLOCK_BYTES = 2**20  # scores a thread in a block of rows on CPU (stays in the cache)
 
 
 def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> None:
@@ -121,7 +121,7 @@ def tie_counts(
     needed: NeededCounts,
     validate_args: bool,
     workspace: Workspace | None = None,
-    block_bytes: int = CPU_BLOCK_BYTES,
+    block_bytes: int = DENSE_BLOCK_BYTES,
     small_batch: int = SMALL_BATCH,
 ) -> TieCounts:
     """Checks, then :func:`dense_tie_counts`, then the NaN check (``validate_args``)."""
@@ -140,7 +140,7 @@ def dense_tie_counts(
     ignore: Tensor | None,
     needed: NeededCounts,
     workspace: Workspace | None = None,
-    block_bytes: int = CPU_BLOCK_BYTES,
+    block_bytes: int = DENSE_BLOCK_BYTES,
     small_batch: int = SMALL_BATCH,
 ) -> TieCounts:
     """Per-query g_>, g_> + e and p of float ``[Q, G]`` scores, a ``[Q, G]`` 0/1 mask or
@@ -177,7 +177,7 @@ def _counts(
     ops: tuple[str, ...],
     workspace: Workspace | None,
     small: bool,
-    block_bytes: int = CPU_BLOCK_BYTES,
+    block_bytes: int = DENSE_BLOCK_BYTES,
 ) -> list[Tensor]:
     """Row-wise counts of ``values >= threshold`` (``"ge"``) or ``>`` (``"gt"``), one per
     op: through bool comparisons when ``small``, else through a float buffer, on CPU in
@@ -209,7 +209,7 @@ def _index_counts(
     needed: NeededCounts,
     workspace: Workspace | None,
     small: bool,
-    block_bytes: int = CPU_BLOCK_BYTES,
+    block_bytes: int = DENSE_BLOCK_BYTES,
 ) -> TieCounts:
     """Counts for an int64 ``[Q]`` column-index target (one positive a row)."""
     column = target.clamp(min=0).unsqueeze(-1)

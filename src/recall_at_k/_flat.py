@@ -57,14 +57,13 @@ from recall_at_k._checks import (
     check_tensors,
     describe,
 )
+from recall_at_k.ranking.budget import FLAT_SLACK_BYTES
 
 _ID, _TIED, _KEPT, _BOUNDARY, _BEST = 0, 1, 2, 3, 4
 ROW_PREFIX = _BEST + 1  # columns of a packed state row before the max_k top scores
 # A padded [segments, longest] matrix holds at most this many cells a value; beyond (one
 # huge query among many small ones), a sort on (id, -score) finds the top K.
 PADDED_FILL = 4
-# Rows of at most this many bytes may wait for a merge: small updates merge rarely.
-COMPACT_SLACK_BYTES = 1024 * (ROW_PREFIX + 10) * 8
 # How the per-segment top K is found ("auto": choose_path); each gives the same result.
 SegmentPath = Literal["auto", "padded", "sorted"]
 
@@ -77,8 +76,8 @@ _UNIQUE_CONSECUTIVE: Callable[..., tuple[Tensor, Tensor, Tensor]] = (
 
 
 def compact_slack(max_k: int) -> int:
-    """The rows that may wait for a merge at ``max_k`` (:data:`COMPACT_SLACK_BYTES`)."""
-    return max(1, COMPACT_SLACK_BYTES // (8 * (ROW_PREFIX + max_k)))
+    """The rows that may wait for a merge at ``max_k`` (``budget.FLAT_SLACK_BYTES``)."""
+    return max(1, FLAT_SLACK_BYTES // (8 * (ROW_PREFIX + max_k)))
 
 
 class Partials(NamedTuple):

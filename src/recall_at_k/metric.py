@@ -14,6 +14,7 @@ from recall_at_k._checks import check_optional_int
 from recall_at_k._outcomes import QueryOutcomes, from_records
 from recall_at_k._sync import ListLayout
 from recall_at_k._types import EmptyTargetAction, OutputT, Ties
+from recall_at_k.ranking import budget
 
 __all__ = ["RetrievalRecallAtK"]
 
@@ -78,7 +79,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     ]
 
     # Private switches for tests; every value gives the same counts.
-    _dense_block_bytes: int = _dense.CPU_BLOCK_BYTES
+    _dense_block_bytes: int = budget.DENSE_BLOCK_BYTES
     _dense_small_batch: int = _dense.SMALL_BATCH
     _flat_path: _flat.SegmentPath = "auto"
     _flat_slack: int | None = None  # None: _flat.compact_slack(max_k)

@@ -56,6 +56,15 @@ ROW_BLOCK_SHARE = 4
 PAIR_BYTES = 24
 """A waiting pair: query and gallery row (int64 each) and a callable's score."""
 
+# --- the score forms
+
+DENSE_BLOCK_BYTES = 2**20
+"""The dense form scores a CPU thread's block of rows in about this many bytes (cached)."""
+
+FLAT_SLACK_BYTES = 1024 * (5 + 10) * 8
+"""The flat form's packed rows (5 columns and K = 10 scores, 1,024 of them) may wait this
+many bytes for a merge: small updates merge rarely."""
+
 # --- speed on CPU: sizes that buy nothing larger (none is a bound on memory)
 
 CPU_TILE_BYTES = 32 * 2**20

@@ -1,8 +1,8 @@
 """Worker threads for the CPU routes: independent tiles and blocks ranked on every core.
 
 A tile's scan is many small tensor operations, too small for torch's own threads to
-share well, so on CPU with ``torch.get_num_threads() > 1`` whole tiles (or symmetric
-blocks) go to that many worker threads, each running torch on one thread (torch
+share well, so on CPU with ``torch.get_num_threads() > 1`` whole tiles (or leave-one-out
+squares) go to that many worker threads, each running torch on one thread (torch
 releases the GIL), each with its own :class:`~recall_at_k._kernel.Workspace`. The caller
 merges the results in the order the tasks were given; a task's result depends only on
 its inputs, so the counts are exact and the same for any number of threads. The caller
