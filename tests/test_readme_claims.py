@@ -256,9 +256,9 @@ def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     # and the exactness sweeps, and nothing else.
     left_out = ("test_memory.py", "test_benchmarks.py", "test_embedding_exact.py")
     left_out += ("test_embedding_band.py",)
-    fewer = "python -m pytest -q" + "".join(f" --ignore=tests/{name}" for name in left_out)
-    rest = 'python -m pytest -q -m "slow or memory"'
-    assert commands == ["python -m pytest -q", rest, fewer, fewer]
+    fewer = "python -m pytest -q -n 2" + "".join(f" --ignore=tests/{name}" for name in left_out)
+    slow, memory = "python -m pytest -q -n 2 -m slow", "python -m pytest -q -m memory"
+    assert commands == ["python -m pytest -q", slow, memory, fewer, fewer]
     said = (
         "those two runs are the default selection, less the band tests: they leave out the"
         " memory probes, benchmark smoke runs and the ranking's exactness sweeps"
