@@ -23,13 +23,10 @@ def test_the_shares_of_a_compute_add_up_to_at_most_chunk_bytes(
     sizes = budget.budget(chunk, items, width)
     shares = sizes.shares(sharded)
     assert all(value >= 0 for value in shares.values())
-    # The shares and the bookkeeping fill at most chunk_bytes, or the least chunk_bytes
-    # the items need (below it, canonical batches take their share of that least).
-    bookkeeping = budget.bookkeeping_bytes(items)
-    assert sum(shares.values()) <= max(sizes.scratch, least - bookkeeping)
-    assert bookkeeping + sizes.scratch <= max(chunk, least)
-    if chunk >= least:
-        assert sum(shares.values()) <= sizes.scratch
+    assert sum(shares.values()) <= sizes.scratch
+    # The scratch and the bookkeeping fill chunk_bytes, or the least chunk_bytes the
+    # items need (a smaller chunk_bytes is raised to it).
+    assert budget.bookkeeping_bytes(items) + sizes.scratch <= max(chunk, least)
     # Every block a ranking takes is one of the shares.
     assert sizes.tile_bytes <= shares["tiles"]
     assert sizes.pending_bytes <= shares["pending"]

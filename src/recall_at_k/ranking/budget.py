@@ -162,11 +162,7 @@ def budget(chunk_bytes: int, items: int, width: int) -> Budget:
     """The sizes of a ranking of ``items`` items of width ``width``."""
     scratch = scratch_bytes(chunk_bytes, items)
     tiles, pending, run = (max(1, scratch // s) for s in (TILE_SHARE, PENDING_SHARE, RUN_SHARE))
-    # Canonical batches take their share of the least scratch the items need even below
-    # it (the bound is then the least chunk_bytes): a batch re-scores its pairs in a loop
-    # over D, so tiny batches cost a Python step a dimension for a few pairs each.
-    least_scratch = least_chunk_bytes(items, width) - bookkeeping_bytes(items)
-    canonical = max(1, min(CANONICAL_BATCH_BYTES, max(scratch, least_scratch) // CANONICAL_SHARE))
+    canonical = max(1, min(CANONICAL_BATCH_BYTES, scratch // CANONICAL_SHARE))
     row_block = max(1, scratch // ROW_BLOCK_SHARE, MIN_BLOCK_ROWS * 16 * width)
     return Budget(chunk_bytes, items, width, scratch, tiles, pending, canonical, run, row_block)
 
