@@ -274,6 +274,7 @@ def test_two_processes_give_the_codes_of_the_concatenation() -> None:
     _check([r["all"] for r in results], 2)
 
 
+@pytest.mark.slow
 @pytest.mark.ddp
 def test_three_processes_and_a_group_of_two_give_the_codes_of_the_concatenation() -> None:
     results = run_distributed(_worker, world_size=3)

@@ -354,32 +354,3 @@ def test_cpu_and_cuda_agree_bit_for_bit(precision: str) -> None:  # pragma: no c
                 assert cuda == cpu, (name, ties, precision)
     finally:
         torch.set_float32_matmul_precision(before)
-
-
-@pytest.mark.parametrize("dim", [1, 63, 64, 65, 200])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("similarity", ["dot", "euclidean"])
-def test_canonical_scores_are_the_sum_in_order_of_d(
-    dim: int, dtype: torch.dtype, similarity: str
-) -> None:
-    """The canonical score is the literal float64 sum over d = 0 .. D-1 (one rounded
-    product or squared difference and one rounded add per d), whatever the batch size and
-    however many blocks of dimensions a batch's rows are gathered in."""
-    g = _gen(7)
-    embeddings = (
-        torch.randn(9, dim, generator=g) * 10.0 ** torch.randint(-3, 4, (9, dim), generator=g)
-    ).to(dtype)
-    pairs = torch.cartesian_prod(torch.arange(9), torch.arange(9))
-    want = []
-    for i, j in pairs.tolist():
-        total = 0.0
-        for a, b in zip(
-            embeddings[i].double().tolist(), embeddings[j].double().tolist(), strict=True
-        ):
-            total += (a - b) * (a - b) if similarity == "euclidean" else a * b
-        want.append(-total if similarity == "euclidean" else total)
-    for batch_bytes in (8, 1024, _score.CANONICAL_BATCH_BYTES):
-        got = _score.canonical_scores(
-            embeddings, embeddings, pairs[:, 0], pairs[:, 1], similarity, batch_bytes=batch_bytes
-        )  # type: ignore[arg-type]
-        assert got.tolist() == want, (dim, dtype, similarity, batch_bytes)

@@ -271,6 +271,7 @@ def test_torchrun_evaluation_on_two_processes(tmp_path: Path) -> None:
     check_page_output(TWO_PROCESSES, done.stdout)
 
 
+@pytest.mark.slow
 def test_huggingface_trainer_on_two_processes(tmp_path: Path) -> None:
     """The Trainer on two processes hands every batch, gathered from both and without the
     sampler's repeats, to compute_metrics: with ``sync_on_compute=False`` the streamed

@@ -68,12 +68,17 @@ def test_the_page_states_the_tested_formula() -> None:
     before = least - budget.min_scratch_bytes(100_000) + budget.MIN_SCRATCH_BYTES
     assert f"(the least allowed {before / MiB:.1f} MiB, now {least / MiB:.1f} MiB)" in TEXT
     assert f"of that scratch (at least {budget.MIN_BLOCK_ROWS} rows)" in TEXT
-    # "with the call on a thread of its own": the probe's, and the DDP test's
+    # "with the call on a thread of its own": the probe's; the DDP test's on the thread
+    # of the first call
     probe_source = inspect.getsource(importlib.import_module("memory_probe").measure)
     assert "on_own_thread(lambda: compute_and_report(metric))" in probe_source
     assert "with the call on a thread of its own" in TEXT
     memory_test = (ROOT / "tests" / "test_memory.py").read_text(encoding="utf-8")
-    assert "on_own_thread(functools.partial(_compute_and_report, metric))" in memory_test
+    assert "in two gloo processes on the thread that made the first call" in TEXT
+    worker = memory_test[memory_test.index("def _peak_worker(") :]
+    worker = worker[: worker.index("\n\n\n")]
+    assert "_compute_and_report(warm)" in worker
+    assert "result, report = _compute_and_report(metric)" in worker
     # "The tests allow nothing on top of the bound", each measured call a process's
     # second compute() and protocol_report() of the same items (seed 0, both)
     assert "The tests allow nothing on top of the bound." in TEXT

@@ -742,6 +742,7 @@ def test_two_processes_equal_one_process(two_processes: tuple[bool, list[Any]]) 
                 assert all(torch.equal(got[k], single[k]) for k in single), name
 
 
+@pytest.mark.ddp
 def test_width_one_single_row_strided_batches_on_two_processes(
     two_processes: tuple[bool, list[Any]],
 ) -> None:
@@ -1141,6 +1142,7 @@ def test_sorted_parts_equal_one_stable_sort() -> None:
     assert len(list(bitwise.sorted_parts(keys, SIZES))) == 1  # 3,000 items: one sort
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", ["int32", "int64"])
 def test_report_whatever_the_code_type_and_sort_passes(
     limit: str, monkeypatch: pytest.MonkeyPatch

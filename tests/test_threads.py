@@ -199,7 +199,7 @@ def test_leave_one_out_spans_are_whole_labels() -> None:
     labels = torch.sort(_batches("leave-one-out")[0].labels).values
     num = labels.shape[0]
     rows = torch.zeros(num, 2)
-    stats = _blocks.Stats(torch.float32, None, 1.0, 0.0, 0.0, False)
+    stats = _blocks.Stats(torch.float32, None, 1.0, 0.0, 0.0, False, 64)
     gallery = _blocks.gallery_block(rows, rows, labels, labels, torch.arange(num), stats)
     spans = _engine.label_spans(gallery, 32, 48)
     assert [span.start for span in spans[1:]] == [span.stop for span in spans[:-1]]

@@ -22,7 +22,6 @@ from torch import Tensor
 from recall_at_k import _collectives as collectives
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.budget import STATS_CHUNK_BYTES
 from recall_at_k.ranking.plan import Direction, Plan
 from recall_at_k.ranking.score import (
     bound_absolute,
@@ -33,6 +32,7 @@ from recall_at_k.ranking.score import (
     may_produce_nan,
     norm_upper,
     prepare_rows,
+    row_norms,
 )
 from recall_at_k.ranking.stored import BroadcastRows
 
@@ -46,6 +46,7 @@ class Stats(NamedTuple):
     coefficient: float  # the bound's relative part (score.bound_coefficient)
     absolute: float  # and its absolute part (score.bound_absolute)
     check_nan: bool  # whether fast scores could be NaN
+    block_rows: int  # rows read at a time to make blocks (Budget.row_block_rows)
 
 
 class Queries(NamedTuple):
@@ -96,7 +97,7 @@ def gallery_block(
     neg_sq_norms = None
     if stats.centre is not None:
         neg_sq_norms = torch.empty((1, fast.shape[0]), dtype=fast.dtype, device=fast.device)
-        for first, part in chunks(fast):
+        for first, part in chunks(fast, stats.block_rows):
             neg_sq_norms[0, first : first + part.shape[0]] = (
                 (part - stats.centre).square_().sum(dim=1).neg_()
             )
@@ -106,9 +107,8 @@ def gallery_block(
     )
 
 
-def chunks(rows: Tensor) -> Iterator[tuple[int, Tensor]]:
-    """``(first, rows)`` of ``rows``, :data:`STATS_CHUNK_BYTES` at a time (views)."""
-    step = max(1, STATS_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+def chunks(rows: Tensor, step: int) -> Iterator[tuple[int, Tensor]]:
+    """``(first, rows)`` of ``rows``, ``step`` rows at a time (views)."""
     for first in range(0, rows.shape[0], step):
         yield first, rows[first : first + step]
 
@@ -234,11 +234,13 @@ def statistics(
     dtype: torch.dtype,
     device: torch.device,
     reduce: Reduce,
+    block_rows: int,
 ) -> Stats:
     """The :class:`Stats` of a gallery: ``every_row()`` and ``gallery_rows()`` yield
-    prepared rows (this process's, under ``reduce``), read twice at most."""
+    prepared rows (this process's, under ``reduce``), read twice at most, ``block_rows``
+    at a time (their float64 or centred copies a block at a time)."""
     if callable(similarity):
-        return Stats(dtype, None, 0.0, 0.0, 0.0, True)
+        return Stats(dtype, None, 0.0, 0.0, 0.0, True, block_rows)
     largest = reduce.max(max((largest_magnitude(p) for p in every_row()), default=0.0), device)
     fast = fast_dtype(largest, dim, dtype, similarity)
     centre = None
@@ -256,7 +258,8 @@ def statistics(
     max_norm = float(norm_upper(torch.tensor([largest_norm], dtype=torch.float64), dim, fast))
     coefficient = bound_coefficient(similarity, dim, fast, device)
     nan = may_produce_nan(largest, dim, fast, similarity)
-    return Stats(fast, centre, max_norm, coefficient, bound_absolute(similarity, dim, fast), nan)
+    absolute = bound_absolute(similarity, dim, fast)
+    return Stats(fast, centre, max_norm, coefficient, absolute, nan, block_rows)
 
 
 def run_of(rows: Tensor) -> slice | None:
@@ -307,15 +310,17 @@ class LocalSource:
             rows, identity = rows[order], identity[order]
         index: slice | Tensor = rows.long() if run is None else run
         canonical = embeddings[index]
+        step = plan.budget.row_block_rows()
         self.stats = statistics(
             similarity,
-            lambda: (part for _, part in chunks(embeddings)),
-            lambda: (part for _, part in chunks(canonical)),
+            lambda: (part for _, part in chunks(embeddings, step)),
+            lambda: (part for _, part in chunks(canonical, step)),
             canonical.shape[0],
             embeddings.shape[1],
             embeddings.dtype,
             device,
             Reduce(None),
+            step,
         )
         self.fast = embeddings.to(self.stats.dtype)
         fast, labels, groups = self.fast[index], plan.labels[index], plan.groups[index]
@@ -400,25 +405,41 @@ class ShardedSource:
             self.identities.append(items.identity[owned])
         own_order = self.orders[rows.rank]
         width = rows.shape[1]
-        step = max(1, STATS_CHUNK_BYTES // (8 * max(1, width)))
+        step = plan.budget.row_block_rows()
+        # "cosine": each held row's norm, once (8 bytes a row), not for every tile and run.
+        self.norms: Tensor | None = None
+        if similarity == "cosine":
+            self.norms = torch.empty(local.shape[0], dtype=torch.float64, device=device)
+            for first, part in local.runs(step):
+                self.norms[first : first + part.shape[0]] = row_norms(part.to(torch.float64))
 
         def every_row() -> Iterator[Tensor]:
-            for _, part in local.runs(step):
-                yield self.prepare(part)
+            for first, part in local.runs(step):
+                yield self.prepare(part, torch.arange(first, first + part.shape[0], device=device))
 
         def own_gallery() -> Iterator[Tensor]:
             for first in range(0, own_order.shape[0], step):
-                yield self.prepare(local.take(own_order[first : first + step]))
+                index = own_order[first : first + step]
+                yield self.prepare(local.take(index), index)
 
         count = int(gallery_rows.shape[0])
         self.stats = statistics(
-            similarity, every_row, own_gallery, count, width, rows.dtype, device, Reduce(processes)
+            similarity,
+            every_row,
+            own_gallery,
+            count,
+            width,
+            rows.dtype,
+            device,
+            Reduce(processes),
+            step,
         )
         self.run_rows = max(1, plan.budget.run_bytes // (width * self.dtype.itemsize))
 
-    def prepare(self, rows: Tensor) -> Tensor:
-        """Stored rows as the ranking scores them (a new tensor)."""
-        return prepare_rows(rows, self.similarity, self.dtype)
+    def prepare(self, rows: Tensor, index: Tensor) -> Tensor:
+        """This process's rows ``index`` (``rows``) as the ranking scores them (new)."""
+        norms = None if self.norms is None else self.norms[index]
+        return prepare_rows(rows, self.similarity, self.dtype, norms)
 
     def galleries(self) -> Iterator[Gallery]:
         """Every process's gallery, a run at a time (a collective)."""
@@ -431,15 +452,16 @@ class ShardedSource:
             yield gallery_block(part, fast, labels[stored], groups[stored], identity, self.stats)
 
     def query_rows(self, first: int, stop: int) -> Tensor:
-        rows = self.prepare(self.rows.local.take(self.queries.rows[first:stop]))
-        rows = rows.to(self.stats.dtype)
+        index = self.queries.rows[first:stop]
+        rows = self.prepare(self.rows.local.take(index), index).to(self.stats.dtype)
         return rows if self.stats.centre is None else rows.sub_(self.stats.centre)
 
     def canonical(
         self, gallery: Gallery, queries: Tensor, columns: Tensor, workspace: Workspace, batch: int
     ) -> Tensor:
         distinct, inverse = torch.unique(queries, return_inverse=True)
-        rows = self.prepare(self.rows.local.take(self.queries.rows[distinct]))
+        index = self.queries.rows[distinct]
+        rows = self.prepare(self.rows.local.take(index), index)
         return canonical_scores(
             rows, gallery.canonical, inverse, columns, self.similarity, workspace, batch
         )

@@ -7,8 +7,9 @@ bookkeeping (:func:`bookkeeping_bytes`), then the scratch (:func:`scratch_bytes`
 into the shares of :class:`Budget`. While the ranking runs, its tiles and their scans'
 buffers, the pairs waiting to be decided and their decision, and (sharded) the run of
 gallery rows passing by are held at once: their shares sum to less than the scratch.
-Copying, normalising and auditing the rows happen before the ranking, a block of
-:attr:`Budget.row_block_bytes` at a time. A ``chunk_bytes`` smaller than
+Copying, normalising and auditing the rows happen before the ranking, and each
+direction's gallery statistics (largest value, centre, norms) before its tiles, a block
+of :attr:`Budget.row_block_bytes` at a time. A ``chunk_bytes`` smaller than
 :func:`least_chunk_bytes` cannot hold the bookkeeping and the least scratch: the ranking
 then takes the least scratch. Results never depend on any size here.
 """
@@ -91,11 +92,12 @@ CANONICAL_BATCH_BYTES = 4 * 2**20
 CANONICAL_DIM_BLOCK = 64
 """Canonical re-scoring gathers this many dimensions at a time (in the order ``d = 0..D-1``)."""
 
+NORM_DIM_BLOCK = 16
+"""Cosine norms square this many dimensions at a time: their buffer is at most
+``17 / 16`` of a float64 row (``1 / 16`` at 256 dimensions and more)."""
+
 PENDING_PAIRS = 2**16
 """Pairs are decided once this many wait (or the pending share is full, or at the end)."""
-
-STATS_CHUNK_BYTES = 2**20
-"""The gallery's norms, centre and largest value are read this many bytes at a time."""
 
 
 class Budget(NamedTuple):

@@ -61,7 +61,7 @@ from recall_at_k.ranking.budget import (
     Budget,
 )
 from recall_at_k.ranking.decide import NEAR, NEGATIVE, POSITIVE, Decider
-from recall_at_k.ranking.plan import Plan
+from recall_at_k.ranking.plan import Direction, Plan
 from recall_at_k.ranking.progress import Progress
 from recall_at_k.ranking.scan import (
     Found,
@@ -797,17 +797,14 @@ def rank(
                 counted.append(counted[-1])
                 continue
             try:
-                if sharded:
-                    assert processes is not None
-                    source: Source = ShardedSource(plan, sides, options.similarity, processes)
-                else:
-                    total = sides[0].rows.shape[0]
-                    share = (total * me // world, total * (me + 1) // world)
-                    source = LocalSource(plan, sides, share, options.similarity)
                 flags = None if known is None else known[index]
+                # The source lives only as long as its direction's ranking, and of the
+                # counts only the summary is kept while the next direction ranks.
+                source = _source(plan, sides, options, processes if sharded else None, world, me)
                 counts = rank_direction(source, options, plan.budget, workspace, flags)
+                del source
                 counted.append(_summary(counts, options, grid, outcomes))
-                del counts  # only the summary is kept while the next direction ranks
+                del counts
             except Exception as err:
                 if world == 1:
                     raise
@@ -817,13 +814,31 @@ def rank(
     return _reduce(plan, options, counted, outcomes, group, world, failure)
 
 
+def _source(
+    plan: Plan,
+    sides: Direction,
+    options: RankOptions,
+    processes: Processes | None,
+    world: int,
+    me: int,
+) -> Source:
+    """A direction's blocks: a gallery sharded across ``processes``, or this process's
+    contiguous share of the queries against every item."""
+    if processes is not None:
+        return ShardedSource(plan, sides, options.similarity, processes)
+    total = sides[0].rows.shape[0]
+    share = (total * me // world, total * (me + 1) // world)
+    return LocalSource(plan, sides, share, options.similarity)
+
+
 class _Summary(NamedTuple):
     """A direction's ranking on this process, summarised as soon as it is done."""
 
     hist: Tensor
     numbers: Tensor  # int64 [8]: queries with, without a positive, NaN, near [4], failed
     records: Tensor | None  # with ``outcomes``: each ranked query's record
-    position: Tensor  # the ranked queries' places among the direction's queries
+    position: Tensor  # with ``outcomes``: the ranked queries' places among the direction's
+    ranked: int
     rescored: int
 
 
@@ -833,7 +848,9 @@ def _summary(counts: QueryCounts, options: RankOptions, grid: float, outcomes: b
     zero = queries.new_zeros(1)
     numbers = torch.cat([queries, counts.nan.view(1), counts.near, zero])
     kept = record if outcomes else None
-    return _Summary(hist, numbers, kept, counts.position.to(torch.int64), counts.rescored)
+    ranked = int(counts.position.shape[0])
+    position = counts.position.to(torch.int64) if outcomes else counts.position[:0]
+    return _Summary(hist, numbers, kept, position, ranked, counts.rescored)
 
 
 def _reduce(
@@ -853,6 +870,7 @@ def _reduce(
         torch.zeros(8, dtype=torch.int64, device=device),
         None,
         torch.zeros(0, dtype=torch.int64, device=device),
+        0,
         0,
     )
     summaries = [empty if c is None else c for c in counted]
@@ -878,7 +896,7 @@ def _reduce(
         if outcomes:
             total = sides[0].rows.shape[0]
             gathered = _gather_records(summary, total, options, group, world, device)
-        ranked = int(summary.position.shape[0])
+        ranked = summary.ranked
         hist, numbers = hist_all[index], every[index]
         out.append(Ranked(hist, numbers[:2], numbers[3:7], ranked, summary.rescored, gathered))
     return out

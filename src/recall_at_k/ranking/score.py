@@ -15,8 +15,8 @@ stored embeddings alone (the same for every tiling, thread, process and device):
   on the tile's shape).
 
 Float64 embeddings have inexact products; the fixed order and separate multiply and add
-still give one value per pair on every device (float32 rows use a fused multiply-add per
-``d``: the product being exact, it rounds exactly like a multiply then an add).
+still give one value per pair on every device (a product of float32 rows is exact in
+float64, so only the additions round).
 
 **Fast path and certificate.** Each tile (or panel) of scores is one float32 matrix
 product, the *fast* score. For each query a bound ``B`` with ``|fast - canonical| <= B``
@@ -65,24 +65,43 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.budget import CANONICAL_BATCH_BYTES, CANONICAL_DIM_BLOCK
+from recall_at_k.ranking.budget import (
+    CANONICAL_BATCH_BYTES,
+    CANONICAL_DIM_BLOCK,
+    NORM_DIM_BLOCK,
+)
 
 SAFETY = 2.0
 """Factor on the certified rounding bound (covers the norms' own rounding, the band's edges)."""
 
 
-def prepare_rows(rows: Tensor, similarity: Similarity, dtype: torch.dtype) -> Tensor:
+def prepare_rows(
+    rows: Tensor, similarity: Similarity, dtype: torch.dtype, norms: Tensor | None = None
+) -> Tensor:
     """Rows ``[m, D]`` as the ranking scores them: a new tensor of ``dtype`` (at least
-    float32), for ``"cosine"`` divided by the float64 norm of each row alone (summed over
-    ``d = 0 .. D-1``, clamped to at least 1e-12): the same in every batch and device."""
+    float32), for ``"cosine"`` divided by the float64 norm of each row alone
+    (:func:`row_norms`; ``norms``: those norms, computed before): the same in every batch
+    and device."""
     if similarity != "cosine":
         return rows.to(dtype, copy=True)
     wide = rows.to(torch.float64, copy=True)  # exact
-    total = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
-    term = torch.empty_like(total)
-    for column in wide.T:
-        total.add_(torch.mul(column, column, out=term))
-    return wide.div_(total.sqrt_().clamp_min_(1e-12).unsqueeze(1)).to(dtype)
+    norms = row_norms(wide) if norms is None else norms
+    return wide.div_(norms.unsqueeze(1)).to(dtype)
+
+
+def row_norms(rows: Tensor) -> Tensor:
+    """The float64 norm of each row ``[m, D]`` (float64 values): the square root of the
+    sum of ``x_d ** 2`` added in the order ``d = 0 .. D-1``, clamped to at least 1e-12."""
+    num, dim = rows.shape
+    total = torch.zeros(num, dtype=torch.float64, device=rows.device)
+    width = max(1, min(dim, NORM_DIM_BLOCK))
+    terms = torch.empty(num, width + 1, dtype=torch.float64, device=rows.device)
+    for first in range(0, dim, width):
+        block = terms[:, : min(width, dim - first) + 1]
+        torch.square(rows[:, first : first + width], out=block[:, 1:])  # exact for float32
+        block[:, 0] = total
+        add_in_order(block, total)
+    return total.sqrt_().clamp_min_(1e-12)
 
 
 def canonical_scores(
@@ -104,7 +123,6 @@ def canonical_scores(
     device, wide = queries.device, torch.float64
     workspace = Workspace() if workspace is None else workspace
     out = torch.empty(num, dtype=wide, device=device)
-    exact_products = torch.finfo(queries.dtype).bits <= 32
     width = max(1, min(dim, CANONICAL_DIM_BLOCK))
     step = max(1, min(num, batch_bytes // (8 * width)))
     for start in range(0, num, step):
@@ -112,26 +130,39 @@ def canonical_scores(
         query_batch = query_rows[start : start + count]
         gallery_batch = gallery_rows[start : start + count]
         total = torch.zeros(count, dtype=wide, device=device)
-        term = torch.empty_like(total)
         for first in range(0, dim, width):
             last = min(first + width, dim)
             pair = workspace.get("canonical_rows", (count, last - first), queries.dtype, device)
-            q = workspace.get("canonical_q", (last - first, count), wide, device)
-            g = workspace.get("canonical_g", (last - first, count), wide, device)
+            # Column 0 carries the sum so far, columns 1.. the terms of d = first .. last - 1.
+            terms = workspace.get("canonical_terms", (count, last - first + 1), wide, device)
+            g = workspace.get("canonical_g", (count, last - first), wide, device)
             torch.index_select(queries[:, first:last], 0, query_batch, out=pair)
-            q.copy_(pair.T)  # exact
+            q = terms[:, 1:]
+            q.copy_(pair)  # exact
             torch.index_select(gallery[:, first:last], 0, gallery_batch, out=pair)
-            g.copy_(pair.T)
-            for d in range(last - first):
-                if similarity == "euclidean":
-                    torch.sub(q[d], g[d], out=term)
-                    total.add_(term.mul_(term))
-                elif exact_products:  # exact product: rounds as a multiply then an add
-                    total.addcmul_(q[d], g[d])
-                else:
-                    total.add_(torch.mul(q[d], g[d], out=term))
+            g.copy_(pair)
+            if similarity == "euclidean":
+                q.sub_(g).square_()  # each difference and square rounded to float64
+            else:
+                q.mul_(g)  # exact for float32 rows, rounded once for float64
+            terms[:, 0] = total
+            add_in_order(terms, total)
         out[start : start + count] = total.neg_() if similarity == "euclidean" else total
     return out
+
+
+def add_in_order(terms: Tensor, total: Tensor) -> None:
+    """``total = terms[:, 0] + terms[:, 1] + ... + terms[:, -1]``, added left to right
+    (``terms`` is overwritten). On CPU one prefix sum (its kernel adds each row's
+    elements in order, one float64 accumulator); elsewhere a scan may reassociate,
+    so one addition per column."""
+    if terms.device.type == "cpu":
+        terms.cumsum_(1)
+        total.copy_(terms[:, -1])
+        return
+    total.copy_(terms[:, 0])
+    for column in range(1, terms.shape[1]):
+        total.add_(terms[:, column])
 
 
 def gamma(terms: int, unit: float) -> float:

@@ -92,7 +92,8 @@ class BroadcastRows:
     ) -> Iterator[tuple[int, int, Tensor]]:
         """``(owner, first position among the owner's, rows)``: every process's rows in
         process order, each in the order ``orders[r]`` gives (local row indices; None: all,
-        stored order), at most ``rows`` a part, turned by ``prepare`` on the owner."""
+        stored order), at most ``rows`` a part, turned by ``prepare(rows, local indices)`` on
+        the owner."""
         width = self.shape[1]
         buffer = torch.empty((rows, width), dtype=self.dtype, device=self.device)
         for rank, count in enumerate(self.counts):
@@ -109,7 +110,7 @@ class BroadcastRows:
                     )
                     self.local.take(index, out=part)
                     if prepare is not None:
-                        part.copy_(prepare(part))
+                        part.copy_(prepare(part, index))
                 source = rank if self.group is None else dist.get_global_rank(self.group, rank)
                 collectives.broadcast(part, src=source, group=self.group)
                 yield rank, first, part
