@@ -503,6 +503,7 @@ def fast_and_canonical(
         prepared.dtype,
         prepared.device,
         blocks.Reduce(None),
+        max(1, num),
     )
     fast_rows = prepared.to(stats.dtype)
     labels = torch.zeros(num, dtype=torch.int64)
