@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -68,6 +69,12 @@ TOLERANCE = {
     "huggingface_trainer.py": 0.05,
     "lightning_tensorboard.py": 0.05,
 }
+PAGE_TORCH = "2.13.0"
+"""The torch of the page's numbers (CI's first leg). With another torch (and the
+transformers and Lightning beside it) a model initialises and draws its random numbers
+differently: the recipes that fit or train one are checked there for their text alone
+(torch 2.4.1 and transformers 4.41 trained the Hugging Face recipe to 0.5278 where the
+page shows 0.4778)."""
 DECIMAL = r"\d+\.\d+"
 
 
@@ -226,8 +233,18 @@ def output_matches(shown: str, printed: str, tolerance: float) -> str | None:
 
 def check_page_output(command: str, stdout: str) -> None:
     name = Path(command.split()[-1]).name
-    problem = output_matches(page_outputs()[command], stdout, TOLERANCE.get(name, 0.0))
+    tolerance = TOLERANCE.get(name, 0.0)
+    if tolerance and torch.__version__.split("+")[0] != PAGE_TORCH:
+        tolerance = 1.0  # any recall: the text and the exact numbers are still checked
+    problem = output_matches(page_outputs()[command], stdout, tolerance)
     assert problem is None, f"docs/recipes.md, {command!r}: {problem}. It printed:\n{stdout}"
+
+
+def test_the_page_numbers_come_from_the_torch_of_ci_first_leg() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"python -m pip install --quiet torch=={PAGE_TORCH} " in ci
+    page = " ".join(RECIPES_PAGE.read_text(encoding="utf-8").split())
+    assert f"CI checks them with torch {PAGE_TORCH}" in page
 
 
 def test_every_output_on_the_recipes_page_is_checked() -> None:
