@@ -415,7 +415,7 @@ class ShardedSource:
 
         def every_row() -> Iterator[Tensor]:
             for first, part in local.runs(step):
-                yield self.prepare(part, torch.arange(first, first + part.shape[0], device=device))
+                yield self.prepare(part, slice(first, first + part.shape[0]))
 
         def own_gallery() -> Iterator[Tensor]:
             for first in range(0, own_order.shape[0], step):
@@ -436,7 +436,7 @@ class ShardedSource:
         )
         self.run_rows = max(1, plan.budget.run_bytes // (width * self.dtype.itemsize))
 
-    def prepare(self, rows: Tensor, index: Tensor) -> Tensor:
+    def prepare(self, rows: Tensor, index: Tensor | slice) -> Tensor:
         """This process's rows ``index`` (``rows``) as the ranking scores them (new)."""
         norms = None if self.norms is None else self.norms[index]
         return prepare_rows(rows, self.similarity, self.dtype, norms)

@@ -837,7 +837,7 @@ class _Summary(NamedTuple):
     hist: Tensor
     numbers: Tensor  # int64 [8]: queries with, without a positive, NaN, near [4], failed
     records: Tensor | None  # with ``outcomes``: each ranked query's record
-    position: Tensor  # with ``outcomes``: the ranked queries' places among the direction's
+    position: Tensor  # with ``outcomes``, the ranked queries' places (else empty)
     ranked: int
     rescored: int
 
