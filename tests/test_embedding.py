@@ -340,3 +340,38 @@ def test_scores_past_the_float32_range_are_ranked() -> None:
     metric.update(embeddings, labels)
     expected = reference_embedding_recall([Batch(embeddings, labels)], KS, similarity="dot")
     assert {k: float(v) for k, v in metric.compute().items()} == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("protocol", ["leave-one-out", "query/gallery", "bidirectional"])
+@pytest.mark.parametrize("similarity", ["cosine", "euclidean"])
+def test_a_query_that_misses_at_every_k_is_scanned_no_further(
+    protocol: str, similarity: str
+) -> None:
+    """Random continuous embeddings: most queries soon see ``max(k)`` negatives surely
+    above their best positive (a miss at every K) and are scanned no further. At every
+    ``chunk_bytes`` about one item a query (its best positive) is then re-scored
+    canonically; rows that reached a band before such a query stopped and were compared
+    after it once counted and re-scored every item above the band (up to 60 times the
+    pairs at 64 and 256 KiB), with the same results."""
+    gen = torch.Generator().manual_seed(5)
+    embeddings = torch.randn(1200, 24, generator=gen)
+    labels = torch.randint(0, 120, (1200,), generator=gen)
+    results = []
+    for chunk_bytes in (2**16, 2**18, 2**28):
+        metric = EmbeddingRecallAtK(
+            (1, 5, 10),
+            similarity=similarity,
+            bidirectional=protocol == "bidirectional",
+            chunk_bytes=chunk_bytes,
+        )
+        if protocol == "leave-one-out":
+            metric.update(embeddings, labels)
+        else:
+            metric.update(embeddings[:400], labels[:400], role="query")
+            metric.update(embeddings[400:], labels[400:], role="gallery")
+        results.append(metric.compute())
+        queries = {"q2g": 1200 if protocol == "leave-one-out" else 400, "g2q": 800}
+        for direction, rescored in metric.last_compute_rescored.items():
+            most = queries[direction] + queries[direction] // 10
+            assert rescored <= most, (chunk_bytes, direction, rescored, most)
+    assert all(result == results[0] for result in results[1:])

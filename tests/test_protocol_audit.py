@@ -896,7 +896,8 @@ def test_audit_blocks_on_worker_threads_give_the_same_codes(
     rows = torch.cat([rows, rows[:60], rows[90:]])  # bitwise copies in other blocks
     labels = torch.arange(rows.shape[0]) % 5
     groups = torch.arange(rows.shape[0]) % 3
-    sizes = budget.audit_sizes(4 * 2**10)  # several blocks a worker even at one thread
+    # Several blocks a worker even at one thread, and every thread a worker of them.
+    sizes = budget.audit_sizes(4 * 2**10)._replace(worker_bytes=1)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -216,7 +216,7 @@ def test_torch_is_pinned_alike_everywhere_and_the_cpu_index_is_an_alternative() 
     # The two commands themselves install torch from PyPI (this project's machines carry
     # a local CPU wheel); the CPU index is an alternative in a block of its own.
     assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==")
-    assert "--index-url" not in first and blocks[1].strip() == "python -m pytest -q"
+    assert "--index-url" not in first and blocks[1].strip() == "python -m pytest -q -n 2"
     cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu\n"
     assert cpu in blocks
     assert "TORCH_INDEX_URL" in ci  # CI can take the same index
@@ -260,7 +260,7 @@ def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     fewer = "python -m pytest -q -n 2" + "".join(f" --ignore=tests/{name}" for name in left_out)
     memory = 'python -m pytest -q -p no:cacheprovider -m memory >"$work/memory.log" 2>&1 &'
     slow = "python -m pytest -q -n 2 -m slow"
-    assert commands == [memory, "python -m pytest -q", slow, fewer, fewer]
+    assert commands == [memory, "python -m pytest -q -n 2", slow, fewer, fewer]
     assert 'wait "$memory_tests" || memory_status=$?' in ci
     said = (
         "those two runs are the default selection, less the band tests: they leave out the"

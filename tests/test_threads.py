@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -213,3 +214,40 @@ def test_leave_one_out_spans_are_whole_labels() -> None:
             assert (
                 engine_recall(batches, KS, ("squares", 4 * 4 * 48 * 48), near_duplicate=0.9) == want
             )
+
+
+def test_small_tiles_stay_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranking shares its tiles among worker threads only where each gets
+    ``CPU_WORKER_BYTES`` of them (as docs/input-forms.md says): at a small ``chunk_bytes``
+    every product runs on the calling thread, at the default on both workers, with the
+    same result."""
+    from recall_at_k.ranking import budget
+
+    assert budget.CPU_WORKER_BYTES == 2**20
+    page = Path(__file__).resolve().parents[1] / "docs" / "input-forms.md"
+    text = " ".join(page.read_text(encoding="utf-8").split())
+    assert "Each thread takes at least 1 MiB of tiles at a time" in text
+    seen: list[str] = []
+    original = _blocks.product
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_engine, "product", spy)
+    gen_ = torch.Generator().manual_seed(8)
+    embeddings = torch.randn(3000, 16, generator=gen_)
+    labels = torch.randint(0, 300, (3000,), generator=gen_)
+    results = []
+    with _threads(2):
+        for chunk_bytes, threads in ((2**21, {threading.current_thread().name}), (2**28, None)):
+            seen.clear()
+            metric = EmbeddingRecallAtK(KS, chunk_bytes=chunk_bytes)
+            metric.update(embeddings, labels)
+            results.append(metric.compute())
+            names = set(seen)
+            if threads is not None:
+                assert names == threads, names
+            else:
+                assert len(names) == 2 and all(n.startswith("recall-at-k") for n in names), names
+    assert results[0] == results[1]

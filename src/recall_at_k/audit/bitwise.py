@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from recall_at_k._kernel import Workspace
-from recall_at_k.ranking.budget import AuditSizes
+from recall_at_k.ranking.budget import AuditSizes, workers_within
 from recall_at_k.ranking.workers import Workers, worker_count
 
 CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
@@ -41,7 +41,7 @@ def in_blocks(
     """``task(rows, workspace)`` for blocks of the ``num`` rows (``total`` bytes a thread at
     ``row_bytes`` a row, at least ``blocks_per_worker`` blocks a thread), on the ranking's
     worker threads; a block's result depends on its rows alone."""
-    count = worker_count(device)
+    count = workers_within(worker_count(device), total, sizes.worker_bytes)
     step = max(1, total // max(1, count * row_bytes))
     if count > 1:
         step = max(1, min(step, -(-num // (sizes.blocks_per_worker * count))))

@@ -71,6 +71,11 @@ many bytes for a merge: small updates merge rarely."""
 CPU_TILE_BYTES = 32 * 2**20
 """On CPU, tiles hold at most this many bytes of scores."""
 
+CPU_WORKER_BYTES = 2**20
+"""On CPU, worker threads share a task (tiles, row blocks, the audit's blocks) only where
+each gets this many bytes of it at a time: on less, many small operations a thread,
+threads ran slower than one."""
+
 CPU_PANEL_BYTES = 2 * 2**20
 """On CPU a tile's scores beyond its label blocks come in cache-sized panels of columns ..."""
 
@@ -133,6 +138,12 @@ class Budget(NamedTuple):
         """Rows copied, normalised or audited at a time (``bytes_per_value``: the copies
         each value of a row takes)."""
         return max(1, self.row_block_bytes // (bytes_per_value * max(1, self.width)))
+
+
+def workers_within(threads: int, work_bytes: int, least: int = CPU_WORKER_BYTES) -> int:
+    """How many of ``threads`` CPU worker threads share work of ``work_bytes`` at a time
+    (all threads together): at most one per ``least`` bytes, at least one."""
+    return max(1, min(threads, work_bytes // max(1, least)))
 
 
 def bookkeeping_bytes(items: int) -> int:
@@ -211,6 +222,7 @@ class AuditSizes(NamedTuple):
     sort_passes: int  # passes over the keys of one sort in parts, at most
     candidate_pairs: int  # pairs (or queries) enumerated and checked at a time
     blocks_per_worker: int  # blocks each worker thread gets at least
+    worker_bytes: int  # a worker thread's share of a block at least (workers_within)
 
 
 def audit_sizes(block_bytes: int) -> AuditSizes:
@@ -223,6 +235,7 @@ def audit_sizes(block_bytes: int) -> AuditSizes:
         sort_passes=AUDIT_SORT_MAX_PASSES,
         candidate_pairs=max(least, min(most, block_bytes // AUDIT_CANDIDATE_BYTES)),
         blocks_per_worker=AUDIT_BLOCKS_PER_WORKER,
+        worker_bytes=CPU_WORKER_BYTES,
     )
 
 

@@ -57,8 +57,10 @@ from recall_at_k.ranking.budget import (
     CPU_PANEL_BYTES,
     CPU_PANEL_COLUMNS,
     CPU_SQUARE_BYTES,
+    CPU_TILE_BYTES,
     SQUARE_MIN_ROWS,
     Budget,
+    workers_within,
 )
 from recall_at_k.ranking.decide import NEAR, NEGATIVE, POSITIVE, Decider
 from recall_at_k.ranking.plan import Direction, Plan
@@ -191,6 +193,8 @@ def rank_direction(
         gallery = source.gallery
         device = gallery.fast.device
         workers = 1 if callable(options.similarity) else worker_count(device)
+        if options.mode == "auto":  # a route named by the tests takes every thread
+            workers = workers_within(workers, min(budget.tile_bytes, CPU_TILE_BYTES))
         progress = Progress(queries.labels.shape[0], options.progress)
         walk = _Walk(state, decider, options, budget, workers, progress)
         if not (_squares_possible(source, options, device) and _squares(source, walk)):
@@ -292,7 +296,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
         scanned = scanner.scan(scores, 0, lo, hi, first, bound)
         greater, near_state = scanned.greater, scanned.near
         if panels:
-            saturate(lo, greater, options.max_k)
+            saturate(lo, hi, greater, options.max_k)
             outside = (own >= 0) & ((own < first) | (own >= stop))
             ignore_outside = same_group or bool(outside.any())
             width = max(1, panel_bytes // (rows * itemsize))
@@ -308,7 +312,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
                 if near_state is not None:
                     near(panel, 0, peak, near_state, a, False, workspace, tile_bytes)
                 if stack.add(panel, peak, a):
-                    saturate(lo, greater, options.max_k)
+                    saturate(lo, hi, greater, options.max_k)
             stack.flush()
         positive = Found(found.found.rows, found.found.columns + first, found.found.values)
         kinds = scanned.kinds(positive)
@@ -514,14 +518,14 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             if decider.full():
                 decider.flush(gallery)
     if aligned:
-        saturate(lo, state.greater, max_k)
+        saturate(lo, hi, state.greater, max_k)
     junk_runs = None if aligned else _junk(gallery, spans)
 
     def squares() -> Iterator[
         tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None]
     ]:
         """Each square with copies of its queries' band edges as they are when it is
-        taken (their ``lo`` rises as queries saturate)."""
+        taken (their edges rise to +inf as queries saturate)."""
         for index, rows in enumerate(spans):
             for later in range(index + int(aligned), len(spans)):
                 columns = spans[later]
@@ -535,9 +539,9 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
                     index,
                     later,
                     lo[rows].clone(),
-                    hi[rows],
+                    hi[rows].clone(),
                     lo[columns].clone(),
-                    hi[columns],
+                    hi[columns].clone(),
                     rectangle,
                 )
 
@@ -578,7 +582,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             for result in results:
                 _merge(result, state, decider)
                 part = slice(result.first, result.stop)
-                saturate(lo[part], state.greater[part], max_k)
+                saturate(lo[part], hi[part], state.greater[part], max_k)
             if decider.full():
                 decider.flush(gallery)
     progress.update(num)
@@ -704,7 +708,7 @@ def _passes(
             hide_own_labels(scores, located.start[a:b], located.length[a:b], hole)
             scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, bound[a:b])
             state.greater[a:b] += scanned.greater
-            saturate(lo[a:b], state.greater[a:b], options.max_k)
+            saturate(lo[a:b], hi[a:b], state.greater[a:b], options.max_k)
             if scanned.sure is not None:
                 state.near[a:b] += scanned.sure
             for kind, found in scanned.kinds(None):

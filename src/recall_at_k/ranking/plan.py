@@ -22,7 +22,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.budget import Budget, budget
+from recall_at_k.ranking.budget import Budget, budget, workers_within
 from recall_at_k.ranking.score import prepare_rows
 from recall_at_k.ranking.stored import BroadcastRows, StoredRows
 from recall_at_k.ranking.workers import Workers, worker_count
@@ -192,7 +192,7 @@ def prepare(plan: Plan, similarity: Similarity) -> None:
     embeddings = plan.embeddings
     if similarity != "cosine" or embeddings is None:
         return
-    workers = worker_count(embeddings.device)
+    workers = workers_within(worker_count(embeddings.device), plan.budget.row_block_bytes)
     step = max(1, plan.budget.row_block_rows() // workers)
     starts = range(0, embeddings.shape[0], step)
 

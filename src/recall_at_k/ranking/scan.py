@@ -254,10 +254,15 @@ def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
     return max(1, min(rows, buffer_bytes // max(1, row_bytes)))
 
 
-def saturate(lo: Tensor, greater: Tensor, max_k: int) -> None:
+def saturate(lo: Tensor, hi: Tensor, greater: Tensor, max_k: int) -> None:
     """Stop scanning the queries with at least ``max_k`` items surely above ``s*`` (a
-    miss at every K whatever else is found): their ``lo`` becomes +inf."""
-    lo.masked_fill_(greater.view(-1, 1) >= max_k, math.inf)
+    miss at every K whatever else is found): their ``lo`` and ``hi`` become +inf, so
+    that no item of theirs is counted or found again (with ``hi`` finite, every item
+    above it would be both counted and found: rows that reached the band before and
+    are compared after, in a :class:`Stack` or a square taken earlier)."""
+    done = greater.view(-1, 1) >= max_k
+    lo.masked_fill_(done, math.inf)
+    hi.masked_fill_(done, math.inf)
 
 
 class Stack:
