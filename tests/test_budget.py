@@ -40,3 +40,41 @@ def test_the_least_chunk_bytes_holds_row_blocks_of_the_least_rows() -> None:
         sizes = budget.budget(least, items, width)
         assert sizes.row_block_rows() >= budget.MIN_BLOCK_ROWS
         assert sizes.scratch >= budget.min_scratch_bytes(items)
+
+
+SIZE_SUFFIXES = ("_BYTES", "_SHARE", "_ROWS", "_BATCH", "_CHUNK", "_ITEMS", "_PAIRS", "_TERMS")
+SIZE_SUFFIXES += ("_BLOCK", "_TARGETS", "_COLUMNS")
+SCHEMA_WIDTHS = ("META_COLUMNS",)  # the flat metadata's columns: a layout, not a size
+
+
+def test_no_module_but_the_budget_defines_a_size() -> None:
+    """Every byte, share, row or item count the package works in is a constant of
+    :mod:`recall_at_k.ranking.budget`: no other module assigns a number to a name that
+    says it is a size (module level or in a class)."""
+    import ast
+    from pathlib import Path
+
+    import recall_at_k
+
+    root = Path(recall_at_k.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "budget.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            numeric = node.value is not None and not any(
+                isinstance(n, (ast.Name, ast.Attribute, ast.Call)) for n in ast.walk(node.value)
+            )
+            sized = [
+                n for n in names if n.upper() == n and f"_{n.lstrip('_')}".endswith(SIZE_SUFFIXES)
+            ]
+            sized = [n for n in sized if n not in SCHEMA_WIDTHS]
+            if sized and numeric:
+                found.append(f"{path.relative_to(root)}: {sized}")
+    assert not found, found
+    sizes = [name for name in vars(budget) if name.endswith(SIZE_SUFFIXES)]
+    assert {"PAIRED_TERMS", "DENSE_SMALL_BATCH", "AUDIT_HASH_DIM_BLOCK"} <= set(sizes)

@@ -241,7 +241,7 @@ def test_small_batch_mask_path_counts_equal_the_other_paths(dtype: torch.dtype) 
     of both sizes agrees on rows with one positive."""
     scores, mask = _several_row_blocks_case()
     scores, mask = scores[:32].to(dtype), mask[:32]
-    assert scores.numel() <= _dense.SMALL_BATCH
+    assert scores.numel() <= budget.DENSE_SMALL_BATCH
     need = _kernel.needed_counts("expected")
     small = _dense.dense_tie_counts(scores, mask, None, need)
     blocks = _dense.dense_tie_counts(scores, mask, None, need, small_batch=0)

@@ -29,10 +29,7 @@ from recall_at_k._kernel import (
     no_positive_counts,
     scratch,
 )
-from recall_at_k.ranking.budget import DENSE_BLOCK_BYTES
-
-FEW_VALUES = 64  # a [Q] target of at most this many values is range-checked on the host
-SMALL_BATCH = 2**15  # batches of at most this many scores take the fewest operations
+from recall_at_k.ranking.budget import DENSE_BLOCK_BYTES, DENSE_FEW_TARGETS, DENSE_SMALL_BATCH
 
 
 def check_structure(scores: Tensor, target: Tensor, ignore: Tensor | None) -> None:
@@ -99,7 +96,7 @@ def check_values(scores: Tensor, target: Tensor) -> None:
     """Target values (index range, 0/1 mask); reads values on the host."""
     if target.dim() == 1 and target.numel():
         gallery = scores.shape[1]
-        if target.numel() <= FEW_VALUES:
+        if target.numel() <= DENSE_FEW_TARGETS:
             values = target.tolist()  # one host read of a few values
             low, high = min(values), max(values)
         else:
@@ -122,7 +119,7 @@ def tie_counts(
     validate_args: bool,
     workspace: Workspace | None = None,
     block_bytes: int = DENSE_BLOCK_BYTES,
-    small_batch: int = SMALL_BATCH,
+    small_batch: int = DENSE_SMALL_BATCH,
 ) -> TieCounts:
     """Checks, then :func:`dense_tie_counts`, then the NaN check (``validate_args``)."""
     check_structure(scores, target, ignore)
@@ -141,7 +138,7 @@ def dense_tie_counts(
     needed: NeededCounts,
     workspace: Workspace | None = None,
     block_bytes: int = DENSE_BLOCK_BYTES,
-    small_batch: int = SMALL_BATCH,
+    small_batch: int = DENSE_SMALL_BATCH,
 ) -> TieCounts:
     """Per-query g_>, g_> + e and p of float ``[Q, G]`` scores, a ``[Q, G]`` 0/1 mask or
     integer ``[Q]`` column ``target`` (-1: none) and an optional bool ``[Q, G]`` ``ignore``

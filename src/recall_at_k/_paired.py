@@ -16,6 +16,7 @@ from torch import Tensor
 from recall_at_k._base import RecallAtKMetric
 from recall_at_k._checks import check_level
 from recall_at_k._outcomes import QueryOutcomes
+from recall_at_k.ranking.budget import PAIRED_TERMS
 
 EXACT_DISCORDANT = 4096  # discordant queries up to which McNemar's sum is exact
 
@@ -66,7 +67,7 @@ def mcnemar_p_value(only_a: int, only_b: int) -> float:
     log_top = _log_binomial_half(low, m)
     total, carry, start = 0.0, 0.0, low
     while start >= 0:
-        i = torch.arange(start, max(-1, start - _CHUNK), -1, dtype=torch.float64)
+        i = torch.arange(start, max(-1, start - PAIRED_TERMS), -1, dtype=torch.float64)
         steps = torch.log(i[:-1] / (m - i[:-1] + 1))
         log_relative = carry + torch.cat([i.new_zeros(1), steps.cumsum(0)])
         total += float(log_relative.exp().sum())
@@ -76,9 +77,6 @@ def mcnemar_p_value(only_a: int, only_b: int) -> float:
         carry = last + math.log(smallest / (m - smallest + 1))
         start = smallest - 1
     return min(1.0, 2.0 * math.exp(log_top + math.log(total)))
-
-
-_CHUNK = 2**16
 
 
 def _log_binomial_half(x: int, n: int) -> float:

@@ -80,7 +80,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
 
     # Private switches for tests; every value gives the same counts.
     _dense_block_bytes: int = budget.DENSE_BLOCK_BYTES
-    _dense_small_batch: int = _dense.SMALL_BATCH
+    _dense_small_batch: int = budget.DENSE_SMALL_BATCH
     _flat_path: _flat.SegmentPath = "auto"
     _flat_slack: int | None = None  # None: _flat.compact_slack(max_k)
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from recall_at_k._kernel import Workspace
-from recall_at_k.ranking.budget import AuditSizes, workers_within
+from recall_at_k.ranking.budget import AUDIT_HASH_DIM_BLOCK, AuditSizes, workers_within
 from recall_at_k.ranking.workers import Workers, worker_count
 
 CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
@@ -74,8 +74,9 @@ def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
     wide = workspace.get(ROWS_SLOT, tuple(bits.shape), torch.float64, bits.device)
     wide.copy_(bits).add_(2**15)
     keys = torch.zeros((bits.shape[0], 3), dtype=torch.float64, device=bits.device)
-    for at in range(0, bits.shape[1], 2**15):
-        keys.addmm_(wide[:, at : at + 2**15], coefficients[at : at + 2**15]).remainder_(HASH_PRIME)
+    step = AUDIT_HASH_DIM_BLOCK
+    for at in range(0, bits.shape[1], step):
+        keys.addmm_(wide[:, at : at + step], coefficients[at : at + step]).remainder_(HASH_PRIME)
     key = keys.to(torch.int64)
     return key[:, 0].mul(HASH_PRIME).add_(key[:, 1]).mul_(HASH_PRIME).add_(key[:, 2])
 

@@ -62,6 +62,15 @@ PAIR_BYTES = 24
 DENSE_BLOCK_BYTES = 2**20
 """The dense form scores a CPU thread's block of rows in about this many bytes (cached)."""
 
+DENSE_SMALL_BATCH = 2**15
+"""Dense batches of at most this many scores take the fewest operations (not the blocks)."""
+
+DENSE_FEW_TARGETS = 64
+"""A dense ``[Q]`` target of at most this many values is range-checked on the host."""
+
+PAIRED_TERMS = 2**16
+"""The exact McNemar tail adds this many of its terms at a time (float64 each)."""
+
 FLAT_SLACK_BYTES = 1024 * (5 + 10) * 8
 """The flat form's packed rows (5 columns and K = 10 scores, 1,024 of them) may wait this
 many bytes for a merge: small updates merge rarely."""
@@ -184,6 +193,9 @@ def budget(chunk_bytes: int, items: int, width: int) -> Budget:
 
 AUDIT_SHARE = 4
 """The audit of one process reads rows in blocks of at most ``chunk_bytes / AUDIT_SHARE``."""
+
+AUDIT_HASH_DIM_BLOCK = 2**15
+"""The audit's row hash sums this many dimensions at a time (an exact float64 product)."""
 
 AUDIT_SORT_BYTES = 40
 """Bytes an item of a sort of int64 keys (sorted copy, order, scratch): sizes a sort part."""
