@@ -23,7 +23,12 @@ def test_the_shares_of_a_compute_add_up_to_at_most_chunk_bytes(
     sizes = budget.budget(chunk, items, width)
     shares = sizes.shares(sharded)
     assert all(value >= 0 for value in shares.values())
-    assert sum(shares.values()) <= sizes.scratch
+    # Below the least chunk_bytes the ranking takes up to the least scratch (a run of
+    # RUN_MIN_ROWS rows); at or above it, the scratch holds every share.
+    least_scratch = least - budget.bookkeeping_bytes(items)
+    assert sum(shares.values()) <= (
+        sizes.scratch if chunk >= least else max(sizes.scratch, least_scratch)
+    )
     # The scratch and the bookkeeping fill chunk_bytes, or the least chunk_bytes the
     # items need (a smaller chunk_bytes is raised to it).
     assert budget.bookkeeping_bytes(items) + sizes.scratch <= max(chunk, least)
@@ -78,3 +83,14 @@ def test_no_module_but_the_budget_defines_a_size() -> None:
     assert not found, found
     sizes = [name for name in vars(budget) if name.endswith(SIZE_SUFFIXES)]
     assert {"PAIRED_TERMS", "DENSE_SMALL_BATCH", "AUDIT_HASH_DIM_BLOCK"} <= set(sizes)
+
+
+def test_the_least_chunk_bytes_holds_runs_of_the_least_rows() -> None:
+    """A sharded gallery passes by in runs of at least ``RUN_MIN_ROWS`` float32 rows, which
+    the run's share of the least ``chunk_bytes`` holds (below it, the runs take more)."""
+    for items, width in [(100_000, 128), (24_000, 256), (2_000, 2048), (10, 4096)]:
+        least = budget.budget(budget.least_chunk_bytes(items, width), items, width)
+        assert least.run_bytes == least.scratch // budget.RUN_SHARE
+        assert least.run_bytes >= budget.RUN_MIN_ROWS * 4 * width
+        small = budget.budget(2**19, items, width)
+        assert small.run_bytes >= budget.RUN_MIN_ROWS * 4 * width

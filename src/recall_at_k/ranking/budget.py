@@ -49,7 +49,11 @@ CANONICAL_SHARE = 16
 """A canonical batch's gathered rows (two float64 sides and the rows' dtype: 2.5 batches)."""
 
 RUN_SHARE = 32
-"""A sharded gallery's run (its rows and their prepared copy: twice that)."""
+"""A sharded gallery's run (its rows and their prepared copy: twice that) ..."""
+
+RUN_MIN_ROWS = 8
+"""... of at least this many float32 rows: every run costs each process a step per tile of
+its queries, and the least ``chunk_bytes`` holds runs of this many rows in its share."""
 
 ROW_BLOCK_SHARE = 4
 """Before the ranking: rows copied, normalised and audited (copies included) at a time."""
@@ -184,6 +188,7 @@ def budget(chunk_bytes: int, items: int, width: int) -> Budget:
     """The sizes of a ranking of ``items`` items of width ``width``."""
     scratch = scratch_bytes(chunk_bytes, items)
     tiles, pending, run = (max(1, scratch // s) for s in (TILE_SHARE, PENDING_SHARE, RUN_SHARE))
+    run = max(run, RUN_MIN_ROWS * 4 * width)
     canonical = max(1, min(CANONICAL_BATCH_BYTES, scratch // CANONICAL_SHARE))
     row_block = max(1, scratch // ROW_BLOCK_SHARE, MIN_BLOCK_ROWS * 16 * width)
     return Budget(chunk_bytes, items, width, scratch, tiles, pending, canonical, run, row_block)
