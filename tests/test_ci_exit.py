@@ -28,15 +28,17 @@ def _trap_line() -> str:
     [
         ("true", 0),  # every leg passed, the background installs already done
         ("sleep 0.05 & wait $!", 0),
-        ("sleep 30 & true", 0),  # an install still running is stopped
+        # An install still running is stopped (its output is not the test's pipes, which
+        # a process that outlived the script would hold open).
+        ("sleep 30 >/dev/null 2>&1 & true", 0),
         ("false", 1),  # a failure keeps its own status
-        ("sleep 30 & exit 3", 3),
+        ("sleep 30 >/dev/null 2>&1 & exit 3", 3),
     ],
 )
 def test_the_exit_status_is_the_scripts_own(tmp_path: Path, body: str, status: int) -> None:
     work = tmp_path / "work"
     work.mkdir()
     script = f'set -euo pipefail\nwork="{work}"\n{_trap_line()}\n{body}\n'
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20)
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == status, done.stderr
     assert not work.exists(), "the trap did not remove the work folder"
