@@ -99,13 +99,9 @@ def test_workers_run_tasks_in_the_callers_inference_mode() -> None:
         assert list(workers.map(range(3))) == [False, False, False]
 
 
-@pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
-def test_tiles_and_squares_run_on_worker_threads(
-    layout: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """At 2 threads each tile (query/gallery) or square (leave-one-out) computes its
-    product on a worker thread whose torch runs on one thread; the caller's count is
-    unchanged after."""
+def _product_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Each fast product the engine computes from now on, as (its thread's name, that
+    thread's torch thread count)."""
     seen: list[tuple[str, int]] = []
     original = _blocks.product
 
@@ -114,6 +110,17 @@ def test_tiles_and_squares_run_on_worker_threads(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(_engine, "product", spy)
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
+def test_tiles_and_squares_run_on_worker_threads(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 2 threads each tile (query/gallery) or square (leave-one-out) computes its
+    product on a worker thread whose torch runs on one thread; the caller's count is
+    unchanged after."""
+    seen = _product_threads(monkeypatch)
     batches = _batches(layout)
     # Squares of 60 rows (leave-one-out), tiles of a few queries (query/gallery).
     route: Route = (
@@ -227,27 +234,20 @@ def test_small_tiles_stay_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch)
     page = Path(__file__).resolve().parents[1] / "docs" / "input-forms.md"
     text = " ".join(page.read_text(encoding="utf-8").split())
     assert "Each thread takes at least 1 MiB of tiles at a time" in text
-    seen: list[str] = []
-    original = _blocks.product
+    seen = _product_threads(monkeypatch)
+    embeddings = torch.randn(3000, 16, generator=gen(8))
+    labels = torch.randint(0, 300, (3000,), generator=gen(9))
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(threading.current_thread().name)
-        return original(*args, **kwargs)
+    def compute(chunk_bytes: int) -> tuple[Any, set[str]]:
+        seen.clear()
+        metric = EmbeddingRecallAtK(KS, chunk_bytes=chunk_bytes)
+        metric.update(embeddings, labels)
+        return metric.compute(), {name for name, _ in seen}
 
-    monkeypatch.setattr(_engine, "product", spy)
-    gen_ = torch.Generator().manual_seed(8)
-    embeddings = torch.randn(3000, 16, generator=gen_)
-    labels = torch.randint(0, 300, (3000,), generator=gen_)
-    results = []
     with _threads(2):
-        for chunk_bytes, threads in ((2**21, {threading.current_thread().name}), (2**28, None)):
-            seen.clear()
-            metric = EmbeddingRecallAtK(KS, chunk_bytes=chunk_bytes)
-            metric.update(embeddings, labels)
-            results.append(metric.compute())
-            names = set(seen)
-            if threads is not None:
-                assert names == threads, names
-            else:
-                assert len(names) == 2 and all(n.startswith("recall-at-k") for n in names), names
-    assert results[0] == results[1]
+        small, small_threads = compute(2**21)
+        default, default_threads = compute(2**28)
+    assert small_threads == {threading.current_thread().name}, small_threads
+    assert len(default_threads) == 2, default_threads
+    assert all(name.startswith("recall-at-k") for name in default_threads), default_threads
+    assert small == default

@@ -57,7 +57,6 @@ from recall_at_k.ranking.budget import (
     CPU_PANEL_BYTES,
     CPU_PANEL_COLUMNS,
     CPU_SQUARE_BYTES,
-    CPU_TILE_BYTES,
     SQUARE_MIN_ROWS,
     Budget,
     workers_within,
@@ -194,7 +193,7 @@ def rank_direction(
         device = gallery.fast.device
         workers = 1 if callable(options.similarity) else worker_count(device)
         if options.mode == "auto":  # a route named by the tests takes every thread
-            workers = workers_within(workers, min(budget.tile_bytes, CPU_TILE_BYTES))
+            workers = workers_within(workers, budget.tile_for(device))
         progress = Progress(queries.labels.shape[0], options.progress)
         walk = _Walk(state, decider, options, budget, workers, progress)
         if not (_squares_possible(source, options, device) and _squares(source, walk)):
