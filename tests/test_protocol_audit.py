@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ from audit_reference import (
 )
 from embedding_reference import ROUTES, Batch, canonical_score, engine_recall, prepared_row
 from helpers import run_distributed
+from thread_spy import ThreadSpy
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK, audit
@@ -905,20 +905,12 @@ def test_audit_blocks_on_worker_threads_give_the_same_codes(
         with row_hash("zero"):
             collide = audit.codes(rows, labels, groups, sizes)
         torch.set_num_threads(threads)
-        seen: list[tuple[str, int]] = []
-
-        def spy(original: Any) -> Any:
-            def task(*args: Any) -> Any:
-                seen.append((threading.current_thread().name, torch.get_num_threads()))
-                return original(*args)
-
-            return task
-
-        monkeypatch.setattr(bitwise, "hash_words", spy(bitwise.hash_words))
-        monkeypatch.setattr(rounding, "project", spy(rounding.project))
+        spy = ThreadSpy(workers=threads)  # every worker meets on its first block
+        monkeypatch.setattr(bitwise, "hash_words", spy.wrap(bitwise.hash_words))
+        monkeypatch.setattr(rounding, "project", spy.wrap(rounding.project))
         many = audit.codes(rows, labels, groups, sizes)
         assert torch.get_num_threads() == threads
-        workers = {name for name, _ in seen}
+        workers, seen = spy.threads(), spy.seen
         assert len(workers) == threads and all(n.startswith("recall-at-k") for n in workers)
         assert all(count == 1 for _, count in seen) and len(seen) > 3 * threads
         for a, b in zip(one, many, strict=True):

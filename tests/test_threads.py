@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from embedding_reference import ROUTES, Batch, Route, engine_recall, gen
+from thread_spy import ThreadSpy
 
 from recall_at_k import EmbeddingRecallAtK
 from recall_at_k._kernel import Workspace
@@ -101,16 +102,11 @@ def test_workers_run_tasks_in_the_callers_inference_mode() -> None:
 
 def _product_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Each fast product the engine computes from now on, as (its thread's name, that
-    thread's torch thread count)."""
-    seen: list[tuple[str, int]] = []
-    original = _blocks.product
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(_engine, "product", spy)
-    return seen
+    thread's torch thread count); both worker threads of a 2-thread pool meet on their
+    first product, so that each takes one whatever the scheduler does."""
+    spy = ThreadSpy(workers=2)
+    monkeypatch.setattr(_engine, "product", spy.wrap(_blocks.product))
+    return spy.seen
 
 
 @pytest.mark.parametrize("layout", ["leave-one-out", "query-gallery"])
