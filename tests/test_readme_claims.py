@@ -251,19 +251,19 @@ def test_the_readme_says_cuda_tests_skip_without_a_gpu() -> None:
 def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line for line in ci.splitlines() if line.startswith("python -m pytest")]
-    # Leg 1 runs the README's command as it is (the memory probes beside it, in the
-    # background) and the slow tests; the lowest and the newest versions' legs
-    # leave out the memory probes, the benchmark smoke runs and the exactness sweeps, and
+    # Leg 1 (the newest versions) runs the README's command as it is (the memory probes
+    # beside it, in the background) and the slow tests; the lowest versions' leg leaves
+    # out the memory probes, the benchmark smoke runs and the exactness sweeps, and
     # nothing else.
     left_out = ("test_memory.py", "test_benchmarks.py", "test_embedding_exact.py")
     left_out += ("test_embedding_band.py",)
     fewer = "python -m pytest -q -n 2" + "".join(f" --ignore=tests/{name}" for name in left_out)
     memory = 'python -m pytest -q -p no:cacheprovider -m memory >"$work/memory.log" 2>&1 &'
     slow = "python -m pytest -q -n 2 -m slow"
-    assert commands == [memory, "python -m pytest -q -n 2", slow, fewer, fewer]
+    assert commands == [memory, "python -m pytest -q -n 2", slow, fewer]
     assert 'wait "$memory_tests" || memory_status=$?' in ci
     said = (
-        "those two runs are the default selection, less the band tests: they leave out the"
+        "that second run is the default selection, less the band tests: it leaves out the"
         " memory probes, benchmark smoke runs and the ranking's exactness sweeps"
     )
     assert said in _flat(README)
