@@ -193,7 +193,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"saved the Recall@K curve to {args.plot}")
     if torch.distributed.is_initialized():
         # Lightning leaves a gloo group alive at exit; ending it here keeps its threads
-        # out of the C++ static destructors (a process aborted there now and then).
+        # out of the C++ static destructors (a process aborted there now and then). The
+        # barrier first lets gloo's threads let go of Lightning's last collective (rank 1
+        # reaches this line as soon as fit() returns): up to torch 2.7,
+        # destroy_process_group() could otherwise wait for such a thread for good.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return {key: float(value) for key, value in final.items()}
 

@@ -81,7 +81,7 @@ def stored_blocks(
 ) -> tuple[list[Tensor], int, Tensor]:
     """The (possibly gathered) embeddings as they are stored, blocks of ``[b, D]``
     (views, in order, each in its stored dtype: ranked together in the widest,
-    :func:`recall_at_k._sync.widest_float`), their width ``D``, and the metadata
+    :func:`recall_at_k.ranking.stored.widest_float`), their width ``D``, and the metadata
     ``[N, META_COLUMNS]`` (``check_values``: that the blocks hold the metadata's items).
     Nothing is copied whole."""
     values = blocks(values_state)
