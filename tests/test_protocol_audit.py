@@ -17,6 +17,7 @@ audit's codes over sharded rows: ``test_audit_sharded.py``.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -53,10 +54,6 @@ class Case:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def _bits(row: Tensor) -> Tensor:
-    return row.view(torch.int32)
-
-
 def dot(queries: Tensor, gallery: Tensor) -> Tensor:
     """A callable similarity (module level: the two-process test pickles it)."""
     return queries @ gallery.T
@@ -66,8 +63,36 @@ def _score(query: Tensor, item: Tensor, similarity: Any) -> float:
     """The metric's canonical score (a callable's: in float64)."""
     if callable(similarity):
         return float(query.double() @ item.double())
-    q, g = (prepared_row(row.tolist(), similarity) for row in (query, item))
+    q, g = (_prepared(row, similarity) for row in (query, item))
     return canonical_score(q, g, similarity)
+
+
+def _bytes(row: Tensor) -> bytes:
+    return row.clone(memory_format=torch.contiguous_format).view(torch.uint8).numpy().tobytes()
+
+
+@functools.cache
+def _prepared_of(row: bytes, dtype: torch.dtype, similarity: str) -> list[float]:
+    return prepared_row(torch.frombuffer(bytearray(row), dtype=dtype).tolist(), similarity)
+
+
+def _prepared(row: Tensor, similarity: str) -> list[float]:
+    """:func:`prepared_row` of ``row``, once a row."""
+    return _prepared_of(_bytes(row), row.dtype, similarity)
+
+
+@functools.cache
+def _pair_of(x: bytes, y: bytes, dtype: torch.dtype) -> tuple[bool, bool]:
+    a, b = (torch.frombuffer(bytearray(r), dtype=dtype) for r in (x, y))
+    return x == y, rounding_copy(a, b)
+
+
+def _pair(x: Tensor, y: Tensor) -> tuple[bool, bool]:
+    """Whether two rows are bitwise identical and whether they are rounding copies
+    (:func:`rounding_copy`), once an unordered pair."""
+    a, b = sorted(_bytes(row) for row in (x, y))
+    assert x.dtype == y.dtype
+    return _pair_of(a, b, x.dtype)
 
 
 _REPORTS: dict[int, tuple[Case, dict[str, Any]]] = {}
@@ -133,10 +158,9 @@ def _brute_force(case: Case) -> dict[str, Any]:
                 kind = "positive" if lg == lq else "negative"
                 score = _score(eq, eg, similarity)
                 (positives if kind == "positive" else negatives).append(score)
-                identical = torch.equal(_bits(eq), _bits(eg))
+                identical, rounding = _pair(eq, eg)
                 if identical:
                     found.add("identical_" + kind)
-                rounding = rounding_copy(eq, eg)
                 if rounding:
                     found.add("rounding_" + kind)
                 copy = identical or rounding
@@ -154,9 +178,9 @@ def _brute_force(case: Case) -> dict[str, Any]:
         duplicates = rounding_duplicates = 0
         for j, g in enumerate(gallery):
             earlier = [e for e in gallery[:j] if identity[e] != identity[g]]
-            if any(torch.equal(_bits(items[e][0]), _bits(items[g][0])) for e in earlier):
+            if any(_pair(items[e][0], items[g][0])[0] for e in earlier):
                 duplicates += 1
-            elif any(rounding_copy(items[e][0], items[g][0]) for e in earlier):
+            elif any(_pair(items[e][0], items[g][0])[1] for e in earlier):
                 rounding_duplicates += 1
         report["duplicate_gallery_items"] = duplicates
         report["rounding_duplicate_gallery_items"] = rounding_duplicates
