@@ -583,10 +583,8 @@ weighs as much as the embeddings (512 bytes an item), and ``chunk_bytes`` is a f
 them."""
 
 NARROW_SHARE = 0.6
-"""What the narrow test allows: it reads 0.42-0.52x the gathered bytes from run to run
-(the audit's candidate pairs peak; the ranking's tile and run buffers are reserved once,
-so the heap no longer fragments), the scale benchmark 0.51-0.54x, 0.45x and 0.46x at 20,000,
-50,000 and 100,000 items."""
+"""What the narrow test allows: it reads 0.23-0.24x the gathered bytes from run to run
+(``benchmarks/RESULTS.md``, "Large galleries", has the scale benchmark's)."""
 
 
 def _narrow_memory_worker(rank: int, world: int, payload: dict[str, Any]) -> dict[str, Any]:

@@ -42,13 +42,13 @@ MIN_BLOCK_ROWS = 16
 TILE_SHARE = 4
 """All worker threads' tiles: ``scratch / TILE_SHARE``; their scans' buffers as much again."""
 
-PENDING_SHARE = 8
+PENDING_SHARE = 16
 """Pairs waiting for their canonical score; deciding them takes as much again."""
 
-CANONICAL_SHARE = 16
+CANONICAL_SHARE = 32
 """A canonical batch's gathered rows (two float64 sides and the rows' dtype: 2.5 batches)."""
 
-RUN_SHARE = 32
+RUN_SHARE = 8
 """A sharded gallery's run (its rows and their prepared copy: twice that) ..."""
 
 RUN_MIN_ROWS = 8
