@@ -230,9 +230,6 @@ def _counts(
     return QueryCounts(counts, source.queries.position, near, nan, decider.rescored)
 
 
-# ---------------------------------------------------------------- tiles of one block
-
-
 def _tiles(source: LocalSource, walk: _Walk) -> None:
     """Every query in tiles against the one block (see the module)."""
     state, decider, options, budget, workers, progress = walk
@@ -410,9 +407,6 @@ def _band(
     if hole == -math.inf:
         lo.clamp_(min=torch.finfo(lo.dtype).min)
     return lo, hi
-
-
-# ---------------------------------------------------------------- squares: leave-one-out
 
 
 def _squares_possible(source: LocalSource, options: RankOptions, device: torch.device) -> bool:
@@ -618,9 +612,6 @@ def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), stops.tolist(), strict=True))
 
 
-# ---------------------------------------------------------------- passes: a sharded gallery
-
-
 class _Guard:
     """Runs this process's own work; after a failure skips it, so that the process still
     takes part in every collective, and keeps the error to raise once all have
@@ -720,9 +711,6 @@ def _passes(
     progress.close()
     if guard.failure is not None:
         raise guard.failure
-
-
-# ---------------------------------------------------------------- directions and processes
 
 
 class Ranked(NamedTuple):
