@@ -295,8 +295,6 @@ class LocalSource:
     """The ordered copy of a plan: the gallery one block (a view), this process's share
     ``[lo, hi)`` of the direction's queries."""
 
-    single = True
-
     def __init__(
         self, plan: Plan, sides: Direction, share: tuple[int, int], similarity: Similarity
     ) -> None:
@@ -376,9 +374,6 @@ class ShardedSource:
     :class:`~recall_at_k.ranking.stored.BroadcastRows`): this process ranks the queries
     whose rows it holds; the gallery passes by in runs of ``budget.run_bytes``, each
     process's gallery rows sorted by label and prepared by their owner."""
-
-    single = False
-    leave_one_out = False
 
     def __init__(
         self, plan: Plan, sides: Direction, similarity: Similarity, processes: Processes

@@ -121,7 +121,6 @@ PENDING_PAIRS = 2**16
 class Budget(NamedTuple):
     """The sizes of one ranking of ``items`` items of width ``width`` within ``chunk_bytes``."""
 
-    chunk_bytes: int
     items: int
     width: int
     scratch: int
@@ -191,7 +190,7 @@ def budget(chunk_bytes: int, items: int, width: int) -> Budget:
     run = max(run, RUN_MIN_ROWS * 4 * width)
     canonical = max(1, min(CANONICAL_BATCH_BYTES, scratch // CANONICAL_SHARE))
     row_block = max(1, scratch // ROW_BLOCK_SHARE, MIN_BLOCK_ROWS * 16 * width)
-    return Budget(chunk_bytes, items, width, scratch, tiles, pending, canonical, run, row_block)
+    return Budget(items, width, scratch, tiles, pending, canonical, run, row_block)
 
 
 # --- the protocol audit
@@ -259,6 +258,5 @@ def audit_sizes(block_bytes: int) -> AuditSizes:
 def sharded_audit_sizes() -> AuditSizes:
     """The audit's sizes over rows sharded across processes: fixed buffers."""
     return audit_sizes(AUDIT_SHARDED_BLOCK_BYTES)._replace(
-        project_bytes=AUDIT_SHARDED_PROJECT_BYTES,
-        candidate_pairs=AUDIT_SHARDED_CANDIDATE_PAIRS,
+        project_bytes=AUDIT_SHARDED_PROJECT_BYTES, candidate_pairs=AUDIT_SHARDED_CANDIDATE_PAIRS
     )
