@@ -53,9 +53,10 @@ def all_gather(parts: list[Tensor], tensor: Tensor, group: Any = None) -> None:
 
 
 def broadcast(tensor: Tensor, src: int, group: Any = None) -> None:
-    """``dist.broadcast(tensor, src, group)``: ``src`` is a global rank."""
+    """``dist.broadcast`` from process ``src`` of ``group`` (a rank in the group)."""
+    source = src if group is None else dist.get_global_rank(group, src)
     with _held([tensor]):
-        dist.broadcast(tensor, src=src, group=group)
+        dist.broadcast(tensor, src=source, group=group)
 
 
 def gather_all_tensors(result: Tensor, group: Any = None) -> list[Tensor]:

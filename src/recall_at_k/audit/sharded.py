@@ -149,8 +149,7 @@ class Shard:
     def broadcast(self, values: Tensor, rank: int) -> None:
         """``values`` of process ``rank`` of the group, on every process."""
         if self.world > 1:
-            source = rank if self.group is None else dist.get_global_rank(self.group, rank)
-            collectives.broadcast(values, src=source, group=self.group)
+            collectives.broadcast(values, src=rank, group=self.group)
 
     def spread(self, values: Tensor, sizes: list[int]) -> Tensor:
         """Every process's ``values`` (``[sizes[rank], ...]``) concatenated in process

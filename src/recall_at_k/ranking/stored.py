@@ -111,8 +111,7 @@ class BroadcastRows:
                     self.local.take(index, out=part)
                     if prepare is not None:
                         part.copy_(prepare(part, index))
-                source = rank if self.group is None else dist.get_global_rank(self.group, rank)
-                collectives.broadcast(part, src=source, group=self.group)
+                collectives.broadcast(part, src=rank, group=self.group)
                 yield rank, first, part
 
 
@@ -156,7 +155,6 @@ def broadcast_blocks(
         if count:
             if rank == me:
                 part.copy_(mine)
-            source = rank if group is None else dist.get_global_rank(group, rank)
-            collectives.broadcast(part, src=source, group=group)
+            collectives.broadcast(part, src=rank, group=group)
         start += count
     return out
