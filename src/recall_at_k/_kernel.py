@@ -168,11 +168,8 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
     ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
     assert ahead is not None
     device = ahead.device
-    bins = torch.where(
-        counts.has_positive,
-        ahead.clamp(min=0, max=max_k),
-        constant(max_k + 1, torch.int64, device),
-    )
+    none = constant(max_k + 1, torch.int64, device)
+    bins = torch.where(counts.has_positive, ahead.clamp(min=0, max=max_k), none)
     if device.type == "cpu":
         # One operation; on an accelerator bincount would read the largest bin.
         found = torch.bincount(bins, minlength=max_k + 2)

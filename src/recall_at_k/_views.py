@@ -42,10 +42,7 @@ class RecallView(RecallMetric):
     ``compute`` returns ``read(key)``, the parent's result for this key; ``reset`` resets
     the parent; ``forward(value)`` makes ``value`` the view's batch value."""
 
-    __jit_unused_properties__: ClassVar[list[str]] = [
-        *Metric.__jit_unused_properties__,
-        "parent",
-    ]
+    __jit_unused_properties__: ClassVar[list[str]] = [*Metric.__jit_unused_properties__, "parent"]
 
     def __init__(self, parent: Metric, key: str, read: Callable[[str], Tensor]) -> None:
         # No cache of its own: the parent keeps its result until its state changes.

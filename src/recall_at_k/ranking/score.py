@@ -65,11 +65,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.budget import (
-    CANONICAL_BATCH_BYTES,
-    CANONICAL_DIM_BLOCK,
-    NORM_DIM_BLOCK,
-)
+from recall_at_k.ranking.budget import CANONICAL_BATCH_BYTES, CANONICAL_DIM_BLOCK, NORM_DIM_BLOCK
 
 SAFETY = 2.0
 """Factor on the certified rounding bound (covers the norms' own rounding, the band's edges)."""
