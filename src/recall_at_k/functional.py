@@ -19,7 +19,7 @@ from typing import SupportsIndex, overload
 import torch
 from torch import Tensor
 
-from recall_at_k import _dense, _embedding_checks, _kernel
+from recall_at_k import _dense, _embedding_checks, _items, _kernel
 from recall_at_k._checks import (
     check_choice,
     check_k,
@@ -389,13 +389,9 @@ def embedding_recall_at_k(
     if validate_args:
         for name, side in zip(("queries", "gallery"), sides, strict=False):
             _embedding_checks.check_finite(side[0], name)
-    labels, groups, ids, has_id = (
-        torch.cat(parts) for parts in zip(*(_side_columns(side) for side in sides), strict=True)
-    )
-    is_query = torch.arange(labels.shape[0], device=queries.device) < queries.shape[0]
-    query_role = torch.where(is_query, _plan.QUERY, 0)
-    gallery_role = torch.where(is_query if gallery is None else ~is_query, _plan.GALLERY, 0)
-    items = _plan.Items(labels, groups, ids, has_id, query_role | gallery_role)
+    roles = ("both",) if gallery is None else ("query", "gallery")
+    meta = [_items.metadata(*side[1:], role, 0) for side, role in zip(sides, roles, strict=True)]
+    items = _items.items_of(torch.cat(meta))
     rows = StoredRows([side[0] for side in sides], queries.shape[1])
     planned = _plan.make_plan(rows, items, _plan.directions(items, 1), exclude, chunk_bytes)  # type: ignore[arg-type]
     _plan.prepare(planned, similarity)
@@ -406,17 +402,3 @@ def embedding_recall_at_k(
     assert ranked is not None
     values, _ = recall_values(ranked.hist, ranked.queries, ks, empty_target_action)
     return format_output(values, keys, single)
-
-
-def _side_columns(
-    side: tuple[Tensor, Tensor, Tensor | None, Tensor | None],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One side's labels, groups, ids (int64) and whether each item has an id."""
-    _, labels, groups, ids = side
-    zeros = torch.zeros(labels.shape[0], dtype=torch.int64, device=labels.device)
-    return (
-        labels.to(torch.int64),
-        zeros if groups is None else groups.to(torch.int64),
-        zeros if ids is None else ids.to(torch.int64),
-        torch.full_like(zeros, ids is not None, dtype=torch.bool),
-    )
