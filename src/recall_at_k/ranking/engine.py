@@ -150,6 +150,10 @@ class _Result(NamedTuple):
     found: list[tuple[int, Found]]  # (kind, pairs), positives first
 
 
+_Square = tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None]
+"""A square: its spans' indices (rows, columns), copies of their band edges, its rectangle."""
+
+
 class _Walk(NamedTuple):
     """What walking one block's queries needs besides the block."""
 
@@ -276,15 +280,9 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
                 nan = torch.isnan(scores).any(dim=1)
         column_groups = gallery.groups[first:stop]
         hide_ignored(scores, own - first, groups if same_group else None, column_groups, state.hole)
+        junk_groups = (groups, column_groups) if junk else None
         found = positives(
-            scores,
-            start - first,
-            length,
-            (groups, column_groups) if junk else None,
-            bound,
-            state.hole,
-            keep,
-            workspace,
+            scores, start - first, length, junk_groups, bound, state.hole, keep, workspace
         )
         lo, hi = band_edges(found.best, bound, found.has_positive)
         hide_own_labels(scores, start - first, length, state.hole)
@@ -477,24 +475,15 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         groups, column_groups = gallery.groups[a:b], gallery.groups[first:stop]
         own = located.own[a:b] - first
         hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
+        junk_groups = (groups, column_groups) if junk else None
         found = positives(
-            scores,
-            start - first,
-            length,
-            (groups, column_groups) if junk else None,
-            bound[a:b],
-            hole,
-            False,
-            workspace,
+            scores, start - first, length, junk_groups, bound[a:b], hole, False, workspace
         )
         kept = Found(found.found.rows, found.found.columns + first, None)
         band_lo, band_hi = _band(found.best, bound[a:b], found.has_positive, hole)
         if not aligned:
-            return (
-                _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)]),
-                band_lo,
-                band_hi,
-            )
+            result = _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)])
+            return result, band_lo, band_hi
         # A span of whole labels: its diagonal square holds its queries' labels; its
         # negatives there are scanned now.
         hide_own_labels(scores, start - first, length, hole)
@@ -514,9 +503,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         saturate(lo, hi, state.greater, max_k)
     junk_runs = None if aligned else _junk(gallery, spans)
 
-    def squares() -> Iterator[
-        tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None]
-    ]:
+    def squares() -> Iterator[_Square]:
         """Each square with copies of its queries' band edges as they are when it is
         taken (their edges rise to +inf as queries saturate)."""
         for index, rows in enumerate(spans):
@@ -528,20 +515,11 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
                     if run_stop > columns.start:  # one label on both sides: its rectangle
                         top = max(run_start, rows.start) - rows.start
                         rectangle = top, min(run_stop, columns.stop) - columns.start
-                yield (
-                    index,
-                    later,
-                    lo[rows].clone(),
-                    hi[rows].clone(),
-                    lo[columns].clone(),
-                    hi[columns].clone(),
-                    rectangle,
-                )
+                rows_lo, rows_hi = lo[rows].clone(), hi[rows].clone()
+                columns_lo, columns_hi = lo[columns].clone(), hi[columns].clone()
+                yield index, later, rows_lo, rows_hi, columns_lo, columns_hi, rectangle
 
-    def square_task(
-        square: tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None],
-        workspace: Workspace,
-    ) -> list[_Result]:
+    def square_task(square: _Square, workspace: Workspace) -> list[_Result]:
         index, later, row_lo, row_hi, column_lo, column_hi, rectangle = square
         rows, columns = spans[index], spans[later]
         scores = product(
@@ -856,14 +834,9 @@ def _reduce(
     """Sum each direction's counts over the processes; gather the records."""
     device = plan.labels.device
     hist_dtype = torch.float64 if options.ties == "expected" else torch.int64
-    empty = _Summary(
-        torch.zeros(options.max_k, dtype=hist_dtype, device=device),
-        torch.zeros(8, dtype=torch.int64, device=device),
-        None,
-        torch.zeros(0, dtype=torch.int64, device=device),
-        0,
-        0,
-    )
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    no_hist = torch.zeros(options.max_k, dtype=hist_dtype, device=device)
+    empty = _Summary(no_hist, none.new_zeros(8), None, none, 0, 0)
     summaries = [empty if c is None else c for c in counted]
     every = torch.stack([c.numbers for c in summaries])
     every[:, 7] = int(failure is not None)
