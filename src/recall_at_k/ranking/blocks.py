@@ -417,17 +417,9 @@ class ShardedSource:
                 index = own_order[first : first + step]
                 yield self.prepare(local.take(index), index)
 
-        count = int(gallery_rows.shape[0])
+        count, reduce = int(gallery_rows.shape[0]), Reduce(processes)
         self.stats = statistics(
-            similarity,
-            every_row,
-            own_gallery,
-            count,
-            width,
-            rows.dtype,
-            device,
-            Reduce(processes),
-            step,
+            similarity, every_row, own_gallery, count, width, rows.dtype, device, reduce, step
         )
         self.run_rows = max(1, plan.budget.run_bytes // (width * self.dtype.itemsize))
 
