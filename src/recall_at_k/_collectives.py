@@ -1,23 +1,16 @@
 """Blocking collectives that return only once the process group has let go of their tensors.
 
-``torch.distributed``'s blocking collectives return as soon as the result is ready. With
-the gloo backend (CPU tensors) the worker thread that ran the operation still holds it,
-and so its tensors, until it has finished with it a moment later. A tensor whose last
-Python reference goes in that moment is kept alive by torch for the C++ side, Python
-object included, and the gloo thread that finally lets go of it must then take the GIL
-to free that object. Up to torch 2.7, ``destroy_process_group()`` waits for gloo's
-threads while holding the GIL: if one of them still has such a tensor to free, both
-wait for each other for ever. A script that computes a metric (whose last collectives'
-tensors are dropped on the way out of ``compute()``), then calls
-``destroy_process_group()`` at once, hung there in about half of its runs on a busy
-machine; torch 2.8 and later release the GIL there.
-
-Every collective of this package therefore goes through this module, which keeps the
-tensors it was given referenced until the process group's threads hold them no longer
-(their use counts are back to what they were before the operation): by the time the
-caller drops them, freeing them needs no other thread. The wait is usually none (the
-thread has already let go), else until that thread next runs. CUDA tensors don't wait:
-NCCL's threads release their tensors on the GPU's time, not the GIL's.
+``torch.distributed``'s blocking collectives return as soon as the result is ready; with
+the gloo backend (CPU tensors) the worker thread that ran the operation still holds its
+tensors a moment longer. A tensor whose last Python reference goes in that moment is
+freed later by that gloo thread, which must take the GIL to do so. Up to torch 2.7,
+``destroy_process_group()`` waits for gloo's threads while holding the GIL: if one of
+them still has such a tensor to free, both wait for each other for ever (torch 2.8 and
+later release the GIL there). So every collective of this package goes through this
+module, which keeps the tensors it was given referenced until the process group's
+threads hold them no longer (their use counts are back to what they were before the
+operation): freeing them then needs no other thread. CUDA tensors don't wait: NCCL's
+threads release their tensors on the GPU's time, not the GIL's.
 
 :func:`gather_all_tensors` is torchmetrics' function of the same name (the gather of a
 metric's states in ``sync()``), following this rule.
