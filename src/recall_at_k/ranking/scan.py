@@ -180,10 +180,9 @@ def scan(
     """Count each query's items above ``hi`` into ``greater`` and add those within
     ``[lo, hi]`` to ``found`` (with their scores where ``keep_values``): queries along
     ``axis`` (0: a row a query, its columns items ``first:``; 1: a column a query, its
-    rows items ``first:``), whose largest scores are
-    ``peak`` (NaN counts as reaching; a NaN score is never counted or found). Only the
-    queries reaching ``lo`` are gathered, into pooled buffers of at most about
-    ``buffer_bytes``; ``scores`` is kept."""
+    rows items ``first:``), whose largest scores are ``peak`` (NaN counts as reaching; a
+    NaN score is never counted or found). Only the queries reaching ``lo`` are gathered,
+    into pooled buffers of at most about ``buffer_bytes``; ``scores`` is kept."""
     reaching = (peak < lo).logical_not_().view(-1).nonzero().view(-1)
     if reaching.numel() == 0:
         return

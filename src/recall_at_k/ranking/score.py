@@ -50,10 +50,9 @@ products) the bound adds ``2 u_in + u_in^2`` per product for the inputs' unit ro
 ``u_in`` (2**-11 for ``"high"``, 2**-8 for ``"medium"``): the band is wider, the answer
 the same. Where float32 products could overflow (``"dot"``/``"euclidean"`` on huge
 values), or would all come close to the subnormal range (tiny values, where ``eta``
-would put most items in the band), the fast path runs in float64
-(:func:`fast_dtype`); the canonical scores do not change. The bound assumes
-IEEE gradual underflow (no flush-to-zero mode, which ``torch.set_flush_denormal(True)``
-would set).
+would put most items in the band), the fast path runs in float64 (:func:`fast_dtype`);
+the canonical scores do not change. The bound assumes IEEE gradual underflow (no
+flush-to-zero mode, which ``torch.set_flush_denormal(True)`` would set).
 """
 
 from __future__ import annotations
