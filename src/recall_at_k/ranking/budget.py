@@ -86,8 +86,7 @@ CPU_TILE_BYTES = 32 * 2**20
 
 CPU_WORKER_BYTES = 2**20
 """On CPU, worker threads share a task (tiles, row blocks, the audit's blocks) only where
-each gets this many bytes of it at a time: on less, many small operations a thread,
-threads ran slower than one."""
+each gets this many bytes of it at a time (less is too many small operations a thread)."""
 
 CPU_PANEL_BYTES = 2 * 2**20
 """On CPU a tile's scores beyond its label blocks come in cache-sized panels of columns ..."""
