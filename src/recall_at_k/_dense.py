@@ -273,12 +273,11 @@ def _mask_counts_by_selects(
 
 
 def _mask_counts_small(scores: Tensor, target: Tensor, needed: NeededCounts) -> TieCounts:
-    """Counts for a small ``[Q, G]`` mask without ignore, in few tensor operations.
-
-    With ``at`` the items at or above s*, ``at > relevant`` marks the negatives among them
+    """Counts for a small ``[Q, G]`` mask without ignore, in few tensor operations. With
+    ``at`` the items at or above s*, ``at > relevant`` marks the negatives among them
     and ``at & relevant`` the positives tied at s*; no positive is above s*. When s* =
-    -inf every item is at or above it: the numbers of negatives and positives, as needed.
-    """
+    -inf every item is at or above it: the numbers of negatives and positives, as
+    needed."""
     relevant = target if target.dtype == torch.bool else target != 0
     best = torch.where(relevant, scores, _constant(float("-inf"), scores))
     best = best.amax(dim=-1, keepdim=True)
@@ -332,15 +331,13 @@ def _mask_counts_in_blocks(
     block_bytes: int,
 ) -> TieCounts:
     """Counts for a ``[Q, G]`` mask target without ignore, on CPU, with NaN rows.
-
     ``torch.where`` with a bool condition is slow on CPU, so the mask enters the float
     domain by byte arithmetic: ``signs`` is +1 for a negative and -1 for a positive, and
     clamping the scores from above to ``signs * -inf`` keeps the positives' scores (-inf
     elsewhere) exactly. s* is the row maximum of that (NaN exactly when the row holds a
     NaN: ``nan_rows``); g_> = #(scores > s*); p = #(kept >= s*); g_> + e = #(scores >=
     s*) - p. When s* = -inf, p and g_> + e come from the number of positives. Rows go in
-    blocks of about ``block_bytes``, with one scratch block each pass overwrites.
-    """
+    blocks of about ``block_bytes``, with one scratch block each pass overwrites."""
     num_queries, gallery = scores.shape
     device = scores.device
     sum_dtype = count_dtype(gallery)

@@ -27,23 +27,17 @@ from recall_at_k.ranking.stored import FLOAT_FLOOR, dtype_bits, dtype_of_bits, w
 
 
 class ListLayout(NamedTuple):
-    """The blocks of a list state: ``[rows, *trailing]`` of ``dtype``.
-
-    ``dtype=None`` stands for float blocks of at least ``FLOAT_FLOOR``, each in the dtype
-    it was stored in (see :func:`agree_float_dtypes`). No module cast changes a list
-    state's dtype.
-    """
+    """The blocks of a list state: ``[rows, *trailing]`` of ``dtype``. ``dtype=None``
+    stands for float blocks of at least ``FLOAT_FLOOR``, each in the dtype it was stored
+    in (see :func:`agree_float_dtypes`). No module cast changes a list state's dtype."""
 
     trailing: tuple[int, ...]
     dtype: torch.dtype | None
 
 
 def fill_empty_list_states(metric: Metric, layouts: dict[str, ListLayout]) -> list[str]:
-    """Give every empty list state one empty block of its layout, before a gather.
-
-    Returns:
-        The names of the states filled, for :func:`empty_filled_list_states`.
-    """
+    """Give every empty list state one empty block of its layout, before a gather; return
+    the names of the states filled, for :func:`empty_filled_list_states`."""
     filled = []
     for name, layout in layouts.items():
         value = getattr(metric, name)
@@ -70,11 +64,9 @@ def agree_float_dtypes(
 ) -> None:
     """Before a gather: every process widens its float list states' blocks to the widest
     dtype any process holds (one small gather of each process's widest, with the
-    metric's own ``dist_sync_fn``), so that the gathered blocks share one dtype.
-
-    The states are replaced by new lists: the local copy torchmetrics keeps for
-    ``unsync`` stays as it was.
-    """
+    metric's own ``dist_sync_fn``), so that the gathered blocks share one dtype. The
+    states are replaced by new lists: the local copy torchmetrics keeps for ``unsync``
+    stays as it was."""
     names = [name for name, layout in layouts.items() if layout.dtype is None]
     if not names:
         return

@@ -64,10 +64,8 @@ def caller_on_one_thread(hold: bool = True) -> Iterator[None]:
 
 
 class Workers(Generic[Item, Result]):
-    """``count`` threads running ``task(item, workspace)``, each torch on one thread.
-
-    Use as a context manager; :meth:`map` yields the results in the items' order.
-    """
+    """``count`` threads running ``task(item, workspace)``, each torch on one thread: a
+    context manager, whose :meth:`map` yields the results in the items' order."""
 
     def __init__(
         self, task: Callable[[Item, Workspace], Result], count: int, workspace: Workspace
