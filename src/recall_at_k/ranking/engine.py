@@ -310,9 +310,8 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
             stack.flush()
         positive = Found(found.found.rows, found.found.columns + first, found.found.values)
         kinds = scanned.kinds(positive)
-        return _Result(
-            first_query, stop_query, found.has_positive, greater, scanned.sure, nan, kinds
-        )
+        has_positive, sure = found.has_positive, scanned.sure
+        return _Result(first_query, stop_query, has_positive, greater, sure, nan, kinds)
 
     with Workers(task, min(workers, len(tiles)), decider.workspace) as pool:
         for result in pool.map(tiles):
@@ -385,9 +384,8 @@ def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list
             lows = [s for s, p in zip(starts[first:stop], present[first:stop], strict=True) if p]
             if not lows:
                 break
-            width = max(
-                e for e, p in zip(ends[first:stop], present[first:stop], strict=True) if p
-            ) - min(lows)
+            highs = [e for e, p in zip(ends[first:stop], present[first:stop], strict=True) if p]
+            width = max(highs) - min(lows)
             if (stop - first) * width <= most:
                 break
             stop = first + max(1, (stop - first) // 2)
@@ -461,11 +459,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         step = size
         while step > 1 and step * (step + 2 * widest) * itemsize > tile_bytes:
             step = (step + 1) // 2
-        parts = [
-            (a, min(a + step, span.stop))
-            for span in spans
-            for a in range(span.start, span.stop, step)
-        ]
+        parts = [(a, min(a + step, s.stop)) for s in spans for a in range(s.start, s.stop, step)]
 
     def label_task(part: tuple[int, int], workspace: Workspace) -> tuple[_Result, Tensor, Tensor]:
         a, b = part
@@ -733,16 +727,15 @@ def rank(
     known: Sequence[Tensor | None] | None = None,
     outcomes: bool = False,
 ) -> list[Ranked | None]:
-    """Rank every direction of ``plan``; None for a direction without sides.
-
-    With ``processes`` (every process of them calls this) the counts are summed over
-    them: each ranks a contiguous share of the queries against the whole gallery
-    (every process holds every item), or with ``sharded`` the queries it holds against a
+    """Rank every direction of ``plan``; None for a direction without sides. With
+    ``processes`` (every process of them calls this) the counts are summed over them:
+    each ranks a contiguous share of the queries against the whole gallery (every
+    process holds every item), or with ``sharded`` the queries it holds against a
     gallery passing by. A direction with the same sides as the one before it is ranked
-    once. ``known``: per direction, bool ``[2, Q]`` queries known to have a near positive /
-    negative (the audit's copies). ``outcomes``: also every query's record on every
-    process. A failure on any process raises on every process, after the others finish.
-    """
+    once. ``known``: per direction, bool ``[2, Q]`` queries known to have a near
+    positive / negative (the audit's copies). ``outcomes``: also every query's record on
+    every process. A failure on any process raises on every process, after the others
+    finish."""
     world, me, group = 1, 0, None
     if processes is not None and dist.is_available() and dist.is_initialized():
         group = processes.group
