@@ -141,6 +141,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         block of its layout and the processes agree on the dtype of float list states
         (:mod:`recall_at_k._sync`); :meth:`unsync` puts this process's own lists back."""
         gather = self._will_sync(should_sync, distributed_available) and not self._gathered_states
+        group = process_group or self.process_group
         if gather:  # (torchmetrics raises for a second gather)
             self._filled_for_sync = fill_empty_list_states(self, self._list_layouts)
             floats = [name for name, layout in self._list_layouts.items() if layout.dtype is None]
@@ -148,9 +149,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             # Collectives that let go of their tensors before they return.
             if dist_sync_fn is None or dist_sync_fn is gather_all_tensors:
                 dist_sync_fn = _collectives.gather_all_tensors
-            agree_float_dtypes(
-                self, self._list_layouts, dist_sync_fn, process_group or self.process_group
-            )
+            agree_float_dtypes(self, self._list_layouts, dist_sync_fn, group)
             self._widened = {n: v for n, v in before.items() if getattr(self, n) is not v}
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         if gather:
@@ -159,7 +158,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             # (another process's update changes the gathered states; all decide alike).
             mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
             assert dist_sync_fn is not None
-            counts = dist_sync_fn(mine, process_group or self.process_group)
+            counts = dist_sync_fn(mine, group)
             self._gathered_key = tuple(int(count) for count in counts)
 
     def _will_sync(

@@ -185,12 +185,9 @@ def check_binary(target: Tensor, what: str, hint: str = "") -> None:
     bad = (target != 0) & (target != 1)
     if bool(bad.any()):
         example = target[bad][0]
-        shown = float(example) if target.is_floating_point() else int(example)
-        remedy = (
-            "; binarise graded relevance first, for example `target > 0`"
-            if target.is_floating_point()
-            else ""
-        )
+        floating = target.is_floating_point()
+        shown = float(example) if floating else int(example)
+        remedy = "; binarise graded relevance first, for example `target > 0`" if floating else ""
         raise ValueError(
             f"{what} must be 0 or 1, got {int(bad.sum())} other value(s),"
             f" e.g. {shown}{hint}{remedy}"

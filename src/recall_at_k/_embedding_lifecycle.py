@@ -59,11 +59,8 @@ def audits_for(
         groups = planned.groups if options.exclude != "none" else None
 
         def stored() -> audit.Codes:
-            sizes = budget.sharded_audit_sizes()
-            local = rows.local.blocks
-            return audit.sharded_codes(
-                local, rows.counts, planned.labels, groups, rows.group, sizes
-            )
+            held = rows.local.blocks, rows.counts, planned.labels, groups, rows.group
+            return audit.sharded_codes(*held, budget.sharded_audit_sizes())
     else:
         assert planned.embeddings is not None
         stored = planned.embeddings, torch.stack([planned.labels, planned.groups], dim=1)

@@ -48,11 +48,7 @@ class NeededCounts(NamedTuple):
 
 def needed_counts(ties: str) -> NeededCounts:
     """The counts that decide hit@K under ``ties`` (``"expected"`` needs all three)."""
-    return NeededCounts(
-        greater=ties != "pessimistic",
-        at_or_above=ties != "optimistic",
-        tied_positives=ties == "expected",
-    )
+    return NeededCounts(ties != "pessimistic", ties != "optimistic", ties == "expected")
 
 
 def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:

@@ -164,14 +164,9 @@ def from_records(
         rank = rank.round().to(torch.int64)
     columns = torch.tensor([k - 1 for k in ks], dtype=torch.int64, device=cdf.device)
     hits = cdf.index_select(1, columns)
-    return QueryOutcomes(
-        ids.to(torch.int64),
-        hits,
-        rank,
-        ks,
-        None if keys is None else tuple(keys),
-        None if labels is None else labels.to(torch.int64),
-    )
+    keys_kept = None if keys is None else tuple(keys)
+    labels_kept = None if labels is None else labels.to(torch.int64)
+    return QueryOutcomes(ids.to(torch.int64), hits, rank, ks, keys_kept, labels_kept)
 
 
 def embedding_outcomes(

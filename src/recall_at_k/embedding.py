@@ -281,10 +281,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         group = process_group or self.process_group
         local = None
         if life.keep_rows and (life.synced is None or life.synced.local is None):
-            local = (
-                list(cast(list[Tensor], self.embedding_values)),
-                list(cast(list[Tensor], self.embedding_meta)),
-            )
+            values, meta = self.embedding_values, self.embedding_meta
+            local = (list(cast(list[Tensor], values)), list(cast(list[Tensor], meta)))
             self._set_states([], [])
         life.synced = None
         try:
@@ -425,12 +423,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
                 empty = engine.Ranked(zeros[: self.max_k], zeros[:2], zeros[:4], 0, 0, None)
                 ranked = [empty] * count
             names = self.directions[:count]
-            self.last_compute_num_queries_ranked = {
-                n: r.ranked if r else 0 for n, r in zip(names, ranked, strict=True)
-            }
-            self.last_compute_rescored = {
-                n: r.rescored if r else 0 for n, r in zip(names, ranked, strict=True)
-            }
+            pairs = list(zip(names, ranked, strict=True))
+            self.last_compute_num_queries_ranked = {n: r.ranked if r else 0 for n, r in pairs}
+            self.last_compute_rescored = {n: r.rescored if r else 0 for n, r in pairs}
         if not self._in_forward:
             lifecycle.keep_report(
                 self._life, options, audits, ranked, planned.directions, group is not None

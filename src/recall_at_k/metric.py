@@ -265,11 +265,8 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         # (torchmetrics replaces it on sync, forward and moves, empties it on reset),
         # recorded by ids (they keep nothing alive). A wrong count only moves a merge.
         known: Any = self.__dict__.get("_flat_rows")
-        grown = (
-            known is not None
-            and known[:2] == (id(state), len(state) - 1)
-            and known[3] == id(state[-2])
-        )
+        grown = known is not None and known[:2] == (id(state), len(state) - 1)
+        grown = grown and known[3] == id(state[-2])
         rows = known[2] + state[-1].shape[0] if grown else sum(b.shape[0] for b in state)
         compacted = _flat.compact(
             state, self.max_k, self.complete_queries, self._flat_path, self._flat_slack, rows

@@ -29,9 +29,8 @@ def options_of(metric: Any) -> AuditOptions:
     """The audit options of an :class:`~recall_at_k.EmbeddingRecallAtK`."""
     names = tuple(metric.directions) if metric.bidirectional else ("",)
     sizes = budget.audit_sizes(metric.chunk_bytes // budget.AUDIT_SHARE)
-    return AuditOptions(
-        metric.exclude, metric.empty_target_action, metric.near_duplicate, names, sizes
-    )
+    rules = metric.exclude, metric.empty_target_action, metric.near_duplicate
+    return AuditOptions(*rules, names, sizes)
 
 
 def check_near_duplicate(value: object) -> float | None:

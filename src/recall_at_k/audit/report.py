@@ -124,15 +124,10 @@ def audit_direction(keys: Codes, sides: Any, options: AuditOptions) -> Direction
         rounding = present(keys.klass, ((q, keys.adjacent[at, 1]) for q, at in pairs))
     seen = torch.zeros(num, dtype=torch.bool, device=device)
     seen.index_fill_(0, keys.klass[g_rows].long(), True)
-    return DirectionAudit(
-        counted,
-        counted & identical[0],
-        counted & identical[1],
-        g_rows.shape[0] - int(seen.sum()),
-        counted & rounding[0],
-        counted & rounding[1],
-        rounding_duplicates(keys, g_rows),
-    )
+    same_pos, same_neg = counted & identical[0], counted & identical[1]
+    round_pos, round_neg = counted & rounding[0], counted & rounding[1]
+    duplicates, rounded = g_rows.shape[0] - int(seen.sum()), rounding_duplicates(keys, g_rows)
+    return DirectionAudit(counted, same_pos, same_neg, duplicates, round_pos, round_neg, rounded)
 
 
 def own_samples(sides: Any, num: int, sizes: AuditSizes) -> tuple[Tensor, Tensor]:

@@ -94,10 +94,8 @@ def place_rows(
     device: torch.device,
 ) -> Places:
     """The places of the rows ``rows_of(part)``, projected ``project_bytes`` at a time."""
-    places = Places(
-        torch.empty(num, dtype=torch.int64, device=device),
-        torch.empty(num, dtype=torch.int16, device=device),
-    )
+    keys = torch.empty(num, dtype=torch.int64, device=device)
+    places = Places(keys, torch.empty(num, dtype=torch.int16, device=device))
     packing = 8.0 ** torch.arange(FILTERS - PROJECTIONS, dtype=torch.float64, device=device)
 
     def block(part: slice, workspace: Workspace) -> None:

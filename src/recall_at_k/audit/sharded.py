@@ -193,10 +193,8 @@ class Shard:
             lo = int(torch.searchsorted(wanted, batch[:1]))
             hi = int(torch.searchsorted(wanted, batch[-1:], right=True))
             for at in range(lo, hi, self.pairs):
-                pairs, b_at = (
-                    mine[at : min(hi, at + self.pairs)],
-                    wanted[at : min(hi, at + self.pairs)],
-                )
+                stop = min(hi, at + self.pairs)
+                pairs, b_at = mine[at:stop], wanted[at:stop]
                 ok[pairs] = test(self.take(a[pairs]), rows[torch.searchsorted(batch, b_at)])
 
         sent = torch.unique(b[owner_a != owner_b])  # sorted, so grouped by owner

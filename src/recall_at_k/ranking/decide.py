@@ -54,9 +54,8 @@ class Decider:
         counts = torch.int32 if budget.items < 2**31 else torch.int64  # exact: at most N
         self.tied = torch.zeros(count, dtype=counts, device=device)
         self.equal = torch.zeros(count, dtype=counts, device=device)
-        self.near = (
-            None if near_threshold is None else torch.zeros_like(self.best, dtype=torch.bool)
-        )
+        near = near_threshold is not None
+        self.near = torch.zeros_like(self.best, dtype=torch.bool) if near else None
         self.rescored = 0
         self.batch_bytes = budget.canonical_bytes
         self.limit = max(1, min(PENDING_PAIRS, budget.pending_bytes // PAIR_BYTES))
@@ -124,9 +123,8 @@ class _Waiting:
         count = int(found.rows.shape[0])
         need = self.size + count
         if self.buffer is None or need > self.buffer.shape[1]:
-            grown = torch.empty(
-                (3, max(16, need + need // 2)), dtype=torch.float64, device=self.device
-            )
+            capacity = max(16, need + need // 2)
+            grown = torch.empty((3, capacity), dtype=torch.float64, device=self.device)
             if self.buffer is not None:
                 grown[:, : self.size] = self.buffer[:, : self.size]
             self.buffer = grown
