@@ -1,14 +1,11 @@
 """Where the engine's blocks come from: this process's queries and the gallery in blocks.
 
-A source gives the engine (:mod:`~recall_at_k.ranking.engine`) this process's queries in
-label order (:attr:`~LocalSource.queries`, their rows by :meth:`~LocalSource.query_rows`),
-what every block shares (:attr:`~LocalSource.stats`), the gallery in blocks sorted by
-label (:meth:`~LocalSource.galleries`, :class:`Gallery`: a label's items are one run of
-columns) and the canonical scores of a block's pairs (:meth:`~LocalSource.canonical`).
-:class:`LocalSource` serves the one ordered copy: one block, a view. :class:`ShardedSource`
-serves a gallery sharded across processes: every process's items pass by every process
-in runs, broadcast and prepared by their owner; the statistics agreed by collectives.
-"""
+A source gives this process's queries in label order (:attr:`~LocalSource.queries`,
+rows by :meth:`~LocalSource.query_rows`), what every block shares (``stats``), the gallery
+in blocks sorted by label (:meth:`~LocalSource.galleries`) and the canonical scores of a
+block's pairs. :class:`LocalSource` serves the one ordered copy as one block;
+:class:`ShardedSource` a gallery sharded across processes, every process's items passing
+by in runs broadcast by their owner, the statistics agreed by collectives."""
 
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
-"""Every size the package derives from ``chunk_bytes``, and every other byte, share or
-row count it works in: one module, so that one test can add them up.
+"""Every size derived from ``chunk_bytes``, and every other byte, share or row count the
+package works in: one module, so that one test can add them up.
 
-``EmbeddingRecallAtK.compute()`` adds one copy of the stored (or gathered) embeddings in
-the ranking's order; everything else comes out of ``chunk_bytes``: the per-item
-bookkeeping (:func:`bookkeeping_bytes`), then the scratch (:func:`scratch_bytes`), cut
-into the shares of :class:`Budget`. While the ranking runs, its tiles and their scans'
-buffers, the pairs waiting to be decided and their decision, and (sharded) the run of
-gallery rows passing by are held at once: their shares sum to less than the scratch.
-Copying, normalising and auditing the rows happen before the ranking, and each
-direction's gallery statistics (largest value, centre, norms) before its tiles, a block
-of :attr:`Budget.row_block_bytes` at a time. A ``chunk_bytes`` smaller than
-:func:`least_chunk_bytes` cannot hold the bookkeeping and the least scratch: the ranking
-then takes the least scratch. Results never depend on any size here.
-"""
+``EmbeddingRecallAtK.compute()`` adds one copy of the embeddings in the ranking's order;
+everything else comes out of ``chunk_bytes``: the per-item bookkeeping
+(:func:`bookkeeping_bytes`), then the scratch (:func:`scratch_bytes`), cut into the
+shares of :class:`Budget`, which sum to less than the scratch (tiles and their scans'
+buffers, pairs waiting to be decided, a sharded gallery's run passing by). Preparing the
+rows and each direction's gallery statistics come before the ranking, a block of
+:attr:`Budget.row_block_bytes` at a time. Below :func:`least_chunk_bytes` the ranking
+takes the least scratch. Results never depend on any size here."""
 
 from __future__ import annotations
 
@@ -52,8 +48,7 @@ RUN_SHARE = 8
 """A sharded gallery's run (its rows and their prepared copy: twice that) ..."""
 
 RUN_MIN_ROWS = 8
-"""... of at least this many float32 rows: every run costs each process a step per tile of
-its queries, and the least ``chunk_bytes`` holds runs of this many rows in its share."""
+"""... of at least this many float32 rows (each run costs a step per tile of queries)."""
 
 ROW_BLOCK_SHARE = 4
 """Before the ranking: rows copied, normalised and audited (copies included) at a time."""
@@ -76,8 +71,7 @@ PAIRED_TERMS = 2**16
 """The exact McNemar tail adds this many of its terms at a time (float64 each)."""
 
 FLAT_SLACK_BYTES = 1024 * (5 + 10) * 8
-"""The flat form's packed rows (5 columns and K = 10 scores, 1,024 of them) may wait this
-many bytes for a merge: small updates merge rarely."""
+"""Bytes of packed flat rows (1,024 of 5 columns + K = 10) that may wait for a merge."""
 
 # --- speed on CPU: sizes that buy nothing larger (none is a bound on memory)
 
@@ -85,8 +79,7 @@ CPU_TILE_BYTES = 32 * 2**20
 """On CPU, tiles hold at most this many bytes of scores."""
 
 CPU_WORKER_BYTES = 2**20
-"""On CPU, worker threads share a task (tiles, row blocks, the audit's blocks) only where
-each gets this many bytes of it at a time (less is too many small operations a thread)."""
+"""On CPU, worker threads share a task only where each gets this many bytes of it at a time."""
 
 CPU_PANEL_BYTES = 2 * 2**20
 """On CPU a tile's scores beyond its label blocks come in cache-sized panels of columns ..."""
@@ -110,8 +103,7 @@ CANONICAL_DIM_BLOCK = 64
 """Canonical re-scoring gathers this many dimensions at a time (in the order ``d = 0..D-1``)."""
 
 NORM_DIM_BLOCK = 16
-"""Cosine norms square this many dimensions at a time: their buffer is at most
-``17 / 16`` of a float64 row (``1 / 16`` at 256 dimensions and more)."""
+"""Cosine norms square this many dimensions at a time (buffer: ``17/16`` float64 row)."""
 
 PENDING_PAIRS = 2**16
 """Pairs are decided once this many wait (or the pending share is full, or at the end)."""
@@ -146,8 +138,7 @@ class Budget(NamedTuple):
         return max(1, tile // max(1, workers))
 
     def row_block_rows(self, bytes_per_value: int = 16) -> int:
-        """Rows copied, normalised or audited at a time (``bytes_per_value``: the copies
-        each value of a row takes)."""
+        """Rows copied, normalised or audited at a time (``bytes_per_value``: per value)."""
         return max(1, self.row_block_bytes // (bytes_per_value * max(1, self.width)))
 
 
@@ -169,8 +160,7 @@ def min_scratch_bytes(items: int) -> int:
 
 def scratch_bytes(chunk_bytes: int, items: int) -> int:
     """What ``chunk_bytes`` leaves beside the bookkeeping of ``items`` items, at least
-    :func:`min_scratch_bytes` (or ``chunk_bytes`` itself, if smaller: such a
-    ``chunk_bytes`` sizes the tiles as it says)."""
+    :func:`min_scratch_bytes` (or ``chunk_bytes`` itself, if smaller)."""
     least = min(chunk_bytes, min_scratch_bytes(items))
     return max(chunk_bytes - bookkeeping_bytes(items), least)
 

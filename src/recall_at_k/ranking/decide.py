@@ -1,12 +1,10 @@
 """Deciding the pairs in band on canonical scores: ``s*``, the ties and the order at ``s*``.
 
-The scans (:mod:`~recall_at_k.ranking.scan`) hand in a query's valid positives within
-``2B`` of ``s*_f``, its negatives within its band, and its negatives within ``B`` of the
-near-duplicate threshold. They wait here, then are re-scored canonically in one pass over
-``D`` for many tiles, positives first (so ``s*`` is final when a negative is compared).
-Every count is an integer sum of per-pair facts: the result does not depend on how pairs
-are grouped into tiles, blocks, threads, flushes or processes.
-"""
+The scans hand in a query's valid positives within ``2B`` of ``s*_f``, its negatives in
+its band, and its negatives within ``B`` of the near-duplicate threshold; they are
+re-scored canonically in one pass for many tiles, positives first (so ``s*`` is final
+when a negative is compared). Every count is an integer sum of per-pair facts,
+independent of how pairs are grouped."""
 
 from __future__ import annotations
 

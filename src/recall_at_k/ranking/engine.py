@@ -2,28 +2,23 @@
 (:mod:`~recall_at_k.ranking.scan`) and decided (:mod:`~recall_at_k.ranking.decide`),
 over the blocks a source yields (:mod:`~recall_at_k.ranking.blocks`).
 
-Per query it finds ``s*_f`` and its band from the query's positives, then counts the
-negatives surely above the band and hands every pair inside it to the decider, which
-decides ``s*``, the ties and the order at ``s*`` on canonical scores. How the blocks are
-walked depends only on the source:
+Per query it finds ``s*_f`` and its band from the query's positives, counts the negatives
+surely above the band and hands every pair inside it to the decider. The walk depends
+only on the source:
 
-- one block holding the whole gallery, leave-one-out on CPU: the product in square
-  blocks, each computed once for the queries of its rows and of its columns
-  (:func:`_squares`) -- first each query's band from its label's block, then the
-  squares;
-- one block otherwise: tiles of queries, each tile's label run first (its positives,
-  then its negatives there), then -- on CPU -- the other columns in panels that never
-  leave the cache, or the tile's whole row of scores (:func:`_tiles`);
-- a gallery sharded across processes: two passes over the blocks passing by, the
-  positives first, then the negatives (:func:`_passes`).
+- one block, leave-one-out on CPU: the product in square blocks, each computed once for
+  the queries of its rows and of its columns (:func:`_squares`), after each query's band
+  from its label's block;
+- one block otherwise: tiles of queries, each tile's label run first, then -- on CPU --
+  the other columns in cache-sized panels, or the tile's whole row of scores (:func:`_tiles`);
+- a gallery sharded across processes: two passes over the blocks passing by, positives
+  first, then negatives (:func:`_passes`).
 
-Tiles and squares run on the CPU's worker threads (:mod:`~recall_at_k.ranking.workers`);
-their results are merged in order. :func:`rank` ranks every direction, shares the
-queries among processes when every process holds every item, and sums the counts.
-Counts are integers; ``ties="expected"`` rounds each query's probabilities to a grid on
-which float64 sums are exact. So the result is the same for every tiling, thread count
-and process count.
-"""
+Tiles and squares run on the CPU's worker threads, their results merged in order.
+:func:`rank` ranks every direction, shares the queries among processes when every process
+holds every item, and sums the counts. Counts are integers and ``ties="expected"`` rounds
+probabilities to a grid on which float64 sums are exact, so the result is the same for
+every tiling, thread count and process count."""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
-"""The plan of a ranking, built once (:func:`make_plan`) by ``compute()``,
-``query_outcomes()``, ``protocol_report()`` and ``functional.embedding_recall_at_k``:
+"""The plan of a ranking, built once by :func:`make_plan`:
 
 - each direction's sides: its queries and its gallery, each item once per sample
   identity (ids repeated within a role count once; an item without an id is alone);
 - the ranking's order: the first direction's gallery, then the second's items not placed
-  yet, then every other item, each part sorted by label, so that each gallery (and the
-  queries of leave-one-out and of disjoint sets) is one run of rows, a label one run;
-- the one copy of the embeddings in that order (:attr:`Plan.embeddings`), every bit kept
-  (the protocol audit reads it as stored), normalised in place for ``"cosine"`` by
-  :func:`prepare`; none when sharded (:attr:`Plan.rows` are read where stored);
-- the labels and groups in that order, int32 where they fit.
-"""
+  yet, then every other item, each part sorted by label, so that each gallery is one run
+  of rows, a label one run;
+- the one copy of the embeddings in that order (:attr:`Plan.embeddings`), every bit kept,
+  normalised in place for ``"cosine"`` by :func:`prepare`; none when sharded;
+- the labels and groups in that order, int32 where they fit."""
 
 from __future__ import annotations
 

@@ -1,23 +1,18 @@
 """A block of queries' fast scores against a block of gallery items: what each query's
-band needs, without a Python loop over queries.
+band needs, without a Python loop over queries. The band is ``[s*_f - 2B, s*_f + 2B]``,
+``s*_f`` the best fast score of the query's valid positives (``|fast - canonical| <= B``,
+:mod:`~recall_at_k.ranking.score`).
 
-A query's band is ``[s*_f - 2B, s*_f + 2B]`` around ``s*_f``, the best fast score of its
-valid positives (:mod:`~recall_at_k.ranking.score`: ``|fast - canonical| <= B``). So:
-
-- :func:`positives` reads each query's positives -- its label's run of columns, a
-  gather -- and gives ``s*_f``, whether it has a valid positive, and its positives in
-  the band (the best always among them), to re-score canonically;
-- :func:`hide_own_labels` and :func:`hide_ignored` then write a *hole* over the items no
-  count may see: the query's own label (its positives, label-and-group junk, itself),
-  the query itself, its group under ``exclude="same_group"``. The hole is ``-inf`` for
-  the built-in similarities (their fast scores are finite), NaN for a callable's;
-- :func:`scan` counts each query's items surely above the band (its negatives surely
-  above ``s*``) and finds the pairs inside it, reading each row once (its largest score)
-  and comparing only the rows that reach the band; :class:`Stack` gathers the reaching
-  rows of many CPU panels to compare them together;
+- :func:`positives` gathers each query's positives (its label's run of columns): ``s*_f``,
+  whether it has a valid positive, and its positives in the band (the best always);
+- :func:`hide_own_labels` and :func:`hide_ignored` write a *hole* over the items no count
+  may see (the query's own label, itself, its group under ``exclude="same_group"``):
+  ``-inf`` for the built-in similarities (finite scores), NaN for a callable's;
+- :func:`scan` counts each query's items surely above the band and finds the pairs inside
+  it, comparing only the rows whose largest score reaches the band; :class:`Stack`
+  gathers the reaching rows of many CPU panels to compare them together;
 - :func:`near` does the same for the near-duplicate threshold ``t``: items above
-  ``t + B`` are surely at or above it, those within ``B`` of it are re-scored.
-"""
+  ``t + B`` are surely at or above it, those within ``B`` of it are re-scored."""
 
 from __future__ import annotations
 

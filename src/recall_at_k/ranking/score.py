@@ -1,59 +1,44 @@
 """The score of a (query, item) pair: what ranks a gallery, defined once.
 
-**The score.** A gallery is ranked by one canonical score per pair, a function of the
-stored embeddings alone (the same for every tiling, thread, process and device):
+**The score.** One canonical score per pair, a function of the stored embeddings alone
+(the same for every tiling, thread, process and device):
 
-- embeddings are first brought to float32 (float64 stays float64); for ``"cosine"`` each
-  row ``x`` becomes ``n = fl32(x / sqrt(S))``, where ``S`` is the float64 sum of
-  ``x_d ** 2`` accumulated in the order ``d = 0 .. D-1`` (``sqrt(S)`` clamped to at least
-  1e-12), every operation elementwise, so a row's value never depends on its batch;
+- embeddings are brought to float32 (float64 stays float64); for ``"cosine"`` each row
+  ``x`` becomes ``n = fl32(x / sqrt(S))``, ``S`` the float64 sum of ``x_d ** 2`` in the
+  order ``d = 0 .. D-1`` (``sqrt(S)`` clamped to at least 1e-12), elementwise, so a row's
+  value never depends on its batch;
 - ``"cosine"`` and ``"dot"``: the float64 sum over ``d = 0 .. D-1``, in that order, of
-  ``q_d * g_d`` (a product of two float32 values is exact in float64);
-- ``"euclidean"``: minus the float64 sum over ``d = 0 .. D-1``, in that order, of
-  ``(q_d - g_d) ** 2`` (each difference and square rounded to float64);
-- a callable: its scores as returned, per tile (outside the guarantee: they may depend
-  on the tile's shape).
-
-Float64 embeddings have inexact products; the fixed order and separate multiply and add
-still give one value per pair on every device (a product of float32 rows is exact in
-float64, so only the additions round).
+  ``q_d * g_d`` (exact in float64 for float32 factors; for float64 embeddings the fixed
+  order still gives one value per pair on every device);
+- ``"euclidean"``: minus the float64 sum, in the same order, of ``(q_d - g_d) ** 2``;
+- a callable: its scores as returned, per tile (outside the guarantee).
 
 **Fast path and certificate.** Each tile (or panel) of scores is one float32 matrix
 product, the *fast* score. For each query a bound ``B`` with ``|fast - canonical| <= B``
-for every gallery item is known in advance (:func:`bound_coefficient`,
-:func:`bound_absolute`): for a dot product of length D, ``|fl(q.g) - q.g| <= gamma_D *
-sum_d |q_d g_d| + D eta (1 + gamma_D) <= gamma_D |q| |g| + D eta (1 + gamma_D)`` with
-``gamma_D = D u / (1 - D u)`` whatever the order or blocking of the sum, where ``eta``
-(2**-150 in float32) is the absolute rounding of a product (or fused multiply-add) whose
-result falls below the smallest normal number (2**-126): those round in steps of
-2**-149, not relatively. So ``B = 2 (gamma32_D + gamma64_D) |q| max_g |g| + 2 D eta (1 +
-gamma32_{D+3})`` (the factor 2 covers the norms' own rounding and the band's edges; the
-norms are upper bounds, raised past their rounding and their squares' underflow). With
-``s*_f`` the best fast score of a query's valid positives, an item whose fast score
-exceeds ``s*_f + 2B`` is surely above the canonical ``s*``, one below ``s*_f - 2B``
-surely below; the items inside that band -- the positives near ``s*`` among them, the
-best always -- are re-scored canonically, and ``s*``, the ties and the order at ``s*``
-are decided on those canonical scores. The result is thus exactly the ranking by
-canonical scores, and only the band costs more than the product.
+for every item is known in advance (:func:`bound_coefficient`, :func:`bound_absolute`):
+for a dot product of length D, ``|fl(q.g) - q.g| <= gamma_D |q| |g| + D eta (1 +
+gamma_D)`` with ``gamma_D = D u / (1 - D u)`` whatever the order or blocking of the sum,
+``eta`` (2**-150 in float32) the absolute rounding of a product whose result falls below
+the smallest normal (2**-126). So ``B = 2 (gamma32_D + gamma64_D) |q| max_g |g| + 2 D eta
+(1 + gamma32_{D+3})`` (the 2 covers the norms' own rounding and the band's edges; the
+norms are upper bounds). With ``s*_f`` the best fast score of a query's valid positives,
+an item above ``s*_f + 2B`` is surely above the canonical ``s*``, one below ``s*_f - 2B``
+surely below; the items inside that band (the best positive always among them) are
+re-scored canonically and decide ``s*``, the ties and the order at ``s*``: exactly the
+ranking by canonical scores, with only the band costing more than the product.
 
-``"euclidean"`` is computed on vectors centred on the gallery's mean ``m``:
-``q' = fl(q - m)``, ``g' = fl(g - m)``, fast score ``2 q'.g' - |q'|^2 - |g'|^2``, so a
-common offset of every vector cancels before any product (no catastrophic cancellation).
-Its bound, over the centring's rounding (``|fl(a) - a| <= u |a|`` per coordinate, so the
-squared distance moves by at most ``u (2 + u) (|a| + |b|)^2``), the product and both
-squared norms (``gamma_{D+1}`` each), the two final additions and the canonical sum's
-own rounding: ``B = 2 (2 gamma32_{D+1} + 5 u32 + gamma64_{D+3}) (|q'| + max_g |g'|)^2``,
-plus ``2 * 4 D eta (1 + gamma32_{D+3})`` (the product counted twice, both norms).
+``"euclidean"`` centres on the gallery's mean ``m``: ``q' = fl(q - m)``, ``g' = fl(g -
+m)``, fast score ``2 q'.g' - |q'|^2 - |g'|^2``, so a common offset cancels before any
+product. Its bound covers the centring (``u (2 + u) (|a| + |b|)^2`` on the squared
+distance), the product and both norms (``gamma_{D+1}`` each), the two final additions
+and the canonical sum: ``B = 2 (2 gamma32_{D+1} + 5 u32 + gamma64_{D+3}) (|q'| + max_g
+|g'|)^2``, plus ``2 * 4 D eta (1 + gamma32_{D+3})``.
 
-On CUDA with ``torch.get_float32_matmul_precision() != "highest"`` (TF32 or bfloat16
-products) the bound adds ``2 u_in + u_in^2`` per product for the inputs' unit roundoff
-``u_in`` (2**-11 for ``"high"``, 2**-8 for ``"medium"``): the band is wider, the answer
-the same. Where float32 products could overflow (``"dot"``/``"euclidean"`` on huge
-values), or would all come close to the subnormal range (tiny values, where ``eta``
-would put most items in the band), the fast path runs in float64 (:func:`fast_dtype`);
-the canonical scores do not change. The bound assumes IEEE gradual underflow (no
-flush-to-zero mode, which ``torch.set_flush_denormal(True)`` would set).
-"""
+On CUDA with ``torch.get_float32_matmul_precision() != "highest"`` the bound adds ``2 u_in
++ u_in^2`` per product (``u_in`` 2**-11 for ``"high"``, 2**-8 for ``"medium"``): a wider
+band, the same answer. Where float32 products could overflow or would all come close to
+the subnormal range, the fast path runs in float64 (:func:`fast_dtype`). The bound
+assumes IEEE gradual underflow (not ``torch.set_flush_denormal(True)``)."""
 
 from __future__ import annotations
 
@@ -73,10 +58,8 @@ SAFETY = 2.0
 def prepare_rows(
     rows: Tensor, similarity: Similarity, dtype: torch.dtype, norms: Tensor | None = None
 ) -> Tensor:
-    """Rows ``[m, D]`` as the ranking scores them: a new tensor of ``dtype`` (at least
-    float32), for ``"cosine"`` divided by the float64 norm of each row alone
-    (:func:`row_norms`; ``norms``: those norms, computed before): the same in every batch
-    and device."""
+    """Rows ``[m, D]`` as the ranking scores them: a new tensor of ``dtype``, for ``"cosine"``
+    divided by each row's float64 norm (:func:`row_norms`, or ``norms`` computed before)."""
     if similarity != "cosine":
         return rows.to(dtype, copy=True)
     wide = rows.to(torch.float64, copy=True)  # exact
@@ -109,9 +92,8 @@ def canonical_scores(
     batch_bytes: int = CANONICAL_BATCH_BYTES,
 ) -> Tensor:
     """The canonical float64 score of each pair ``(queries[query_rows[i]],
-    gallery[gallery_rows[i]])`` (prepared rows of one dtype): elementwise, one term per
-    ``d = 0 .. D-1`` in order, never a BLAS product or a reduction of shape-dependent order.
-    """
+    gallery[gallery_rows[i]])``: elementwise, one term per ``d`` in order, never a BLAS
+    product or a reduction of shape-dependent order."""
     if queries.dtype != gallery.dtype:
         raise TypeError(f"rows of one dtype expected, got {queries.dtype} and {gallery.dtype}")
     num, dim = query_rows.shape[0], queries.shape[1]
@@ -147,10 +129,8 @@ def canonical_scores(
 
 
 def add_in_order(terms: Tensor, total: Tensor) -> None:
-    """``total = terms[:, 0] + terms[:, 1] + ... + terms[:, -1]``, added left to right
-    (``terms`` is overwritten). On CPU one prefix sum (its kernel adds each row's
-    elements in order, one float64 accumulator); elsewhere a scan may reassociate,
-    so one addition per column."""
+    """``total = terms[:, 0] + ... + terms[:, -1]`` left to right (``terms`` overwritten): on CPU
+    one prefix sum (one accumulator, in order), elsewhere one addition per column."""
     if terms.device.type == "cpu":
         terms.cumsum_(1)
         total.copy_(terms[:, -1])

@@ -1,10 +1,7 @@
-"""The stored embeddings, read without a whole copy: this process's blocks
-(:class:`StoredRows`), or every process's rows read together (:class:`BroadcastRows`).
-
-A metric keeps its embeddings as a list of ``[b, D]`` blocks, which a ranking reads in
-runs of rows or gathered by index, never concatenated. Under DDP, process ``r``'s rows are
-broadcast from ``r`` a run at a time, in process order (a collective).
-"""
+"""The stored embeddings (a list of ``[b, D]`` blocks), read in runs of rows or gathered by
+index, never concatenated: this process's (:class:`StoredRows`), or under DDP every
+process's (:class:`BroadcastRows`), broadcast from their owner a run at a time, in
+process order."""
 
 from __future__ import annotations
 

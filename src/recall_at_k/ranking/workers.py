@@ -1,16 +1,12 @@
 """Worker threads for the CPU routes: independent tiles and blocks ranked on every core.
 
-A tile's scan is many small tensor operations, too small for torch's own threads to
-share well, so on CPU with ``torch.get_num_threads() > 1`` whole tiles (or leave-one-out
-squares) go to that many worker threads, each running torch on one thread (torch
-releases the GIL), each with its own :class:`~recall_at_k._kernel.Workspace`. The caller
-merges the results in the order the tasks were given; a task's result depends only on
-its inputs, so the counts are exact and the same for any number of threads. The caller
-runs torch on one thread meanwhile (:func:`caller_on_one_thread`), so that its own
-threads do not spin on the workers' cores. With one thread (or on a GPU, or for a
-callable similarity, whose thread safety is the user's) the tasks run in the calling
-thread, the same code.
-"""
+A tile's scan is many operations too small for torch's own threads, so on CPU with
+``torch.get_num_threads() > 1`` whole tiles (or squares) go to that many worker threads,
+each running torch on one thread with its own :class:`~recall_at_k._kernel.Workspace`.
+Results are merged in task order and depend only on their inputs, so the counts are the
+same for any number of threads. The caller runs torch on one thread meanwhile
+(:func:`caller_on_one_thread`) so as not to spin on the workers' cores. With one thread,
+on a GPU, or for a callable similarity the tasks run in the calling thread."""
 
 from __future__ import annotations
 
