@@ -1,13 +1,11 @@
-"""The base of both metrics: options, output keys, per-K views, states that casts never
-round, the sync rule for list states, the kept result, scratch memory, results,
-intervals and plots, through torchmetrics' documented ``Metric`` interface only (and
-torch's ``_apply`` hook with torchmetrics' ``exclude_state``).
+"""The base of both metrics: options, output keys, per-K views, cast-proof states, the sync
+rule for list states, the kept result, scratch memory, results, intervals and plots,
+through torchmetrics' documented ``Metric`` interface (and torch's ``_apply`` hook).
 
 A subclass declares its states (``_add_count_state``, ``_add_list_state``), implements
 ``update`` (calling ``_touch_views`` first) and ``_histograms`` (the synchronised rank
 histogram of each output prefix); the base makes ``compute()``, ``confidence_interval()``
-and ``plot()`` of them.
-"""
+and ``plot()`` of them."""
 
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
 """Blocking collectives that return only once the process group has let go of their tensors.
 
-``torch.distributed``'s blocking collectives return as soon as the result is ready; with
-the gloo backend (CPU tensors) the worker thread that ran the operation still holds its
-tensors a moment longer. A tensor whose last Python reference goes in that moment is
-freed later by that gloo thread, which must take the GIL to do so. Up to torch 2.7,
-``destroy_process_group()`` waits for gloo's threads while holding the GIL: if one of
-them still has such a tensor to free, both wait for each other for ever (torch 2.8 and
-later release the GIL there). So every collective of this package goes through this
-module, which keeps the tensors it was given referenced until the process group's
-threads hold them no longer (their use counts are back to what they were before the
-operation): freeing them then needs no other thread. CUDA tensors don't wait: NCCL's
-threads release their tensors on the GPU's time, not the GIL's.
+With gloo (CPU tensors) a blocking collective returns while the thread that ran it still
+holds its tensors; a tensor whose last Python reference goes then is freed by that
+thread, which must take the GIL. Up to torch 2.7 ``destroy_process_group()`` waits for
+gloo's threads while holding the GIL: a deadlock. So every collective of this package
+keeps its tensors referenced until the group's threads hold them no longer (their use
+counts back to before). CUDA tensors don't wait: NCCL does not need the GIL to free them.
 
-:func:`gather_all_tensors` is torchmetrics' function of the same name (the gather of a
-metric's states in ``sync()``), following this rule.
-"""
+:func:`gather_all_tensors` is torchmetrics' function of that name (the gather of
+``sync()``), following this rule."""
 
 from __future__ import annotations
 

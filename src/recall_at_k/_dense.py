@@ -1,11 +1,9 @@
 """The dense form: checks of ``[Q, G]`` scores and their per-query tie counts.
 
-Counting paths, all exact and equal: a ``[Q]`` index target gathers s*, then compares;
-a ``[Q, G]`` mask without ``ignore`` goes through bool comparisons in a small batch
-(:func:`_mask_counts_small`) and byte arithmetic on CPU (:func:`_mask_counts_in_blocks`);
-otherwise two selects of the positives' and negatives' scores. CPU paths work in blocks
-of rows that stay in the core's cache.
-"""
+Counting paths, all exact and equal: a ``[Q]`` index target gathers s*, then compares; a
+``[Q, G]`` mask without ``ignore`` uses bool comparisons in a small batch
+(:func:`_mask_counts_small`) and cache-sized blocks of byte arithmetic on CPU
+(:func:`_mask_counts_in_blocks`); otherwise two selects of positives' and negatives' scores."""
 
 from __future__ import annotations
 

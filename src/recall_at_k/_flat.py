@@ -4,21 +4,19 @@ A query's items may arrive over several updates and processes. Recall@K for ever
 to max K, under every tie policy, is decided exactly by a small per-query *partial*
 (notation of :mod:`recall_at_k._kernel`):
 
-- ``best``: the best valid positive score s* (``-inf`` when none); ``tied``: the number
-  of valid positives scored exactly ``best``;
-- ``top``: the max K largest valid negative scores, descending, ``-inf`` padded, of which
-  ``kept`` are real;
-- ``boundary``: the number of valid negatives equal to the smallest kept one, those not
-  kept included (the tied block at s* may extend past the list: ``"expected"`` needs it).
+- ``best``: the best valid positive score s* (``-inf`` when none); ``tied``: the valid
+  positives scored exactly ``best``;
+- ``top``: the max K largest valid negative scores, descending, ``-inf`` padded, ``kept``
+  of them real;
+- ``boundary``: the valid negatives equal to the smallest kept one, unkept included
+  (``"expected"`` needs the whole tied block at s*).
 
-Two partials of one query merge exactly: the larger ``best`` (tie counts add when equal),
-the top max K of the union, and the new boundary value ``v`` counted as ``boundary`` in
-each part whose smallest kept equals ``v``, as its kept entries equal to ``v`` otherwise.
-At compute, g_> is the number kept above s* and e the number kept equal to s*, or
-``boundary`` when the list is full and its smallest kept equals s*.
-
-States are int64 rows ``[id, tied, kept, boundary, best, top...]`` (scores as float64
-bit patterns), so that a dtype cast of the module can never round a score.
+Two partials merge exactly: the larger ``best`` (tie counts add when equal), the top max
+K of the union, and the new boundary value ``v`` counted as ``boundary`` in each part
+whose smallest kept equals ``v``, as its kept entries equal to ``v`` otherwise. At
+compute, g_> is the number kept above s*, e the number kept equal to s* (``boundary``
+when the list is full and its smallest kept equals s*). States are int64 rows ``[id,
+tied, kept, boundary, best, top...]`` (scores as float64 bits): a cast never rounds them.
 
 Example:
     Query 7 arrives in two parts; with max K = 2 neither part keeps all of the negatives
@@ -61,8 +59,7 @@ from recall_at_k.ranking.budget import FLAT_SLACK_BYTES
 
 _ID, _TIED, _KEPT, _BOUNDARY, _BEST = 0, 1, 2, 3, 4
 ROW_PREFIX = _BEST + 1  # columns of a packed state row before the max_k top scores
-# A padded [segments, longest] matrix holds at most this many cells a value; beyond (one
-# huge query among many small ones), a sort on (id, -score) finds the top K.
+# Most cells a value of a padded [segments, longest] matrix; beyond, a sort finds the top K.
 PADDED_FILL = 4
 # How the per-segment top K is found ("auto": choose_path); each gives the same result.
 SegmentPath = Literal["auto", "padded", "sorted"]
@@ -244,8 +241,7 @@ def _sorted_segment_top(counts: Tensor, values: Tensor, max_k: int) -> tuple[Ten
 
 
 def _runs(values: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.unique_consecutive(values, return_counts=True)`` through its operator, without
-    the Python wrapper (about half the cost of a small batch's call)."""
+    """``torch.unique_consecutive(values, return_counts=True)`` without the Python wrapper."""
     runs, _, counts = _UNIQUE_CONSECUTIVE(values, False, True, None)
     return runs, counts
 
@@ -279,8 +275,7 @@ def summarise_rows(
     ids, counts = _runs(indexes)
     grouped, width = _grouping(ids, counts)
     if not grouped:
-        # Ids as int32 offsets from the smallest where they fit (sorts faster); within a
-        # query the order does not matter: an unstable sort will do.
+        # Ids as int32 offsets where they fit (faster); the order within a query is free.
         low, high = torch.aminmax(indexes)
         narrow = int(high) - int(low) < 2**31
         sorted_key, order = torch.sort((indexes - low).to(torch.int32) if narrow else indexes)
@@ -456,10 +451,8 @@ def compact(
     slack: int | None,
     rows: int,
 ) -> list[Tensor]:
-    """The state blocks merged into one once they hold more than twice the rows of the
-    first (the last merge's result) plus ``slack`` (default :func:`compact_slack`): the
-    state stays within about twice the distinct queries, at O(1) amortised a row.
-    ``rows``: the blocks' row count."""
+    """The state blocks (``rows`` in all) merged into one once they exceed twice the first
+    (the last merge's result) plus ``slack`` (:func:`compact_slack`): O(1) amortised a row."""
     if len(state) < 2:
         return state
     if slack is None:

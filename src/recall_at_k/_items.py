@@ -1,13 +1,11 @@
 """How ``EmbeddingRecallAtK`` stores its items: flat embedding values and one int64
-metadata row per item (label, group, id, role flags, embedding width); and the checks
-that only the whole stored data can make (one width, groups where ``exclude`` reads them).
+metadata row per item (label, group, id, role flags, width), and the checks only the
+whole stored data can make (one width, groups where ``exclude`` reads them).
 
-Embeddings are stored flattened (1-D) so that a process without data sends an empty
-block of the same layout; the width lives in the metadata. Each batch is stored in the
-wider of float32 and its own dtype (:func:`stored_dtype`), and ranked with the others
-in the widest stored (as ``torch.cat`` would promote; written block by block into the
-one copy the ranking makes), whatever dtype the module is cast to.
-"""
+Embeddings are stored 1-D, so a process without data sends an empty block of the same
+layout. Each batch is stored in the wider of float32 and its own dtype
+(:func:`stored_dtype`) and ranked in the widest stored (as ``torch.cat`` would promote),
+whatever dtype the module is cast to."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """The maths of Recall@K: per-query tie counts -> outcomes -> rank histogram -> recall.
 
 Every input form reduces to per-query :class:`TieCounts`; the tie policy turns them into
-one outcome per query, which sum into a rank histogram of fixed size. Vectorised torch
-that reads no tensor value on the host (except :func:`recall_from_histogram`).
+one outcome per query, summed into a fixed-size rank histogram. Vectorised torch that
+reads no tensor value on the host (except :func:`recall_from_histogram`).
 
-Notation, per query: ``s*`` is the best score among the valid positives (not ignored),
-g_> the number of valid negatives scored above ``s*``, e the number of valid negatives
-scored exactly ``s*`` and p the number of valid positives scored exactly ``s*`` (at
-least one when the query has a valid positive).
-"""
+Notation, per query: ``s*`` the best score among the valid (not ignored) positives, g_>
+the valid negatives scored above ``s*``, e those scored exactly ``s*``, p the valid
+positives scored exactly ``s*`` (at least one when the query has a valid positive)."""
 
 from __future__ import annotations
 

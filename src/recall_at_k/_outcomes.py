@@ -23,23 +23,20 @@ class QueryOutcomes(NamedTuple):
     """Each counted query's outcome, from the synchronised state.
 
     Attributes:
-        ids: int64 ``[Q]`` query ids, ascending for the retrieval forms (the dense form's
-            ``query_ids``, the flat form's ``indexes``); for embeddings the ``ids`` given
-            to ``update``, or without them the position of the query among the items of
-            its role, in the order of the (gathered) state.
-        hits: float64 ``[Q, number of K]``: hit@K of each query for each K, in the order
-            of ``ks``; 0 or 1, and under ``ties="expected"`` the probability of a hit.
-            ``hits.mean(0)`` is ``compute()``'s Recall@K.
-        first_hit_rank: the first-hit rank under the tie policy, capped at max K + 1
-            (a later hit, or none): ``1 + sum over K' = 1..max K of (1 - P(hit@K'))``,
-            int64 ``[Q]`` for ``"pessimistic"`` and ``"optimistic"``; for ``"expected"``
-            that sum is the expected capped rank, float64 ``[Q]``.
+        ids: int64 ``[Q]`` query ids, ascending for the retrieval forms (dense ``query_ids``,
+            flat ``indexes``); for embeddings the ``ids`` given to ``update``, or else the
+            query's position among the items of its role in the (gathered) state.
+        hits: float64 ``[Q, number of K]``: hit@K of each query for each K of ``ks``; 0 or
+            1, under ``ties="expected"`` the probability of a hit. ``hits.mean(0)`` is
+            ``compute()``'s Recall@K.
+        first_hit_rank: the first-hit rank under the tie policy, capped at max K + 1:
+            ``1 + sum over K' = 1..max K of (1 - P(hit@K'))``, int64 ``[Q]``, or for
+            ``"expected"`` the expected capped rank, float64 ``[Q]``.
         ks: the K of each column of ``hits``.
         keys: ``compute()``'s key of each column of ``hits``, or None when ``compute()``
             returns one tensor (an int ``k``).
-        labels: for ``EmbeddingRecallAtK``, int64 ``[Q]``: each query's label, in the
-            order of ``ids``; None for ``RetrievalRecallAtK``, whose queries have none.
-    """
+        labels: for ``EmbeddingRecallAtK``, int64 ``[Q]`` labels in the order of ``ids``;
+            None for ``RetrievalRecallAtK``, whose queries have none."""
 
     ids: Tensor
     hits: Tensor
@@ -49,26 +46,24 @@ class QueryOutcomes(NamedTuple):
     labels: Tensor | None = None
 
     def grouped(self, groups: Tensor | None) -> dict[int, dict[str, Tensor]]:
-        """Recall@K of each group of queries: per class with ``outcomes.labels``, per
-        camera, domain or any other partition with an integer tensor ``[Q]``.
+        """Recall@K of each group of queries: per class with ``outcomes.labels``, per camera,
+        domain or any other partition with an integer tensor ``[Q]``.
 
-        Each group's value is the mean of its queries' ``hits``: what ``compute()``
-        returns for those queries alone against the same gallery, under the same tie
-        policy, ``ignore`` / ``exclude`` rules and ``empty_target_action`` (under
-        ``"skip"`` a group whose queries were all skipped does not appear). Under
-        ``ties="expected"`` the values are expected recalls.
+        Each group's value is the mean of its queries' ``hits``: what ``compute()`` returns for
+        those queries alone against the same gallery, under the same rules (under ``"skip"`` a
+        group whose queries were all skipped does not appear; under ``ties="expected"``,
+        expected recalls).
 
         Args:
             groups: integer ``[Q]``, one group value per query in the order of ``ids``
-                (``outcomes.labels`` for per-class Recall@K; for a value stored per
-                sample, look it up by id, e.g. ``camera_of_id[outcomes.ids]``).
+                (``outcomes.labels`` per class; a value stored per sample looked up by id,
+                e.g. ``camera_of_id[outcomes.ids]``).
 
         Returns:
-            One entry per distinct group value, ascending (a Python ``int``), each a dict
-            of Recall@K keyed as ``compute()``'s dict (``keys``; ``"recall@{k}"`` for an
-            int ``k``), float tensors of the default dtype on the device of ``hits``.
-            Every group listed has at least one query, so no value is NaN; no queries
-            give an empty dict.
+            One entry per distinct group value (a Python ``int``), ascending, each a dict of
+            Recall@K keyed as ``compute()``'s dict (``"recall@{k}"`` for an int ``k``), float
+            tensors of the default dtype on ``hits``' device. No value is NaN; no queries give
+            an empty dict.
 
         Example:
             Per class: class 0 is found less often than class 1.

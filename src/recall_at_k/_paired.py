@@ -1,7 +1,5 @@
-"""``paired_comparison(a, b)``: two models' Recall@K on the same queries, compared query
-by query (the exact McNemar test and Newcombe's paired score interval), from the 2 x 2
-table of the two models' hits per K.
-"""
+"""``paired_comparison(a, b)``: two models' Recall@K on the same queries compared query by
+query (exact McNemar test, Newcombe's paired score interval) from the 2 x 2 table of hits."""
 
 from __future__ import annotations
 
@@ -26,16 +24,14 @@ class PairedComparison(NamedTuple):
 
     Attributes:
         difference: R_b - R_a, B's Recall@K minus A's (NaN without queries).
-        low: lower end of the paired score interval of the difference (Newcombe's
-            method 10), within [-1, 1].
+        low: lower end of the paired score interval of the difference (Newcombe's method
+            10), within [-1, 1].
         high: upper end.
-        p_value: exact two-sided McNemar p-value: ``min(1, 2 P(X <= min(only_a,
-            only_b)))`` for X ~ Binomial(only_a + only_b, 1/2); 1.0 when the models
-            never disagree.
+        p_value: exact two-sided McNemar p-value ``min(1, 2 P(X <= min(only_a, only_b)))``,
+            X ~ Binomial(only_a + only_b, 1/2); 1.0 when the models never disagree.
         only_a: queries hit by A and missed by B.
         only_b: queries hit by B and missed by A.
-        queries: the queries compared.
-    """
+        queries: the queries compared."""
 
     difference: float
     low: float
@@ -133,12 +129,11 @@ def _wilson(successes: int, n: int, z: float) -> tuple[float, float]:
 def newcombe_interval(
     both: int, only_a: int, only_b: int, neither: int, level: float
 ) -> tuple[float, float]:
-    """Newcombe's (1998) method 10 interval for R_b - R_a on paired data: P1 = R_b and
-    P2 = R_a with their Wilson intervals (l1, u1), (l2, u2) and psi the corrected
-    correlation of the hits (A = both * neither - only_a * only_b over the root of the
-    margins' product, less n/2 when A > n/2, 0 when 0 <= A <= n/2):
-    low = (P1 - P2) - sqrt((P1 - l1)^2 - 2 psi (P1 - l1)(u2 - P2) + (u2 - P2)^2), and
-    high likewise with (u1 - P1) and (P2 - l2)."""
+    """Newcombe's (1998) method 10 interval for R_b - R_a on paired data: P1 = R_b, P2 = R_a
+    with Wilson intervals (l1, u1), (l2, u2); psi the corrected correlation of the hits (A =
+    both * neither - only_a * only_b over the root of the margins' product, less n/2 when A
+    > n/2, 0 when 0 <= A <= n/2): low = (P1 - P2) - sqrt((P1 - l1)^2 - 2 psi (P1 - l1)(u2 -
+    P2) + (u2 - P2)^2), high likewise with (u1 - P1) and (P2 - l2)."""
     n = both + only_a + only_b + neither
     z = NormalDist().inv_cdf(0.5 + level / 2)
     hits_b, hits_a = both + only_b, both + only_a
@@ -185,20 +180,17 @@ def paired_comparison(
 ) -> PairedComparison | dict[str, PairedComparison]:
     """Compare model B with model A query by query, on the same queries.
 
-    ``a`` and ``b`` are two metrics (``RetrievalRecallAtK`` or ``EmbeddingRecallAtK``,
-    with the same K; their ``query_outcomes()`` is taken, synchronised) or what their
-    ``query_outcomes()`` returned. They must hold the same set of query ids, in any
-    order and any split over batches and processes.
+    ``a`` and ``b`` are two metrics (``RetrievalRecallAtK`` or ``EmbeddingRecallAtK`` with
+    the same K; their synchronised ``query_outcomes()`` is taken) or what their
+    ``query_outcomes()`` returned, holding the same set of query ids (in any order and split).
 
-    For each K, a ``PairedComparison``: R_b - R_a, the exact two-sided McNemar test
-    (a binomial test of ``only_b`` out of the ``only_a + only_b`` discordant queries at
-    1/2) and Newcombe's paired score interval (method 10 of Newcombe, 1998, Statistics in
-    Medicine 17:2635) at ``level``. Queries without a valid positive count as
-    ``compute()`` counts them.
-
-    Hits must be 0 or 1: under ``ties="expected"`` a query whose hit is a probability
-    strictly between 0 and 1 (ties at the boundary) raises a ``ValueError``; compare
-    with ``"pessimistic"`` and ``"optimistic"`` instead, which bound it.
+    For each K, a ``PairedComparison``: R_b - R_a, the exact two-sided McNemar test (a
+    binomial test of ``only_b`` out of the ``only_a + only_b`` discordant queries at 1/2)
+    and Newcombe's paired score interval (method 10 of Newcombe, 1998, Statistics in
+    Medicine 17:2635) at ``level``. Queries without a valid positive count as ``compute()``
+    counts them. Hits must be 0 or 1: under ``ties="expected"`` a hit probability strictly
+    between 0 and 1 raises a ``ValueError``; compare ``"pessimistic"`` and ``"optimistic"``
+    instead, which bound it.
 
     Returns:
         In ``compute()``'s structure: one :class:`PairedComparison` for an int ``k``,

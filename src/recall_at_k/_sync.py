@@ -1,18 +1,12 @@
 """One rule for list states across processes: a process without data sends a typed empty.
 
-torchmetrics gathers a ``"cat"`` list state by concatenating each process's list and
-gathering the result; a process whose list is empty sends a 1-D tensor of the metric's
-float dtype instead, which cannot be gathered beside other processes' int64
-``[rows, width]`` blocks (the collective fails or hangs). Every list state therefore
-declares its layout, the trailing shape and dtype of its blocks, and an empty list is
-replaced by an empty block of that layout before the gather. Tensor (``"sum"``) states
-need nothing: every process always holds one of the same shape.
-
-A float list state (embeddings) keeps each block in the dtype it was stored in, float32
-or wider; processes may hold different ones (one was given float64 inputs), so before a
-gather they agree on the widest and widen their blocks to it (exactly), and every
-process gathers the same dtype.
-"""
+torchmetrics gathers a ``"cat"`` list state by concatenating each process's list; an
+empty list sends a 1-D tensor of the metric's float dtype, which cannot be gathered
+beside other processes' int64 ``[rows, width]`` blocks (the collective fails or hangs).
+So every list state declares its layout (trailing shape and dtype), and an empty list is
+replaced by an empty block of that layout before the gather. ``"sum"`` states need
+nothing. A float list state (embeddings) keeps each block's stored dtype; processes
+agree on the widest before a gather and widen their blocks to it (exactly)."""
 
 from __future__ import annotations
 
