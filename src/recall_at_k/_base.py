@@ -69,8 +69,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 f"`compute_with_cache` must be a bool (keep compute()'s result until the"
                 f" state changes), got {keep_result!r}"
             )
-        # torchmetrics' cache of compute() would outlive sync(), unsync(), merge_state()
-        # and casts: this class keeps the result itself (see compute()).
+        # torchmetrics' cache outlives sync, unsync, merge_state, casts: keep our own.
         super().__init__(compute_with_cache=False, **metric_kwargs)
         self._keep_result = keep_result
         self._result: Any = None
@@ -116,10 +115,9 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         self._exact_states.append(name)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = ()) -> Any:
-        """torchmetrics' ``_apply``, except that exact states only change device: a module
-        cast (``.half()``, Lightning's ``precision="16-true"``) would round counts, bit
-        patterns and stored embeddings. Their defaults stay where they are (``reset()``
-        puts a tensor default on its state's device)."""
+        """torchmetrics' ``_apply``, except that exact states only change device: a cast
+        (``.half()``, ``precision="16-true"``) would round counts, bit patterns and embeddings.
+        Their defaults stay where they are (``reset()`` moves a tensor default to its state)."""
         exact: list[str] = self.__dict__.get("_exact_states", [])
         this: Any = super()._apply(fn, exclude_state=(*exclude_state, *exact))
         for name in exact:
@@ -135,9 +133,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         should_sync: bool = True,
         distributed_available: Callable[..., Any] | None = None,
     ) -> None:
-        """torchmetrics' ``sync``; before a gather every empty list state gets one empty
-        block of its layout and the processes agree on the dtype of float list states
-        (:mod:`recall_at_k._sync`); :meth:`unsync` puts this process's own lists back."""
+        """torchmetrics' ``sync``, after the rule of :mod:`recall_at_k._sync` (typed empty blocks,
+        one float dtype); :meth:`unsync` puts this process's own lists back."""
         gather = self._will_sync(should_sync, distributed_available) and not self._gathered_states
         group = process_group or self.process_group
         if gather:  # (torchmetrics raises for a second gather)
@@ -152,8 +149,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         super().sync(dist_sync_fn, process_group, should_sync, distributed_available)
         if gather:
             self._gathered_states = True
-            # compute()'s key: every process's update count, gathered as the states were
-            # (another process's update changes the gathered states; all decide alike).
+            # compute()'s key: every process's update count, gathered as the states were.
             mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
             assert dist_sync_fn is not None
             counts = dist_sync_fn(mine, group)
@@ -203,8 +199,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             value = super().forward(*args, **kwargs)
         finally:
             self._in_forward = False
-            # With dist_sync_on_step=True the batch state was gathered and never
-            # un-synced: torchmetrics put the accumulated states back itself.
+            # dist_sync_on_step=True: torchmetrics put the accumulated states back itself.
             self._gathered_states = False
             self._widened = {}
             self._filled_for_sync = []
@@ -257,10 +252,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     def compute(self) -> OutputT:
         """Recall@K over everything seen (synchronised across processes).
 
-        The result is kept (unless ``compute_with_cache=False``) until the state
-        changes: an ``update``, ``reset``, ``merge_state``, module cast, or a
-        ``sync()`` / ``unsync()`` that changes which states are held.
-        """
+        The result is kept (unless ``compute_with_cache=False``) until an ``update``, ``reset``,
+        ``merge_state``, module cast, or ``sync()`` / ``unsync()`` changes the held state."""
         key = self._result_key_now()
         if self._result is not None and self._result_key == key:
             result: OutputT = self._result
@@ -288,17 +281,14 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     def confidence_interval(self, level: float = 0.95) -> OutputT:
         """The Wilson score interval of each Recall@K, from the synchronised state.
 
-        With n the number of counted queries, p the Recall@K value and z the two-sided
-        normal quantile of ``level``, the interval is centred on
-        (p + z^2 / 2n) / (1 + z^2 / n) with half-width
-        z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2). For ``ties="expected"``
-        p is the expected hit rate, and the interval is conservative (a random tie order
-        only adds variance that the tie policy removes). NaN where nothing is counted.
+        With n the counted queries, p the Recall@K and z the two-sided normal quantile of
+        ``level``: centre (p + z^2 / 2n) / (1 + z^2 / n), half-width z / (1 + z^2 / n) *
+        sqrt(p (1 - p) / n + z^2 / 4n^2). For ``ties="expected"`` p is the expected hit rate and
+        the interval conservative. NaN where nothing is counted.
 
         Returns:
-            ``tensor([low, high])`` per key, in ``compute()``'s structure (a dict of
-            them, or one tensor for an int ``k``).
-        """
+            ``tensor([low, high])`` per key, in ``compute()``'s structure (a dict of them, or
+            one tensor for an int ``k``)."""
         level = check_level(level)
         values = self._synced(self._recall_values)
         intervals = [wilson_interval(v, counted, level) for v, counted in values]
@@ -313,10 +303,9 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         """One ``Metric`` per output key, for ``self.log_dict`` in Lightning.
 
         Example:
-            In a ``LightningModule`` (``self.recall = RetrievalRecallAtK()`` in
-            ``__init__``), one line in ``validation_step`` logs ``val/recall@1``,
-            ``val/recall@5`` and ``val/recall@10`` at epoch end, synchronised across
-            processes, and resets the metric for the next epoch::
+            In a ``LightningModule`` (``self.recall = RetrievalRecallAtK()``), one line in
+            ``validation_step`` logs ``val/recall@1``, ``val/recall@5`` and ``val/recall@10``
+            at epoch end, synchronised, and resets the metric for the next epoch::
 
                 self.recall.update(scores, target)
                 self.log_dict(self.recall.per_k("val/"))
@@ -327,8 +316,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
                 self.log_dict(self.recall.per_k("train/"), on_step=True, on_epoch=True)
 
         Args:
-            prefix: prepended to every key.
-        """
+            prefix: prepended to every key."""
         if not isinstance(prefix, str):
             raise ValueError(
                 f"`prefix` of per_k() must be a str put before every key (for example"
@@ -345,24 +333,20 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         interval: OutputT | None = None,
         labels: Sequence[str] | None = None,
     ) -> tuple[Any, Any]:
-        """Draw Recall@K against K (a CMC curve; one per direction when bidirectional).
-
-        The y-axis fits the curves and band with a small margin, within [0, 1], so that
-        0.972-0.989 is not drawn as a flat line at the top of 0-1.
+        """Draw Recall@K against K (a CMC curve; one per direction when bidirectional), the
+        y-axis fitted to the curves and band within [0, 1].
 
         Args:
-            val: a result of :meth:`compute` (default: compute now), or a list of them
-                (for instance one per epoch; one curve each). Values logged by Lightning
-                (``trainer.callback_metrics``, keys with a prefix) work too.
+            val: a result of :meth:`compute` (default: compute now), or a list of them (one
+                curve each); values logged by Lightning (``trainer.callback_metrics``, keys
+                with a prefix) work too.
             ax: a matplotlib axis to draw on; a new figure when ``None``.
-            interval: a result of :meth:`confidence_interval`, drawn as a band around
-                the curve of one result.
-            labels: one legend label per result of ``val`` (say, per model or epoch);
-                without it, a list of results is labelled by position ("step 0", ...).
+            interval: a result of :meth:`confidence_interval`, drawn as a band around the curve
+                of one result.
+            labels: one legend label per result of ``val``; by default "step 0", ... .
 
         Returns:
-            ``(fig, ax)``.
-        """
+            ``(fig, ax)``."""
         results: list[Any] = [self.compute() if val is None else val]
         if val is not None and not isinstance(val, (Tensor, Mapping)):
             if not isinstance(val, Sequence):

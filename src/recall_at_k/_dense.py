@@ -263,8 +263,7 @@ def _mask_counts_by_selects(
     at_or_above = found[-1] if needed.at_or_above else None
     tied = None
     if needed.tied_positives:
-        # Positives at or above s* are exactly the ones tied at s*. When s* = -inf every
-        # entry of positives_only is >= s*, but then every valid positive is tied.
+        # Positives at or above s* are exactly those tied at s* (all of them when s* = -inf).
         (tied,) = _counts(positives_only, best, ("ge",), workspace, False, block_bytes)
         tied = torch.where(best.squeeze(-1) == float("-inf"), valid_pos.sum(dim=-1), tied)
     return TieCounts(greater, at_or_above, tied, _any_per_row(valid_pos))
@@ -312,8 +311,7 @@ def _positives_per_row(mask: Tensor) -> Tensor | None:
         or mask.stride(0) % 8  # checked by the int64 view even for one row
     ):
         return None
-    # The largest number of words a lane sum takes that divides a row's words; a row of
-    # many words and no such divisor above 16 would make the byte sums costly.
+    # The most words (dividing a row's) a lane sum takes; fewer than 16 make byte sums costly.
     chunk = next(c for c in range(min(words, WORDS_PER_LANE_SUM), 0, -1) if words % c == 0)
     if chunk < min(words, 16):
         return None

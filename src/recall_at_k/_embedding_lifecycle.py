@@ -34,8 +34,7 @@ class Lifecycle:
         self.keep_rows = False  # inside sync_context: the next sync keeps rows in place
         self.synced: Synced | None = None  # set by sync(), until unsync()
         self.report: tuple[list[dict[str, int]], bool] | None = None  # and whether synced
-        # The audit's warning: None until there is one, then its text until compute()
-        # shows it, then "" (shown once per instance).
+        # The audit's warning: None, then its text until compute() shows it, then "".
         self.warning: str | None = None
 
 

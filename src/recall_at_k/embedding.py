@@ -33,45 +33,40 @@ Purpose = Literal["compute", "query_outcomes", "protocol_report"]
 class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     r"""Recall@K of embeddings ranked against a gallery that is complete only at the end.
 
-    ``update`` stores embeddings with their labels (relevance = same label) and roles;
-    ``compute`` ranks every query against the whole gallery. Leave-one-out (metric
-    learning) adds items with ``role="both"``: every item is a query against all the
-    others; re-ID adds queries and gallery separately; image <-> text retrieval adds the
-    two modalities as query and gallery with ``bidirectional=True``.
+    ``update`` stores embeddings with labels (relevance = same label) and roles; ``compute``
+    ranks every query against the whole gallery. Leave-one-out adds ``role="both"`` items;
+    re-ID adds queries and gallery apart; image <-> text adds ``bidirectional=True``.
 
-    A query never retrieves itself: a gallery item with the query's ``ids`` is that
-    sample; without ``ids`` an item added with ``role="both"`` is excluded from its own
-    gallery by its position. Items repeated with the same ``ids`` within a role count
-    once. Ignored items are neither positives nor negatives; ties follow ``ties``.
+    A query never retrieves itself: a gallery item with the query's ``ids`` is that sample;
+    without ``ids`` a ``role="both"`` item is excluded from its own gallery by position.
+    Items repeated with the same ``ids`` within a role count once. Ignored items are neither
+    positives nor negatives; ties follow ``ties``.
 
-    ``compute`` never builds the query x gallery matrix: it ranks in tiles within
-    ``chunk_bytes`` beside one copy of the stored embeddings. Items are ranked by a
-    canonical float64 score, so the result is identical for every ``chunk_bytes``, thread
-    count, number of processes and device; the float32 product is the fast path and the
-    pairs its rounding could misplace are re-scored (``last_compute_rescored``). Under
-    DDP each process ranks its share of the queries and the counts are summed.
+    ``compute`` ranks in tiles within ``chunk_bytes`` beside one copy of the embeddings,
+    never the query x gallery matrix, by a canonical float64 score: the result is the same
+    for every ``chunk_bytes``, thread count, process count and device (the pairs the float32
+    fast path could misplace are re-scored, ``last_compute_rescored``).
 
     Args:
         k: an int or a sequence of distinct ints.
         similarity: ``"cosine"``, ``"dot"``, ``"euclidean"`` (negative squared L2), or a
             callable ``(queries [T, D], gallery [G, D]) -> scores [T, G]``.
         exclude: ``"none"``, ``"same_group"`` (items of the query's group are ignored) or
-            ``"same_label_and_group"`` (the Market-1501 "junk" rule); both need
-            ``groups`` in every ``update``.
+            ``"same_label_and_group"`` (the Market-1501 "junk" rule); both need ``groups``
+            in every ``update``.
         bidirectional: also rank the gallery against the queries; keys become
             ``"{direction}/recall@{k}"``.
         directions: the two key prefixes, query -> gallery then gallery -> query.
         ties: ``"pessimistic"`` (default), ``"optimistic"`` or ``"expected"``.
-        empty_target_action: a query without a valid positive is a miss (``"neg"``), a
-            hit (``"pos"``), not counted (``"skip"``) or an error (``"error"``).
+        empty_target_action: a query without a valid positive is a miss (``"neg"``), a hit
+            (``"pos"``), not counted (``"skip"``) or an error (``"error"``).
         chunk_bytes: what ``compute`` may add beside one copy of the embeddings.
         near_duplicate: a threshold in the metric's similarity: :meth:`protocol_report`
             also counts queries with a gallery item scored at or above it.
         progress: a tqdm bar on stderr over the ranking (rank 0 only); needs tqdm.
-        sharded: under DDP, keep each process's items where they are: the gallery passes
-            by every process in runs, no process holds it whole; bit for bit the
-            one-process result. It ranks twice the pairs, so use it only when one copy
-            of every embedding does not fit a device. Refused with a callable.
+        sharded: under DDP, keep each process's items where they are (the gallery passes
+            by in runs): the one-process result at twice the work, for when one copy of
+            every embedding does not fit a device. Refused with a callable.
         key: template of the keys, ``"recall@{k}"`` by default.
         validate_args: check that embeddings are finite and scores free of NaN.
         metric_kwargs: torchmetrics' own (``sync_on_compute``, ``process_group``, ...).
@@ -253,9 +248,9 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         should_unsync: bool = True,
         distributed_available: Callable[..., Any] | None = None,
     ) -> Generator[None, None, None]:
-        """torchmetrics' ``sync_context``, except that each process keeps its own rows and
-        the ranking reads every process's a run at a time (an explicit ``sync()``, a custom
-        gather function or ``should_unsync=False`` gather them as torchmetrics does)."""
+        """torchmetrics' ``sync_context``, except that each process keeps its own rows, read a
+        run at a time (an explicit ``sync()``, a custom gather function or
+        ``should_unsync=False`` gather them as torchmetrics does)."""
         self._life.keep_rows = dist_sync_fn is None and should_unsync
         try:
             with super().sync_context(
@@ -313,11 +308,10 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         return [None if r is None else (r.hist, r.queries) for r in ranked]
 
     def query_outcomes(self) -> QueryOutcomes | dict[str, QueryOutcomes]:
-        """Each counted query's hit@K and first-hit rank, synchronised as ``compute()``:
-        the queries are ranked again, keeping one record a query. ``ids`` are the
-        queries' ids, or without them each query's position among the items of its role
-        in the (gathered) state; ``hits.mean(0)`` is ``compute()``'s Recall@K. With
-        ``bidirectional=True``, a dict of one per direction.
+        """Each counted query's hit@K and first-hit rank, synchronised as ``compute()`` (the
+        queries ranked again). ``ids`` are the queries' ids, or each query's position among the
+        items of its role in the (gathered) state; ``hits.mean(0)`` is ``compute()``'s
+        Recall@K. With ``bidirectional=True``, a dict of one per direction.
 
         Example:
             >>> import torch
@@ -338,15 +332,14 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
     def protocol_report(self) -> dict[str, int] | dict[str, dict[str, int]]:
         """Counts that reveal a leaky or repeated protocol, per direction: ``"queries"``
         (counted); ``"identical_positive"`` / ``"identical_negative"``: queries with a
-        non-ignored gallery item bitwise equal to them, another sample, of their label
-        (a guaranteed hit) / of another; ``"rounding_positive"`` /
-        ``"rounding_negative"``: the same for an item equal up to float rounding (every
-        coordinate within ``2^-10`` of the larger row's largest absolute coordinate);
-        with ``near_duplicate``, ``"near_positive"`` / ``"near_negative"`` (an item
-        scored at or above it, or a copy) and ``"near_hits_at_1"``;
-        ``"duplicate_gallery_items"`` and ``"rounding_duplicate_gallery_items"`` (gallery
-        items equal to an earlier one, bitwise / up to rounding). From the last
-        ``compute()``, else computed now (collective under DDP)."""
+        non-ignored gallery item bitwise equal to them, another sample, of their label (a
+        guaranteed hit) / of another; ``"rounding_positive"`` / ``"rounding_negative"``: the
+        same up to float rounding (every coordinate within ``2^-10`` of the larger row's largest
+        absolute coordinate); with ``near_duplicate``, ``"near_positive"`` / ``"near_negative"``
+        (an item scored at or above it, or a copy) and ``"near_hits_at_1"``;
+        ``"duplicate_gallery_items"`` / ``"rounding_duplicate_gallery_items"`` (gallery items
+        equal to an earlier one, bitwise / up to rounding). From the last ``compute()``, else
+        computed now (collective under DDP)."""
         if _audit.stale_anywhere(self, self._life.report is None):
             self._synced(lambda: self._run("protocol_report"))
         reports = [dict(r) for r in (self._life.report or ([], False))[0]]

@@ -27,12 +27,12 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     (the fraction of a query's positives retrieved). Ties follow ``ties``, never sort
     order; negative and zero scores rank like any other.
 
-    ``update`` has torchmetrics' retrieval signature (positional or keyword, alone or
-    in a ``MetricCollection``) and takes two input forms:
+    ``update`` has torchmetrics' retrieval signature (positional or keyword, alone or in a
+    ``MetricCollection``) and takes two input forms:
 
-    - dense (``indexes=None``): ``[Q, G]`` scores of complete queries. The state, a
-      histogram of first-hit ranks 1..max K and two int64 query counts summed across
-      processes, does not grow with Q or G (O(Q) with ``query_ids``).
+    - dense (``indexes=None``): ``[Q, G]`` scores of complete queries. The state, a histogram
+      of first-hit ranks 1..max K and two int64 query counts, does not grow with Q or G
+      (O(Q) with ``query_ids``).
     - flat (``indexes`` given): (query, item) pairs, a query's items over any calls and
       processes. Each query keeps its best valid positive and top max K valid negatives
       (and a count of negatives tied at the boundary): O(queries x max K), never O(items).
@@ -40,19 +40,18 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     Args:
         k: an int (``compute`` returns a scalar tensor, so ``self.log("val/r1", metric)``
             works in Lightning) or a sequence of distinct ints (a dict keyed by ``key``).
-        ties: ``"pessimistic"`` (default: ties count against the query),
-            ``"optimistic"`` or ``"expected"`` (exact expectation over a random order).
-        empty_target_action: a query without a valid positive counts as a miss
-            (``"neg"``), a hit (``"pos"``), not at all (``"skip"``) or raises at
-            ``compute`` (``"error"``).
+        ties: ``"pessimistic"`` (default: ties count against the query), ``"optimistic"``
+            or ``"expected"`` (exact expectation over a random order).
+        empty_target_action: a query without a valid positive counts as a miss (``"neg"``),
+            a hit (``"pos"``), not at all (``"skip"``) or raises at ``compute`` (``"error"``).
         ignore_index: flat form: items whose target equals it are dropped.
-        validate_args: check input values (NaN, target range), which reads them on the
-            host; with ``False`` the dense update never synchronises with the device.
+        validate_args: check input values (NaN, target range), reading them on the host;
+            with ``False`` the dense update never synchronises with the device.
         key: template of the result's keys, ``"recall@{k}"`` by default (for example
             ``"recall_at_{k}"`` for loggers that reject ``@``, or ``"R{k:02d}"``).
-        complete_queries: flat form: every update holds all the items of each query id
-            it contains (as a query-indexed dataset yields them), so a query id that comes
-            again (DistributedSampler padding, on any process) is a repeat and counts once.
+        complete_queries: flat form: every update holds all the items of each query id it
+            contains, so a query id that comes again (DistributedSampler padding, on any
+            process) is a repeat and counts once.
         metric_kwargs: torchmetrics' own (``sync_on_compute``, ``process_group``, ...).
 
     Example:
@@ -134,8 +133,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         )
         self.ignore_index = check_optional_int("ignore_index", ignore_index)
         self.complete_queries = bool(complete_queries)
-        # State names carry the settings that change update(): instances whose updates
-        # differ must never share a MetricCollection compute group.
+        # State names carry update()'s settings: no shared compute group across them.
         tag = f"{ties}_k{self.max_k}"
         if self.ignore_index is not None:
             tag += f"_ignore{self.ignore_index}".replace("-", "m")
@@ -180,21 +178,19 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         """Add a batch: complete queries (dense form) or (query, item) pairs (flat form).
 
         Args:
-            preds: dense: float ``[Q, G]`` scores, one row per query (higher = more
-                similar). Flat: float ``[N]`` score of each item.
-            target: dense: bool / 0-1 integer or float ``[Q, G]`` mask, or integer
-                ``[Q]`` true column (``-1``: no true item in this gallery). Flat: bool /
-                0-1 integer or float ``[N]`` relevance of each item; items whose target
-                equals ``ignore_index`` are dropped first.
-            indexes: flat form: integer ``[N]`` query id of each item (any int64 value).
-                Ids are global: the same id in another call or process is the same query.
-                Flat ids are independent of dense rows, always complete queries of their own.
-            ignore: dense only: optional bool ``[Q, G]``: items neither positive nor
-                negative (the query's own column, same-instance items, ...).
-            query_ids: dense only: optional integer ``[Q]`` id of each query row: a query
-                id seen again (DistributedSampler's padded repeats, on any process) counts
-                once, with the outcome of its first row. Costs O(Q) state instead of
-                O(max K); the rows of one id must be the same query.
+            preds: dense: float ``[Q, G]`` scores, one row per query (higher = more similar).
+                Flat: float ``[N]`` score of each item.
+            target: dense: bool / 0-1 integer or float ``[Q, G]`` mask, or integer ``[Q]``
+                true column (``-1``: no true item in this gallery). Flat: bool / 0-1 integer or
+                float ``[N]`` relevance; items whose target equals ``ignore_index`` are dropped.
+            indexes: flat form: integer ``[N]`` query id of each item (any int64 value). Ids
+                are global: the same id in another call or process is the same query, and
+                independent of dense rows.
+            ignore: dense only: optional bool ``[Q, G]``: items neither positive nor negative
+                (the query's own column, same-instance items, ...).
+            query_ids: dense only: optional integer ``[Q]`` id of each query row: an id seen
+                again (DistributedSampler's padded repeats, on any process) counts once, with
+                its first row's outcome (an id's rows must be the same query). O(Q) state.
 
         Example:
             Query 0's items arrive over two calls:
@@ -247,8 +243,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         )
         if query_ids is None:
             hist, queries = _kernel.rank_histogram(counts, self.ties, self.max_k)
-            # Out of place: a state made under torch.inference_mode() stays usable. The
-            # states are plain attributes: object.__setattr__ skips Module's checks.
+            # Out of place (usable after inference_mode); plain attributes, as torchmetrics'.
             object.__setattr__(self, self._hist_name, self.rank_histogram + hist)
             object.__setattr__(self, self._queries_name, self.query_counts + queries)
             return
@@ -261,9 +256,8 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         state = getattr(self, self._flat_name)
         if not isinstance(state, list) or not state:
             return
-        # The row count, carried over while the list is the same one grown by one block
-        # (torchmetrics replaces it on sync, forward and moves, empties it on reset),
-        # recorded by ids (they keep nothing alive). A wrong count only moves a merge.
+        # The row count, carried over (by ids) while the list only grew by one block
+        # (torchmetrics replaces it on sync, forward, moves); a wrong one only moves a merge.
         known: Any = self.__dict__.get("_flat_rows")
         grown = known is not None and known[:2] == (id(state), len(state) - 1)
         grown = grown and known[3] == id(state[-2])
@@ -301,11 +295,10 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
     def query_outcomes(self) -> QueryOutcomes:
         """Each counted query's hit@K and first-hit rank, synchronised as ``compute()``.
 
-        The ids are the flat form's ``indexes`` or the dense form's ``query_ids`` (a
-        repeated id counts once, as in ``compute()``), ascending; ``hits.mean(0)`` is
-        ``compute()``'s Recall@K. The dense form keeps one record per query only when
-        ``update`` is given ``query_ids`` (O(Q) state); without them this raises a
-        ``ValueError``. See :class:`recall_at_k.QueryOutcomes`.
+        The ids are the flat form's ``indexes`` or the dense form's ``query_ids`` (a repeated
+        id counts once), ascending; ``hits.mean(0)`` is ``compute()``'s Recall@K. Dense rows
+        added without ``query_ids`` keep no per-query record: this then raises a ``ValueError``.
+        See :class:`recall_at_k.QueryOutcomes`.
 
         Example:
             >>> import torch
@@ -353,8 +346,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         return from_records(ids, records, self.ks, self.max_k, self.empty_target_action, keys)
 
     def _dense_records(self) -> tuple[Tensor, Tensor] | None:
-        """The ``query_ids`` and outcomes kept by dense updates, sorted by id, each id
-        once (padded repeats), or None when there are none."""
+        """Dense updates' ``query_ids`` and outcomes, sorted by id, each id once (None: none)."""
         ids, outcomes = getattr(self, self._ids_name), getattr(self, self._outcomes_name)
         if isinstance(ids, list):  # not synchronised: still this process's list of blocks
             if not ids:

@@ -18,8 +18,7 @@ from recall_at_k.ranking.workers import Workers, worker_count
 
 CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
 
-# The hash's sums are taken modulo this prime: up to 2^15 terms below 2^37 sum exactly
-# in float64, in any order.
+# Hash sums modulo this prime: up to 2^15 terms below 2^37 sum exactly in float64.
 HASH_PRIME = 2**21 - 9
 
 ROWS_SLOT = "audit_rows"  # the workspace slot of a block's float64 rows

@@ -473,8 +473,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         if not aligned:
             result = _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)])
             return result, band_lo, band_hi
-        # A span of whole labels: its diagonal square holds its queries' labels; its
-        # negatives there are scanned now.
+        # A span of whole labels: its diagonal square's negatives are scanned now.
         hide_own_labels(scores, start - first, length, hole)
         scanner = _Scanner(workspace, tile_bytes, threshold, counts)
         scanned = scanner.scan(scores, 0, band_lo, band_hi, first, bound[a:b])
@@ -755,8 +754,7 @@ def rank(
                 continue
             try:
                 flags = None if known is None else known[index]
-                # The source lives only as long as its direction's ranking, and of the
-                # counts only the summary is kept while the next direction ranks.
+                # Only the summary outlives a direction's ranking (not its source).
                 source = _source(plan, sides, options, processes if sharded else None, world, me)
                 counts = rank_direction(source, options, plan.budget, workspace, flags)
                 del source
