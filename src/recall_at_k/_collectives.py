@@ -47,10 +47,8 @@ def broadcast(tensor: Tensor, src: int, group: Any = None) -> None:
 
 
 def gather_all_tensors(result: Tensor, group: Any = None) -> list[Tensor]:
-    """Every process's ``result`` (shapes may differ in size, not in dimensions), in
-    process order, this process's own ``result`` itself: torchmetrics'
-    ``gather_all_tensors`` (torchmetrics 1.9's steps: a barrier, the shapes, the padded
-    values), through this module."""
+    """Every process's ``result`` (sizes may differ, not dimensions) in process order, this
+    process's own itself: torchmetrics' ``gather_all_tensors``, through this module."""
     result = result.contiguous()
     world = dist.get_world_size(group)
     dist.barrier(group=group)
@@ -99,9 +97,7 @@ def _held(tensors: Sequence[Tensor]) -> Iterator[None]:
 
 
 def _use_count(tensor: Tensor) -> int:
-    """The C++ references to ``tensor`` (its Python object holds one): torch's
-    undocumented ``Tensor._use_count()``, there from torch 2.4 (the lowest torch this
-    package declares) to 2.15 at least. Where a torch lacks it, 0: no collective waits
-    (torch 2.3 then hangs as above; torch 2.8 and later need no wait)."""
+    """The C++ references to ``tensor`` (its Python object holds one): torch's undocumented
+    ``Tensor._use_count()``; 0 where a torch lacks it (no collective waits)."""
     count = getattr(tensor, "_use_count", None)
     return int(count()) if callable(count) else 0

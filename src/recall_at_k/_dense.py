@@ -174,9 +174,8 @@ def _counts(
     small: bool,
     block_bytes: int = DENSE_BLOCK_BYTES,
 ) -> list[Tensor]:
-    """Row-wise counts of ``values >= threshold`` (``"ge"``) or ``>`` (``"gt"``), one per
-    op: through bool comparisons when ``small``, else through a float buffer, on CPU in
-    blocks of rows that stay in the core's cache between the comparison and its sum."""
+    """Row-wise counts of ``values >= threshold`` (``"ge"``) or ``>`` (``"gt"``), one per op: bool
+    comparisons when ``small``, else a float buffer, on CPU in cache-sized blocks of rows."""
     if small:
         return [(values >= threshold if op == "ge" else values > threshold).sum(-1) for op in ops]
     num_queries, gallery = values.shape
@@ -270,11 +269,9 @@ def _mask_counts_by_selects(
 
 
 def _mask_counts_small(scores: Tensor, target: Tensor, needed: NeededCounts) -> TieCounts:
-    """Counts for a small ``[Q, G]`` mask without ignore, in few tensor operations. With
-    ``at`` the items at or above s*, ``at > relevant`` marks the negatives among them
-    and ``at & relevant`` the positives tied at s*; no positive is above s*. When s* =
-    -inf every item is at or above it: the numbers of negatives and positives, as
-    needed."""
+    """Counts for a small ``[Q, G]`` mask without ignore: with ``at`` the items at or above s*,
+    ``at > relevant`` are the negatives among them and ``at & relevant`` the positives tied
+    at s* (all items when s* = -inf)."""
     relevant = target if target.dtype == torch.bool else target != 0
     best = torch.where(relevant, scores, _constant(float("-inf"), scores))
     best = best.amax(dim=-1, keepdim=True)
@@ -298,10 +295,9 @@ WORDS_PER_LANE_SUM = 127  # int64 words of 0/1 bytes summed without a carry out 
 
 
 def _positives_per_row(mask: Tensor) -> Tensor | None:
-    """Per-row number of true values of a bool ``[Q, G]`` mask, int64, or ``None`` where
-    its layout does not allow it: the mask read as int64 words, summed at most
-    :data:`WORDS_PER_LANE_SUM` at a time (each byte position apart, no carry), the sums'
-    bytes added up. One pass over the mask's bytes."""
+    """Per-row int64 number of true values of a bool ``[Q, G]`` mask, or ``None`` where its
+    layout does not allow it: the mask as int64 words summed :data:`WORDS_PER_LANE_SUM` at a
+    time (each byte position apart, no carry), then the sums' bytes."""
     num_queries, gallery = mask.shape
     words = gallery // 8
     if (
@@ -326,14 +322,12 @@ def _mask_counts_in_blocks(
     workspace: Workspace | None,
     block_bytes: int,
 ) -> TieCounts:
-    """Counts for a ``[Q, G]`` mask target without ignore, on CPU, with NaN rows.
-    ``torch.where`` with a bool condition is slow on CPU, so the mask enters the float
-    domain by byte arithmetic: ``signs`` is +1 for a negative and -1 for a positive, and
-    clamping the scores from above to ``signs * -inf`` keeps the positives' scores (-inf
-    elsewhere) exactly. s* is the row maximum of that (NaN exactly when the row holds a
-    NaN: ``nan_rows``); g_> = #(scores > s*); p = #(kept >= s*); g_> + e = #(scores >=
-    s*) - p. When s* = -inf, p and g_> + e come from the number of positives. Rows go in
-    blocks of about ``block_bytes``, with one scratch block each pass overwrites."""
+    """Counts for a ``[Q, G]`` mask target without ignore, on CPU, with NaN rows. The mask
+    enters the float domain by byte arithmetic (``torch.where`` is slow on CPU): ``signs``
+    +1 for a negative, -1 for a positive; clamping the scores from above to ``signs * -inf``
+    keeps the positives' scores (-inf elsewhere). s* is its row maximum (NaN for a NaN row:
+    ``nan_rows``); g_> = #(scores > s*); p = #(kept >= s*); g_> + e = #(scores >= s*) - p,
+    from the positives' number when s* = -inf. Rows go in blocks of about ``block_bytes``."""
     num_queries, gallery = scores.shape
     device = scores.device
     sum_dtype = count_dtype(gallery)

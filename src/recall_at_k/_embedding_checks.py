@@ -103,9 +103,8 @@ def check_directions(directions: object) -> tuple[str, str]:
 
 
 def check_sharded(sharded: object, similarity: object) -> bool:
-    """``sharded`` as a bool: a ValueError unless it is one, or when it is True with a
-    callable ``similarity`` (whose scores are not canonical: a sharded gallery is scored
-    block by block, and a callable's scores could depend on the blocks)."""
+    """``sharded`` as a bool; a ValueError unless a bool, or True with a callable
+    ``similarity`` (a sharded gallery is scored by blocks; a callable's scores may vary)."""
     if not isinstance(sharded, bool):
         raise ValueError(
             "`sharded` must be a bool (True: under DDP each process keeps its items and"

@@ -74,9 +74,8 @@ def keep_report(
     sides: Sequence[plan.Direction | None],
     synced: bool,
 ) -> None:
-    """Keep the report made of ``audits`` (None: keep the one there is) and its warning
-    about identical positives or repeated gallery items, for ``compute()`` to show once
-    per instance."""
+    """Keep the report of ``audits`` (None: the one there is) and its warning about identical
+    positives or repeated gallery items, for ``compute()`` to show once."""
     if audits is not None or life.report is None:
         audits = [None] * len(ranked) if audits is None else audits
         near = [None if r is None else r.near for r in ranked]

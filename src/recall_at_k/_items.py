@@ -77,11 +77,9 @@ def blocks(state: Any) -> list[Tensor]:
 def stored_blocks(
     values_state: Any, meta_state: Any, check_values: bool = True
 ) -> tuple[list[Tensor], int, Tensor]:
-    """The (possibly gathered) embeddings as they are stored, blocks of ``[b, D]``
-    (views, in order, each in its stored dtype: ranked together in the widest,
-    :func:`recall_at_k.ranking.stored.widest_float`), their width ``D``, and the metadata
-    ``[N, META_COLUMNS]`` (``check_values``: that the blocks hold the metadata's items).
-    Nothing is copied whole."""
+    """The (possibly gathered) embeddings as stored: views of ``[b, D]`` blocks, in order and
+    stored dtype, their width ``D``, and the metadata ``[N, META_COLUMNS]`` (``check_values``:
+    that the blocks hold the metadata's items). Nothing is copied whole."""
     values = blocks(values_state)
     metas = [m.reshape(-1, META_COLUMNS) for m in blocks(meta_state)]
     if not metas:
@@ -149,8 +147,7 @@ def stored_rows(
     device: torch.device,
 ) -> tuple[StoredRows | BroadcastRows, Tensor]:
     """The stored (or gathered) rows, read without a whole copy, and their metadata; with
-    ``local`` (this process's own states, within ``sync_context``) every process's rows,
-    read where they are, and the metadata of all."""
+    ``local`` (within ``sync_context``) every process's rows, read where they are."""
     if local is None:
         rows, width, metadata_ = stored_blocks(values, meta)
         return StoredRows(rows, width, device), metadata_

@@ -24,10 +24,9 @@ def count_dtype(terms: int) -> torch.dtype:
 
 
 class TieCounts(NamedTuple):
-    """Per-query ``[Q]`` counts that decide Recall@K exactly under every tie policy: g_>,
-    g_> + e, p (None where the policy does not need them: :func:`needed_counts`;
-    meaningless without a valid positive), whether there is a valid positive, and the
-    rows holding a NaN score where a kernel's own reductions reveal them."""
+    """Per-query ``[Q]`` counts deciding Recall@K under every tie policy: g_>, g_> + e, p (None
+    where not needed, :func:`needed_counts`; meaningless without a valid positive), whether
+    there is a valid positive, and NaN rows where a kernel's reductions reveal them."""
 
     greater: Tensor | None
     at_or_above: Tensor | None
@@ -56,9 +55,8 @@ def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:
 
 
 class Workspace:
-    """Scratch buffers reused from one call to the next (a fresh large temporary costs
-    page faults), never metric state. Each slot grows to the largest request; a buffer
-    made under ``torch.inference_mode()`` is replaced when asked for outside it."""
+    """Scratch buffers reused across calls (never metric state); each slot grows to the largest
+    request, and one made under ``torch.inference_mode()`` is replaced outside it."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -124,10 +122,9 @@ def expected_hit_probability(
 
 
 def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
-    """What each query contributes to the rank histogram: an int64 bin, ``r - 1`` for a
-    first hit at rank ``r <= max_k``, ``max_k`` later and ``max_k + 1`` without a valid
-    positive; for ``"expected"`` float64 ``[max_k + 1]``, the probabilities of a first hit
-    at ranks 1..max_k, then 1.0 for a query without a valid positive."""
+    """Each query's contribution to the rank histogram: an int64 bin, ``r - 1`` for a first
+    hit at rank ``r <= max_k``, ``max_k`` later, ``max_k + 1`` without a valid positive; for
+    ``"expected"`` float64 ``[max_k + 1]``: P(first hit at 1..max_k), then 1.0 without one."""
     has_pos = counts.has_positive
     if ties == "expected":
         greater, at_or_above, tied = counts.greater, counts.at_or_above, counts.tied_positives
@@ -154,9 +151,8 @@ def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
 
 
 def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Tensor]:
-    """``histogram_of(query_outcomes(counts, ties, max_k), max_k)``, for a deterministic
-    policy in fewer tensor operations. (The clamp at 0 only keeps the meaningless counts
-    of a NaN row a valid index.)"""
+    """``histogram_of(query_outcomes(counts, ties, max_k), max_k)`` in fewer operations, for a
+    deterministic policy (the clamp at 0 keeps a NaN row's counts a valid index)."""
     if ties == "expected":
         return histogram_of(query_outcomes(counts, ties, max_k), max_k)
     ahead = counts.at_or_above if ties == "pessimistic" else counts.greater
@@ -204,9 +200,8 @@ _CONSTANTS: dict[tuple[float | str, torch.dtype, torch.device], Tensor] = {}
 
 
 def constant(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d tensor of ``value``, made once per (value, dtype, device): cheaper as an
-    operand than a Python number, which torch wraps anew at every call. Never an
-    inference tensor; must not be written."""
+    """A 0-d tensor of ``value``, made once per (value, dtype, device), a cheaper operand than
+    a Python number. Never an inference tensor; must not be written."""
     key = (value if value == value else "nan", dtype, device)  # NaN != NaN as a key
     found = _CONSTANTS.get(key)
     if found is None:

@@ -136,9 +136,8 @@ def from_records(
     keys: Sequence[str] | None,
     labels: Tensor | None = None,
 ) -> QueryOutcomes:
-    """:class:`QueryOutcomes` of identified queries from their outcome records (and, for
-    embeddings, ``labels`` row for row); queries without a valid positive as in
-    ``compute()``."""
+    """:class:`QueryOutcomes` of identified queries from their outcome records (embeddings:
+    ``labels`` row for row); queries without a valid positive as in ``compute()``."""
     if records.is_floating_point():
         no_positive = records[:, max_k] > 0.5
         cdf = records[:, :max_k].cumsum(dim=1).clamp(max=1.0)
@@ -174,9 +173,8 @@ def embedding_outcomes(
     empty_target_action: str,
     keys: Sequence[str] | None,
 ) -> QueryOutcomes:
-    """:class:`QueryOutcomes` of direction 0 (query -> gallery) or 1 of
-    ``EmbeddingRecallAtK``: the stored items' ``meta`` (:mod:`recall_at_k._items`), the
-    direction's ``queries`` (None: nothing was ranked) and their outcome ``records``."""
+    """:class:`QueryOutcomes` of ``EmbeddingRecallAtK``'s direction 0 or 1 from the items'
+    ``meta``, the direction's ``queries`` (None: nothing ranked) and their ``records``."""
     if queries is None or records is None:
         none = torch.zeros(0, dtype=torch.int64, device=meta.device)
         return from_records(none, none, ks, max_k, empty_target_action, keys, none)

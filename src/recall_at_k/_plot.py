@@ -23,9 +23,8 @@ def plot_curves(
     labels: Sequence[str] | None = None,
 ) -> tuple[Any, Any]:
     """Draw Recall@K against K; return ``(fig, ax)`` (a new figure when ``ax`` is None).
-    ``results``: ``{label: (ks, recalls)}`` (one line per label), or a list of them (one
-    per step, labelled by step or by ``labels``); ``bands``: ``{label: (lows,
-    highs)}``."""
+    ``results``: ``{label: (ks, recalls)}``, or a list of them (one per step, labelled by
+    step or ``labels``); ``bands``: ``{label: (lows, highs)}``."""
     try:
         import matplotlib.pyplot as plt
     except ModuleNotFoundError as err:  # pragma: no cover - exercised without matplotlib

@@ -21,9 +21,8 @@ from recall_at_k.ranking.stored import FLOAT_FLOOR, dtype_bits, dtype_of_bits, w
 
 
 class ListLayout(NamedTuple):
-    """The blocks of a list state: ``[rows, *trailing]`` of ``dtype``. ``dtype=None``
-    stands for float blocks of at least ``FLOAT_FLOOR``, each in the dtype it was stored
-    in (see :func:`agree_float_dtypes`). No module cast changes a list state's dtype."""
+    """The blocks of a list state: ``[rows, *trailing]`` of ``dtype``; ``None``: float blocks of
+    at least ``FLOAT_FLOOR``, each in its stored dtype. No module cast changes it."""
 
     trailing: tuple[int, ...]
     dtype: torch.dtype | None
@@ -56,11 +55,9 @@ def agree_float_dtypes(
     dist_sync_fn: Callable[..., Any],
     process_group: Any | None,
 ) -> None:
-    """Before a gather: every process widens its float list states' blocks to the widest
-    dtype any process holds (one small gather of each process's widest, with the
-    metric's own ``dist_sync_fn``), so that the gathered blocks share one dtype. The
-    states are replaced by new lists: the local copy torchmetrics keeps for ``unsync``
-    stays as it was."""
+    """Before a gather, widen every float list state's blocks to the widest dtype on any
+    process (a small gather with the metric's ``dist_sync_fn``), into new lists: the local
+    copy torchmetrics keeps for ``unsync`` stays as it was."""
     names = [name for name, layout in layouts.items() if layout.dtype is None]
     if not names:
         return

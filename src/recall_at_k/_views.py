@@ -25,9 +25,8 @@ class RecallMetric(Metric):
     plot_upper_bound: float = 1.0
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """``Module.__setattr__``, skipping its costly checks for a plain value (None, a
-        bool, a number or a str) given to an attribute already in ``__dict__``, where it
-        stores it exactly so (parameters, buffers and submodules are never there)."""
+        """``Module.__setattr__``, without its costly checks for a plain value (None, bool, number,
+        str) given to an attribute already in ``__dict__`` (never a parameter or submodule)."""
         if type(value) in _PLAIN_TYPES and name in self.__dict__:
             object.__setattr__(self, name, value)
         else:
@@ -38,9 +37,8 @@ _PLAIN_TYPES = frozenset({type(None), bool, int, float, str})
 
 
 class RecallView(RecallMetric):
-    """One output of a Recall@K metric, as a state-less ``Metric`` (see ``per_k()``):
-    ``compute`` returns ``read(key)``, the parent's result for this key; ``reset`` resets
-    the parent; ``forward(value)`` makes ``value`` the view's batch value."""
+    """One output of a Recall@K metric as a state-less ``Metric`` (``per_k()``): ``compute``
+    returns ``read(key)``, ``reset`` resets the parent, ``forward(value)`` is the batch value."""
 
     __jit_unused_properties__: ClassVar[list[str]] = [*Metric.__jit_unused_properties__, "parent"]
 

@@ -100,10 +100,9 @@ def hash_rows(
 def bitwise_classes(
     hashes: Tensor, same: Callable[[Tensor, Tensor], Tensor], sizes: AuditSizes
 ) -> tuple[Tensor, Tensor]:
-    """``[N]`` codes of the classes of bitwise-equal items, ``0..C-1`` in the order of each
-    class's first item, and ``[C]`` those first items, from each item's row hash and
-    ``same(items, firsts)`` (bool per pair: the same bits; a collective's, called alike
-    wherever ``hashes`` is). Items unequal to their run's first leave it together."""
+    """``[N]`` codes of the classes of bitwise-equal items (``0..C-1`` by first item) and the
+    ``[C]`` first items, from row hashes and ``same(items, firsts)`` (per pair; maybe a
+    collective, called alike everywhere). Items unequal to their run's first leave it together."""
     num, device = hashes.shape[0], hashes.device
     run = code(hashes, sizes)
     del hashes

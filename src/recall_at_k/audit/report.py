@@ -182,10 +182,9 @@ def protocol_reports(
     counted: Sequence[int | None],
     options: AuditOptions,
 ) -> list[dict[str, int]]:
-    """The report of each direction, keys in the documented order, from its audit (None:
-    nothing ranked), the ranking's near counts (positive, negative, negative without a
-    valid positive, hits at 1; None: none) and ``compute()``'s counted queries (None:
-    from the audit)."""
+    """Each direction's report, keys in the documented order, from its audit (None: nothing
+    ranked), the ranking's near counts (None: none) and ``compute()``'s counted queries
+    (None: from the audit)."""
     reports, counts_all = [], options.empty_target_action not in ("skip", "error")
     for audit, found, queries in zip(audits, near, counted, strict=True):
         if queries is None:

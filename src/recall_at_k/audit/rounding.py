@@ -19,11 +19,9 @@ from recall_at_k.ranking.budget import AuditSizes
 
 TOLERANCE = 2.0**-12
 """Finite embeddings ``x``, ``y`` with different bits are *equal up to float rounding* when
-``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)`` as stored, decided in float64 with each sum in the
-order ``d = 0 .. D-1`` (both rows scaled by one power of two): the same everywhere. A
-model's output in another batch shape differs by a few float32 units (``2^-24``), a float16
-output by a unit where rounding flips, both far below; integer grid rows of norm below
-4,096 steps (int8, binary or ternary codes) are never copies; bfloat16 copies need ``ids=``."""
+``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)`` as stored, decided in float64 in the order
+``d = 0 .. D-1`` (rows scaled by one power of two). Far above a batch shape's float32 or
+float16 rounding; integer grid rows of norm below 4,096 are never copies."""
 
 IN_ORDER_MARGIN = 2.0**-30
 """Pairs whose sums in any order lie within this relative distance of the boundary are

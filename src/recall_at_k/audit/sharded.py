@@ -30,10 +30,9 @@ def sharded_codes(
     group: Any,
     sizes: AuditSizes,
 ) -> Codes:
-    """:func:`recall_at_k.audit.codes` of every process's rows in process order: this
-    process's ``[b, D]`` ``blocks`` (any float dtype, compared in the widest held),
-    ``counts`` the rows of each process of ``group``, and int64 ``labels`` / ``groups``
-    ``[sum(counts)]`` of every process (``groups`` None: no group codes)."""
+    """:func:`recall_at_k.audit.codes` of every process's rows in process order: this process's
+    ``[b, D]`` ``blocks`` (compared in the widest float held), ``counts`` per process of
+    ``group``, and every process's int64 ``labels`` / ``groups`` (None: no group codes)."""
     distributed = dist.is_available() and dist.is_initialized()
     shard = Shard(blocks, counts, group if distributed else False, sizes, labels.device)
     return shard.codes(labels, groups)

@@ -233,9 +233,8 @@ def statistics(
     reduce: Reduce,
     block_rows: int,
 ) -> Stats:
-    """The :class:`Stats` of a gallery: ``every_row()`` and ``gallery_rows()`` yield
-    prepared rows (this process's, under ``reduce``), read twice at most, ``block_rows``
-    at a time (their float64 or centred copies a block at a time)."""
+    """The :class:`Stats` of a gallery: ``every_row()`` and ``gallery_rows()`` yield prepared
+    rows (this process's, under ``reduce``), read at most twice, ``block_rows`` at a time."""
     if callable(similarity):
         return Stats(dtype, None, 0.0, 0.0, 0.0, True, block_rows)
     largest = reduce.max(max((largest_magnitude(p) for p in every_row()), default=0.0), device)
@@ -367,10 +366,9 @@ class LocalSource:
 
 
 class ShardedSource:
-    """A gallery sharded across the processes of ``plan.rows`` (a
-    :class:`~recall_at_k.ranking.stored.BroadcastRows`): this process ranks the queries
-    whose rows it holds; the gallery passes by in runs of ``budget.run_bytes``, each
-    process's gallery rows sorted by label and prepared by their owner."""
+    """A gallery sharded across the processes of ``plan.rows`` (``BroadcastRows``): this
+    process ranks the queries it holds; the gallery passes by in runs of ``budget.run_bytes``,
+    each process's rows sorted by label and prepared by their owner."""
 
     def __init__(
         self, plan: Plan, sides: Direction, similarity: Similarity, processes: Processes

@@ -86,10 +86,9 @@ def positives(
     keep_values: bool,
     workspace: Workspace,
 ) -> Positives:
-    """Each row's positives in ``scores``: the ``count`` columns from ``start`` (counted in
-    ``scores``' columns; the caller already holed the ignored items). ``groups``: the
-    rows' and the columns' groups under ``exclude="same_label_and_group"`` (items of the
-    row's group are junk, not positives), else None. Found columns are ``scores``'."""
+    """Each row's positives in ``scores``: the ``count`` columns from ``start`` (ignored items
+    already holed). ``groups``: the rows' and columns' groups under
+    ``exclude="same_label_and_group"`` (same-group items are junk), else None."""
     rows, device = scores.shape[0], scores.device
     widest = int(count.max()) if count.numel() else 0
     if widest == 0:
@@ -136,9 +135,8 @@ def hide_ignored(
     column_groups: Tensor | None,
     hole: float,
 ) -> None:
-    """Write ``hole`` at each row's own column (``self_column``, counted in ``scores``'
-    columns; outside them: nothing) and, with groups (``exclude="same_group"``), over
-    the columns of the row's group."""
+    """Write ``hole`` at each row's own column (``self_column``; outside ``scores``: nothing)
+    and, with groups (``exclude="same_group"``), over the columns of the row's group."""
     width = scores.shape[1]
     inside = (self_column >= 0) & (self_column < width)
     if bool(inside.any()):
@@ -152,9 +150,8 @@ def hide_ignored(
 def pooled(
     workspace: Workspace, slot: str, numel: int, dtype: torch.dtype, device: torch.device
 ) -> Tensor:
-    """A flat buffer of at least ``numel`` elements of ``workspace``, of a power-of-two
-    size, so that a slot is allocated a few times a ranking, not once a block (fresh
-    temporaries of varying sizes fragment the C heap)."""
+    """A flat buffer of ``workspace`` of at least ``numel`` elements, of a power-of-two size, so
+    that a slot is allocated a few times a ranking, not once a block (heap fragmentation)."""
     capacity = 1 << max(0, numel - 1).bit_length()
     return workspace.get(slot, (capacity,), dtype, device)[:numel]
 
@@ -172,12 +169,11 @@ def scan(
     buffer_bytes: int,
     keep_values: bool = False,
 ) -> None:
-    """Count each query's items above ``hi`` into ``greater`` and add those within
-    ``[lo, hi]`` to ``found`` (with their scores where ``keep_values``): queries along
-    ``axis`` (0: a row a query, its columns items ``first:``; 1: a column a query, its
-    rows items ``first:``), whose largest scores are ``peak`` (NaN counts as reaching; a
-    NaN score is never counted or found). Only the queries reaching ``lo`` are gathered,
-    into pooled buffers of at most about ``buffer_bytes``; ``scores`` is kept."""
+    """Count each query's items above ``hi`` into ``greater`` and add those within ``[lo, hi]``
+    to ``found`` (with scores where ``keep_values``): queries along ``axis`` (0: a row a
+    query, its columns items ``first:``; 1: a column a query), largest scores ``peak`` (NaN
+    reaches; a NaN score is never counted or found). Only queries reaching ``lo`` are
+    gathered, into pooled buffers of about ``buffer_bytes``; ``scores`` is kept."""
     reaching = (peak < lo).logical_not_().view(-1).nonzero().view(-1)
     if reaching.numel() == 0:
         return
@@ -235,9 +231,8 @@ def near(
     workspace: Workspace,
     buffer_bytes: int,
 ) -> None:
-    """Add a block of scores (as in :func:`scan`; their own labels and ignored items
-    already holed) to a near-duplicate scan: the threshold's edges are its band, items
-    above them count into ``sure``."""
+    """Add a block of scores (as in :func:`scan`, own labels and ignored items holed) to a
+    near-duplicate scan: the threshold's edges are its band; items above count into ``sure``."""
     lo, hi, sure, found = scan_state
     scan(scores, axis, peak, lo, hi, first, sure, found, workspace, buffer_bytes, keep_values)
 
@@ -249,11 +244,9 @@ def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
 
 
 def saturate(lo: Tensor, hi: Tensor, greater: Tensor, max_k: int) -> None:
-    """Stop scanning the queries with at least ``max_k`` items surely above ``s*`` (a
-    miss at every K whatever else is found): their ``lo`` and ``hi`` become +inf, so
-    that no item of theirs is counted or found again (with ``hi`` finite, every item
-    above it would be both counted and found: rows that reached the band before and
-    are compared after, in a :class:`Stack` or a square taken earlier)."""
+    """Stop scanning queries with at least ``max_k`` items surely above ``s*`` (a miss at every
+    K): their ``lo`` and ``hi`` become +inf, so no item of theirs is counted or found again
+    (rows compared later, in a :class:`Stack` or an earlier square, would be both)."""
     done = greater.view(-1, 1) >= max_k
     lo.masked_fill_(done, math.inf)
     hi.masked_fill_(done, math.inf)
