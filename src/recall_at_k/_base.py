@@ -411,8 +411,7 @@ def _check_interval(interval: object) -> None:
 
 
 def _to_device_of(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """``value`` (a tensor or a list of them) on the device ``fn`` moves tensors to, in
-    its own dtype."""
+    """``value`` (a tensor or a list of them) on the device ``fn`` moves to, in its dtype."""
     if isinstance(value, Tensor):
         device = fn(torch.zeros((), device=value.device)).device
         return value.to(device)

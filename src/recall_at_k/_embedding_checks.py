@@ -67,8 +67,7 @@ def check_update(
     role: object,
     exclude: str,
 ) -> None:
-    """One ``update``'s batch (:func:`check_batch`), its role, and its groups where
-    ``exclude`` reads them."""
+    """One ``update``'s batch (:func:`check_batch`), role, and groups if ``exclude`` reads them."""
     check_batch(embeddings, labels, groups, ids)
     check_choice("role", role, ROLES)
     if exclude != "none" and groups is None:

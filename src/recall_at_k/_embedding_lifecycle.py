@@ -45,8 +45,7 @@ def audits_for(
     sharded: bool,
     group: Processes | None,
 ) -> list[audit.DirectionAudit | None] | None:
-    """The protocol audit of each direction, or None while the kept report counted the
-    local data as they are."""
+    """Each direction's protocol audit, or None while the kept report counted the local data."""
     kept = life.report
     if kept is not None and group is None and not kept[1]:
         return None

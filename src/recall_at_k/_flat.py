@@ -470,7 +470,6 @@ def flat_tie_counts(
     *,
     path: SegmentPath = "auto",
 ) -> tuple[Tensor, _kernel.TieCounts] | None:
-    """Each flat query's id (ascending) and :func:`tie_counts`, or ``None`` when the
-    state is empty."""
+    """Each flat query's id (ascending) and :func:`tie_counts`; ``None`` for an empty state."""
     parts = _merged(state, max_k, complete_queries, path)
     return None if parts is None else (parts.ids, tie_counts(parts, max_k))

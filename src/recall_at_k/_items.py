@@ -119,8 +119,7 @@ def check_groups(meta: Tensor, exclude: str) -> None:
 
 
 def missing_side(name: str, index: int, what: str) -> str:
-    """The error message when direction ``index`` has no ``what`` (``"queries"`` or
-    ``"gallery"``) at ``compute()``."""
+    """The error when direction ``index`` has no ``what`` (queries or gallery) at ``compute()``."""
     query_role, gallery_role = ("query", "gallery") if index == 0 else ("gallery", "query")
     arrow = "query -> gallery" if index == 0 else "gallery -> query"
     role = query_role if what == "queries" else gallery_role
@@ -131,8 +130,7 @@ def missing_side(name: str, index: int, what: str) -> str:
 
 
 def items_of(meta: Tensor) -> Items:
-    """The stored items' :class:`~recall_at_k.ranking.plan.Items` (views of ``meta``'s
-    columns where they can be)."""
+    """The stored items' ``Items``, views of ``meta``'s columns where they can be."""
     flags = meta[:, FLAGS]
     roles = (flags & IS_QUERY != 0).to(torch.int64) * QUERY
     roles |= (flags & IS_GALLERY != 0).to(torch.int64) * GALLERY

@@ -85,8 +85,7 @@ def _lookup(result: Mapping[str, Any], key: str) -> Any:
 
 
 def values_of(result: Tensor | Mapping[str, Any], keys: Sequence[str]) -> list[float]:
-    """Recall values of one result (or of Lightning's logged values), in the order of
-    ``keys`` (a scalar is one value)."""
+    """Recall values of one result (or Lightning's logged values) by ``keys`` (scalar: one)."""
     if isinstance(result, Tensor):
         return [float(result)]
     return [float(_lookup(result, key)) for key in keys]

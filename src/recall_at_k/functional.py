@@ -70,11 +70,10 @@ def retrieval_first_hit_rank(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per query.
-        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
-            the single true item (``-1``: none in this gallery).
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]``
+            column of the single true item (``-1``: none in this gallery).
         ignore: optional bool ``[Q, G]``: items removed from that query's gallery.
-        ties: ``"pessimistic"`` (rank = g_> + e + 1, ties count against the query) or
-            ``"optimistic"`` (rank = g_> + 1).
+        ties: ``"pessimistic"`` (rank = g_> + e + 1) or ``"optimistic"`` (rank = g_> + 1).
         validate_args: check values (NaN, target range); costs a host synchronisation.
 
     Returns:
@@ -140,13 +139,13 @@ def retrieval_recall_at_k(
 
     Args:
         scores: float ``[Q, G]``, higher is more similar; one row per complete query.
-        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]`` column of
-            the single true item (``-1``: none in this gallery).
+        target: bool, 0/1 integer or 0/1 float ``[Q, G]`` relevance, or integer ``[Q]``
+            column of the single true item (``-1``: none in this gallery).
         k: an int (returns a scalar tensor) or a sequence of ints (returns a dict).
         ignore: optional bool ``[Q, G]``: items neither positive nor negative.
         ties: ``"pessimistic"``, ``"optimistic"`` or ``"expected"``.
-        empty_target_action: what a query without a valid positive counts as:
-            ``"neg"`` (a miss), ``"pos"`` (a hit), ``"skip"`` or ``"error"``.
+        empty_target_action: a query without a valid positive counts as ``"neg"`` (a
+            miss), ``"pos"`` (a hit), ``"skip"`` or ``"error"``.
         key: template of the dict keys.
         validate_args: check values (NaN, target range); costs a host synchronisation.
 
@@ -187,10 +186,8 @@ def recall_at_k_from_ranks(
 def recall_at_k_from_ranks(
     ranks: Tensor | Sequence[int], k: K, *, key: str = "recall@{k}"
 ) -> RecallOutput:
-    """Recall@K from 1-based first-hit ranks: the share of ranks in ``[1, K]``.
-
-    A rank below 1 (such as the 0 that :func:`retrieval_first_hit_rank` gives a query
-    without a positive) means no match and counts as a miss.
+    """Recall@K from 1-based first-hit ranks: the share of ranks in ``[1, K]``. A rank below 1
+    (the 0 :func:`retrieval_first_hit_rank` gives a query without a positive) is a miss.
 
     Example:
         Ten queries with 6 hits at rank 1 and 9 within rank 5:
@@ -304,11 +301,10 @@ def embedding_recall_at_k(
 ) -> RecallOutput:
     """Recall@K of query embeddings ranked against a gallery, in one call.
 
-    The ranking of ``EmbeddingRecallAtK.compute()``: a query is relevant to gallery items
-    with its label, never retrieves itself, and the ``Q x G`` score matrix is never built
-    (tiles of at most ``chunk_bytes``). ``gallery=None`` is leave-one-out over
-    ``queries`` (every item is a query against all the others); otherwise ``queries``
-    are ranked against ``gallery`` (re-ID query/gallery splits, image -> text retrieval).
+    The ranking of ``EmbeddingRecallAtK.compute()``: a query is relevant to gallery items of
+    its label, never retrieves itself, and the ``Q x G`` matrix is never built (tiles of at
+    most ``chunk_bytes``). ``gallery=None`` is leave-one-out over ``queries``; otherwise
+    ``queries`` are ranked against ``gallery`` (re-ID splits, image -> text retrieval).
 
     Args:
         queries: float ``[Q, D]``.
@@ -320,9 +316,8 @@ def embedding_recall_at_k(
         gallery_groups: integer ``[G]``, for ``exclude`` with a gallery.
         query_ids: integer ``[Q]`` sample ids: a gallery item with a query's id is that
             query and is ignored; a query id repeated counts once.
-        gallery_ids: integer ``[G]`` sample ids (a gallery id repeated counts once).
-            Ids of the two sides share one space: give ids to one side only, or ids that
-            do not overlap, unless a query and a gallery item really are one sample.
+        gallery_ids: integer ``[G]`` sample ids (a repeated one counts once), in the
+            queries' id space: overlap only where a query and an item are one sample.
         similarity: ``"cosine"``, ``"dot"``, ``"euclidean"`` (negative squared L2) or a
             callable ``(queries [T, D], gallery [G, D]) -> scores [T, G]``.
         exclude: ``"none"``, ``"same_group"`` or ``"same_label_and_group"`` (the
@@ -332,8 +327,7 @@ def embedding_recall_at_k(
         chunk_bytes: upper bound of the bytes of one tile of scores.
         key: template of the dict keys.
         validate_args: check that embeddings are finite (reads values on the host).
-        progress: show a tqdm progress bar on stderr over the queries ranked (needs
-            tqdm: ``pip install tqdm``).
+        progress: a tqdm progress bar on stderr over the queries ranked (needs tqdm).
 
     Example:
         Leave-one-out over four items of two classes, then two queries against a gallery:

@@ -34,8 +34,7 @@ class Decided(NamedTuple):
 
 
 class Decider:
-    """The pairs of ``count`` queries waiting for their canonical scores, and what they
-    decided so far."""
+    """The pairs of ``count`` queries waiting for canonical scores, and what they decided so far."""
 
     def __init__(
         self,

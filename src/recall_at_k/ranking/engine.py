@@ -82,8 +82,7 @@ panels), ``"tiles"`` (whole rows of scores, as on a GPU). Every mode gives the s
 counts."""
 
 WIDE_LABELS = 0.25
-"""Leave-one-out takes squares (``"auto"``) while every label has at most this share of
-the items."""
+"""Leave-one-out takes squares (``"auto"``) while every label has at most this share of items."""
 
 NEAR_COUNTS = (
     "near_positive",
@@ -109,8 +108,7 @@ class RankOptions(NamedTuple):
 
 
 class QueryCounts(NamedTuple):
-    """One direction's counts on this process, per query of its share (in the source's
-    order), and what the ranking did."""
+    """One direction's counts on this process, per query of its share, and what the ranking did."""
 
     counts: TieCounts
     position: Tensor  # each query's index among the direction's queries
@@ -392,8 +390,7 @@ def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list
 def _band(
     found_best: Tensor, bound: Tensor, has_positive: Tensor, hole: float
 ) -> tuple[Tensor, Tensor]:
-    """The band's edges, ``lo`` kept above a ``-inf`` hole (a band reaching ``-inf``
-    would count the holes)."""
+    """The band's edges, ``lo`` kept above a ``-inf`` hole (else the band would count holes)."""
     lo, hi = band_edges(found_best, bound, has_positive)
     if hole == -math.inf:
         lo.clamp_(min=torch.finfo(lo.dtype).min)

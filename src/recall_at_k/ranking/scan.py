@@ -47,8 +47,7 @@ def joined(parts: list[Found], device: torch.device) -> Found:
 
 
 def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``lo <= centre - half`` and ``hi >= centre + half`` (float64 ``[T, 1]``) in
-    ``dtype``, rounded outwards."""
+    """``lo <= centre - half``, ``hi >= centre + half`` in ``dtype``, rounded outwards."""
     lo_wide, hi_wide = centre - half, centre + half
     lo, hi = lo_wide.to(dtype), hi_wide.to(dtype)
     lo = torch.where(
@@ -212,8 +211,7 @@ class Near(NamedTuple):
 
 
 def near_scan(threshold: float | None, bound: Tensor, dtype: torch.dtype) -> Near | None:
-    """An empty near-duplicate scan of queries with bounds ``bound`` (None without a
-    threshold)."""
+    """An empty near-duplicate scan of queries with bounds ``bound`` (None without a threshold)."""
     if threshold is None:
         return None
     lo, hi = edges(torch.full_like(bound, threshold), bound, dtype)
@@ -238,8 +236,7 @@ def near(
 
 
 def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
-    """How many rows of ``row_bytes`` to take at a time within ``buffer_bytes`` (at
-    least one, at most ``rows``)."""
+    """Rows of ``row_bytes`` to take at a time within ``buffer_bytes`` (1 to ``rows``)."""
     return max(1, min(rows, buffer_bytes // max(1, row_bytes)))
 
 

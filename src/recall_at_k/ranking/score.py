@@ -156,8 +156,7 @@ def input_unit(dtype: torch.dtype, device: torch.device) -> float:
 def bound_coefficient(
     similarity: Similarity, dim: int, dtype: torch.dtype, device: torch.device
 ) -> float:
-    """``B``'s relative part, per unit of ``|q| max |g|`` (dot, cosine) or
-    ``(|q| + max |g|)^2`` (euclidean)."""
+    """``B``'s relative part, per ``|q| max |g|`` or (euclidean) ``(|q| + max |g|)^2``."""
     if callable(similarity):
         return 0.0
     unit = float(torch.finfo(dtype).eps) / 2

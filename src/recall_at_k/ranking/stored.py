@@ -42,8 +42,7 @@ class StoredRows:
         self._ends = torch.tensor(self.starts[1:], dtype=torch.int64, device=self.device)
 
     def runs(self, rows: int) -> Iterator[tuple[int, Tensor]]:
-        """``(first row, rows)`` of every row in order, at most ``rows`` a part (views, in
-        their stored dtype)."""
+        """``(first row, rows)`` of every row in order, at most ``rows`` a part (views)."""
         for start, block in zip(self.starts, self.blocks, strict=False):
             for first in range(0, block.shape[0], rows):
                 yield start + first, block[first : first + rows]
