@@ -1,7 +1,6 @@
-"""Check primitives shared by every entry point: each raises a ``ValueError`` that names
-the argument in backticks, what was expected, what came and the remedy. Only
-:func:`check_no_nan` and :func:`check_binary` read tensor values (``validate_args``).
-"""
+"""Check primitives: each raises a ``ValueError`` naming the argument in backticks, what was
+expected, what came and the remedy. Only :func:`check_no_nan` and :func:`check_binary`
+read tensor values (``validate_args``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Per-query outcomes (``query_outcomes()``): which query was hit at which K.
-
-The outcome records of identified queries (:func:`recall_at_k._kernel.query_outcomes`)
-become :class:`QueryOutcomes`, following ``empty_target_action`` as ``compute()`` does.
-"""
+"""Per-query outcomes (``query_outcomes()``): which query was hit at which K, as
+:class:`QueryOutcomes`, following ``empty_target_action`` as ``compute()`` does."""
 
 from __future__ import annotations
 

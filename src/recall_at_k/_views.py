@@ -1,9 +1,6 @@
-"""Per-K child metrics, so that Lightning logs every K of one metric automatically.
-
-Lightning's ``self.log`` accepts a ``Metric`` only when its ``compute()`` returns a
-tensor, so each metric owns one state-less :class:`RecallView` submodule per output key
-that reads the metric's result (and batch value) for its key and resets the metric.
-"""
+"""Per-K child metrics, so that Lightning logs every K of one metric: ``self.log`` takes a
+``Metric`` only if its ``compute()`` returns a tensor, so each metric owns one state-less
+:class:`RecallView` per output key, reading its key's result and resetting the metric."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``EmbeddingRecallAtK``: the stored items, their sync across processes, and one path
--- plan, audit, rank -- for ``compute()``, ``query_outcomes()`` and
-``protocol_report()``."""
+"""``EmbeddingRecallAtK``: the stored items, their sync, and one path (plan, audit, rank)
+for ``compute()``, ``query_outcomes()`` and ``protocol_report()``."""
 
 from __future__ import annotations
 
@@ -358,9 +357,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         self._life.report = None
 
     def _run(self, purpose: Purpose) -> list[Any]:
-        """Plan, audit and rank the stored items for ``purpose``: ``compute()`` (the
-        rank histograms, the report and its warning), ``query_outcomes()`` (one
-        :class:`QueryOutcomes` per direction) or ``protocol_report()`` (kept)."""
+        """Plan, audit and rank the stored items for ``purpose``: ``compute()`` (histograms, report,
+        warning), ``query_outcomes()`` (one per direction) or ``protocol_report()`` (kept)."""
         synced = self._life.synced
         count = len(self._prefixes)
         group = None if synced is None else Processes(synced.group)

@@ -1,8 +1,7 @@
-"""The protocol audit of :class:`recall_at_k.EmbeddingRecallAtK`: pure functions, no Metric.
-
-Per direction, the queries whose gallery holds a non-ignored item, another sample,
-bitwise equal to them (``identical_*``) or equal up to float rounding (``rounding_*``),
-and the gallery items equal to an earlier one; the ranking counts the ``near_*`` keys."""
+"""The protocol audit of ``EmbeddingRecallAtK`` (pure functions): per direction, the queries
+whose gallery holds a non-ignored item, another sample, bitwise equal to them
+(``identical_*``) or equal up to float rounding (``rounding_*``), and the gallery items
+equal to an earlier one; the ranking counts the ``near_*`` keys."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Classes of bitwise-equal rows, and the integer codes and sorts the audit counts with.
-
-Rows are hashed, and each item compared bit for bit with the first of its hash's run, so
-the classes are exact whatever the hash. Sorts run in parts, rows a block at a time.
-"""
+Each item is compared bit for bit with the first of its hash's run, so the classes are
+exact whatever the hash. Sorts run in parts, rows a block at a time."""
 
 from __future__ import annotations
 

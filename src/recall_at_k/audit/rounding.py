@@ -1,7 +1,6 @@
 """Copies equal up to float rounding: the pairs of bitwise classes that are such copies.
-
-Each class's first row, normalised, is projected on random directions into a grid whose
-cells are as wide as a copy's projections can differ: a copy lies in the same or a
+Each class's first row, normalised, is projected on random directions into a grid of
+cells as wide as a copy's projections can differ: a copy lies in the same or a
 neighbouring cell. The candidates found by one sort are checked by :func:`within`."""
 
 from __future__ import annotations

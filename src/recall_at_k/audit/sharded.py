@@ -1,8 +1,7 @@
 """The audit's codes of rows sharded across processes (one process: a shard of its own).
-
-Every process runs the one-process steps alike on small gathered per-item data (hashes,
-grid places); :meth:`Shard.check` moves only the rows of the pairs compared. Collective:
-a failure on one process raises on every process."""
+Every process runs the one-process steps alike on small gathered per-item data;
+:meth:`Shard.check` moves only the rows of the pairs compared. Collective: a failure on
+one process raises on every process."""
 
 from __future__ import annotations
 

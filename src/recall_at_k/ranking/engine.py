@@ -76,10 +76,9 @@ from recall_at_k.ranking.scan import (
 from recall_at_k.ranking.workers import Workers, caller_on_one_thread, worker_count
 
 Mode = Literal["auto", "squares", "panels", "tiles"]
-"""How one block's queries are walked: chosen (``"auto"``), or forced by tests --
-``"squares"`` (leave-one-out on CPU, any block size), ``"panels"`` (CPU tiles with
-panels), ``"tiles"`` (whole rows of scores, as on a GPU). Every mode gives the same
-counts."""
+"""How one block's queries are walked: chosen (``"auto"``) or forced by tests: ``"squares"``
+(leave-one-out on CPU), ``"panels"`` (CPU tiles with panels), ``"tiles"`` (whole rows of
+scores, as on a GPU). Every mode gives the same counts."""
 
 WIDE_LABELS = 0.25
 """Leave-one-out takes squares (``"auto"``) while every label has at most this share of items."""
@@ -180,8 +179,7 @@ def rank_direction(
     known: Tensor | None = None,
 ) -> QueryCounts:
     """Rank the source's queries against its gallery (a collective for a sharded one).
-    ``known``: bool ``[2, Q]`` (the direction's queries) known to have a near positive /
-    negative whatever their scores (the audit's copies)."""
+    ``known``: bool ``[2, Q]``, queries known to have a near positive / negative."""
     queries = source.queries
     state = _State(source, options, budget.items)
     decider = Decider(state.greater, source, options.near_duplicate, budget, workspace)
@@ -411,11 +409,10 @@ def _squares_possible(source: LocalSource, options: RankOptions, device: torch.d
 
 
 def _squares(source: LocalSource, walk: _Walk) -> bool:
-    """Leave-one-out in square blocks ``(I, J)``, ``J >= I``, whose rows are the queries
-    of span I and whose columns, read down, the queries of span J: every score computed
-    once for both of its items. First each query's band from its label's run; the squares
-    then hide every item of a query's own label and see negatives only. Whether the
-    squares were taken (not when their blocks would be too small, ``"auto"``)."""
+    """Leave-one-out in square blocks ``(I, J)``, ``J >= I``: rows the queries of span I,
+    columns (read down) those of span J, every score computed once for both items. Each
+    query's band comes first from its label's run; the squares then see negatives only.
+    Whether the squares were taken (not when too small, ``"auto"``)."""
     state, decider, options, budget, workers, progress = walk
     gallery, located, stats = source.gallery, source.located, source.stats
     num = gallery.fast.shape[0]
@@ -546,9 +543,8 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
 
 
 def label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
-    """Spans of about ``size`` rows, never more than ``most``, made of whole labels
-    (every label's run at most ``size`` long): a span ends at the label boundary nearest
-    ``size`` rows on."""
+    """Spans of about ``size`` rows (at most ``most``) of whole labels (each at most ``size``
+    long), each ending at the label boundary nearest ``size`` rows on."""
     num = gallery.fast.shape[0]
     starts = gallery.block_starts.tolist()
     cuts = [0]
@@ -576,9 +572,8 @@ def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
 
 
 class _Guard:
-    """Runs this process's own work; after a failure skips it, so that the process still
-    takes part in every collective, and keeps the error to raise once all have
-    reduced."""
+    """Runs this process's work; after a failure skips it (the process still takes part in
+    every collective) and keeps the error to raise once all have reduced."""
 
     def __init__(self) -> None:
         self.failure: Exception | None = None
@@ -694,9 +689,8 @@ def probability_grid(num_items: int) -> float:
 
 
 def records_of(counts: TieCounts, ties: str, max_k: int, grid: float) -> Tensor:
-    """Each query's outcome record (:func:`recall_at_k._kernel.query_outcomes`), the
-    ``"expected"`` probabilities rounded to multiples of ``1 / grid`` (an error below
-    ``N * 2**-53`` a query), so that their sums do not depend on how they are grouped."""
+    """Each query's outcome record (``_kernel.query_outcomes``), ``"expected"`` probabilities
+    rounded to multiples of ``1 / grid`` (error below ``N * 2**-53``): sums in any grouping."""
     records = _kernel.query_outcomes(counts, ties, max_k)
     if records.is_floating_point():
         return records.mul(grid).round_().div_(grid)
@@ -718,15 +712,13 @@ def rank(
     known: Sequence[Tensor | None] | None = None,
     outcomes: bool = False,
 ) -> list[Ranked | None]:
-    """Rank every direction of ``plan``; None for a direction without sides. With
-    ``processes`` (every process of them calls this) the counts are summed over them:
-    each ranks a contiguous share of the queries against the whole gallery (every
-    process holds every item), or with ``sharded`` the queries it holds against a
-    gallery passing by. A direction with the same sides as the one before it is ranked
-    once. ``known``: per direction, bool ``[2, Q]`` queries known to have a near
-    positive / negative (the audit's copies). ``outcomes``: also every query's record on
-    every process. A failure on any process raises on every process, after the others
-    finish."""
+    """Rank every direction of ``plan``; None for a direction without sides. With ``processes``
+    (every one calls this) the counts are summed over them: each ranks a contiguous share of
+    the queries against the whole gallery, or with ``sharded`` the queries it holds against
+    a gallery passing by. A direction with the previous one's sides is ranked once.
+    ``known``: per direction, bool ``[2, Q]`` queries known to have a near positive /
+    negative (the audit's copies). ``outcomes``: also every query's record on every
+    process. A failure on any process raises on every process, after the others finish."""
     world, me, group = 1, 0, None
     if processes is not None and dist.is_available() and dist.is_initialized():
         group = processes.group

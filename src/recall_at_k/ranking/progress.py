@@ -1,7 +1,5 @@
-"""A progress bar over a ranking's queries (``progress=True``): tqdm (optional), on stderr.
-
-Under DDP only the process of rank 0 shows a bar.
-"""
+"""A progress bar over a ranking's queries (``progress=True``): tqdm (optional), on stderr,
+on the process of rank 0 only."""
 
 from __future__ import annotations
 

@@ -26,9 +26,8 @@ def widest_float(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 
 class StoredRows:
-    """Rows ``[N, D]`` stored as a list of blocks (flat or ``[b, D]``, any strides), read
-    in runs or gathered by index, in :attr:`dtype` (the widest stored, at least float32;
-    widening is exact)."""
+    """Rows ``[N, D]`` stored as blocks (flat or ``[b, D]``, any strides), read in runs or by
+    index in :attr:`dtype` (the widest stored, at least float32; widening is exact)."""
 
     def __init__(
         self, blocks: Sequence[Tensor], width: int, device: torch.device | None = None
@@ -86,10 +85,9 @@ class BroadcastRows:
     def broadcast(
         self, rows: int, orders: Sequence[Tensor | None], prepare: Any = None
     ) -> Iterator[tuple[int, int, Tensor]]:
-        """``(owner, first position among the owner's, rows)``: every process's rows in
-        process order, each in the order ``orders[r]`` gives (local row indices; None: all,
-        stored order), at most ``rows`` a part, turned by ``prepare(rows, local indices)`` on
-        the owner."""
+        """``(owner, first position among the owner's, rows)``: every process's rows in process
+        order, in the order ``orders[r]`` gives (None: stored), at most ``rows`` a part, turned
+        by ``prepare(rows, local indices)`` on the owner."""
         width = self.shape[1]
         buffer = torch.empty((rows, width), dtype=self.dtype, device=self.device)
         for rank, count in enumerate(self.counts):

@@ -42,9 +42,8 @@ def worker_count(device: torch.device) -> int:
 
 @contextlib.contextmanager
 def caller_on_one_thread(hold: bool = True) -> Iterator[None]:
-    """Inside, the calling thread runs torch on one thread while :func:`worker_count` still
-    gives its own count (its OpenMP threads would spin on the workers' cores). Nested, the
-    outer one holds it; nothing changes with ``hold=False``."""
+    """Inside, the caller runs torch on one thread (its OpenMP threads would spin on the workers'
+    cores), :func:`worker_count` unchanged; nested, the outer holds; ``hold=False``: no-op."""
     count = torch.get_num_threads()
     held: int = getattr(_held, "count", 0)
     if not hold or count == 1 or held:
@@ -94,9 +93,8 @@ class Workers(Generic[Item, Result]):
             return self.task(item, workspace)
 
     def map(self, items: Iterable[Item]) -> Iterator[Result]:
-        """The task's result for each item, in order. ``items`` is read lazily: an item is
-        taken only after the result ``WINDOW_PER_WORKER * count`` places before it was
-        merged, so what every task sees is the same whatever the threads' timing."""
+        """The task's result for each item, in order. ``items`` is read lazily, an item once the
+        result ``WINDOW_PER_WORKER * count`` places before it was merged (timing-independent)."""
         if self.pool is None:
             for item in items:
                 yield self.task(item, self.workspace)
