@@ -250,10 +250,9 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         return cast(OutputT, format_output(torch.cat(per_prefix), self.output_keys, single))
 
     def compute(self) -> OutputT:
-        """Recall@K over everything seen (synchronised across processes).
-
-        The result is kept (unless ``compute_with_cache=False``) until an ``update``, ``reset``,
-        ``merge_state``, module cast, or ``sync()`` / ``unsync()`` changes the held state."""
+        """Recall@K over everything seen (synchronised across processes), kept (unless
+        ``compute_with_cache=False``) until an ``update``, ``reset``, ``merge_state``, module
+        cast, or ``sync()`` / ``unsync()`` changes the held state."""
         key = self._result_key_now()
         if self._result is not None and self._result_key == key:
             result: OutputT = self._result
@@ -375,8 +374,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         return _plot.plot_curves(curves[0] if one else curves, ax, title, bands, labels)
 
     def _check_plotted(self, result: object) -> None:
-        """Raise unless ``result`` can be one result of :meth:`compute` for :meth:`plot`
-        (a mapping's keys are checked where they are looked up)."""
+        """Raise unless ``result`` can be one result of :meth:`compute` for :meth:`plot`."""
         name = type(self).__name__
         if isinstance(result, Mapping):
             return

@@ -97,8 +97,7 @@ def check_choice(name: str, value: object, allowed: Sequence[str]) -> None:
 
 
 def check_key(key: object, ks: Sequence[int]) -> list[str]:
-    """The result keys of template ``key``: a ``str.format`` template of the field ``k``
-    (any format spec) that gives a distinct key for each K."""
+    """The result keys of template ``key`` (``str.format`` of ``k``), distinct for each K."""
     if not isinstance(key, str):
         raise ValueError(f"`key` must be a str template such as 'recall@{{k}}', got {key!r}")
     try:

@@ -1,9 +1,8 @@
-"""The dense form: checks of ``[Q, G]`` scores and their per-query tie counts.
-
-Counting paths, all exact and equal: a ``[Q]`` index target gathers s*, then compares; a
-``[Q, G]`` mask without ``ignore`` uses bool comparisons in a small batch
-(:func:`_mask_counts_small`) and cache-sized blocks of byte arithmetic on CPU
-(:func:`_mask_counts_in_blocks`); otherwise two selects of positives' and negatives' scores."""
+"""The dense form: checks of ``[Q, G]`` scores and their per-query tie counts, by exact and
+equal paths: a ``[Q]`` index target gathers s*, then compares; a ``[Q, G]`` mask without
+``ignore`` uses bool comparisons in a small batch (:func:`_mask_counts_small`) and
+cache-sized blocks of byte arithmetic on CPU (:func:`_mask_counts_in_blocks`); otherwise
+two selects of the positives' and negatives' scores."""
 
 from __future__ import annotations
 
@@ -323,11 +322,10 @@ def _mask_counts_in_blocks(
     block_bytes: int,
 ) -> TieCounts:
     """Counts for a ``[Q, G]`` mask target without ignore, on CPU, with NaN rows. The mask
-    enters the float domain by byte arithmetic (``torch.where`` is slow on CPU): ``signs``
-    +1 for a negative, -1 for a positive; clamping the scores from above to ``signs * -inf``
-    keeps the positives' scores (-inf elsewhere). s* is its row maximum (NaN for a NaN row:
-    ``nan_rows``); g_> = #(scores > s*); p = #(kept >= s*); g_> + e = #(scores >= s*) - p,
-    from the positives' number when s* = -inf. Rows go in blocks of about ``block_bytes``."""
+    enters the float domain by byte arithmetic (``torch.where`` is slow on CPU): clamping the
+    scores from above to ``signs * -inf`` (+1 negative, -1 positive) keeps the positives'.
+    s* is its row maximum (NaN rows: ``nan_rows``); g_> = #(scores > s*); p = #(kept >= s*);
+    g_> + e = #(scores >= s*) - p (s* = -inf: from the positives). Blocks of ``block_bytes``."""
     num_queries, gallery = scores.shape
     device = scores.device
     sum_dtype = count_dtype(gallery)

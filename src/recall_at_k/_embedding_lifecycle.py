@@ -18,8 +18,7 @@ from recall_at_k.ranking.stored import BroadcastRows
 
 
 class Synced(NamedTuple):
-    """The process group whose items the next ranking sees, and (within
-    ``sync_context``) this process's own states, kept where they are."""
+    """The group the next ranking sees, and (in ``sync_context``) this process's own states."""
 
     group: Any
     local: tuple[list[Tensor], list[Tensor]] | None

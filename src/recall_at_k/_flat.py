@@ -247,8 +247,7 @@ def _runs(values: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _grouping(ids: Tensor, counts: Tensor) -> tuple[bool, int]:
-    """Whether the runs of ``unique_consecutive`` are ascending ids (each id one run), and
-    the longest run, in one host read."""
+    """Whether ``unique_consecutive`` runs are ascending ids, and the longest run (one read)."""
     if ids.numel() < 2:
         return True, int(counts[0])
     if ids.numel() <= _FEW_SEGMENTS:
@@ -410,8 +409,7 @@ def tie_counts(parts: Partials, max_k: int) -> _kernel.TieCounts:
 
 
 def pack(parts: Partials) -> Tensor:
-    """Partials as int64 ``[n, 5 + max_k]``: id, tied, kept, boundary, then the float64
-    bit patterns of ``best`` and ``top``."""
+    """Partials as int64 ``[n, 5 + max_k]``: id, tied, kept, boundary, bits of ``best``, ``top``."""
     ints = torch.stack([parts.ids, parts.tied, parts.kept, parts.boundary], dim=1)
     scores = torch.cat([parts.best.unsqueeze(1), parts.top], dim=1).to(torch.float64)
     return torch.cat([ints, scores.view(torch.int64)], dim=1)
@@ -433,8 +431,7 @@ def unpack(rows: Tensor) -> Partials:
 def _merged(
     state: Tensor | Sequence[Tensor], max_k: int, complete_queries: bool, path: SegmentPath
 ) -> Partials | None:
-    """The state (a list of blocks, or one tensor after a sync) merged into one row per
-    query id, or ``None`` when it is empty."""
+    """The state (blocks, or a synced tensor) merged to one row per query id; ``None`` if empty."""
     # A process without flat data contributes an empty placeholder of any shape.
     blocks = [block for block in ([state] if isinstance(state, Tensor) else state) if block.numel()]
     if not blocks:

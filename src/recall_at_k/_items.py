@@ -33,8 +33,7 @@ _ROLE_NAMES = {flags: role for role, flags in ROLE_FLAGS.items()}
 
 
 def stored_dtype(embeddings: Tensor) -> torch.dtype:
-    """The dtype a batch of embeddings is stored in: the wider of float32 and its own
-    (half precision widens exactly; float64 stays float64)."""
+    """The stored dtype of a batch: the wider of float32 and its own (widening is exact)."""
     return torch.promote_types(embeddings.dtype, FLOAT_FLOOR)
 
 
@@ -106,8 +105,7 @@ def stored_blocks(
 
 
 def check_groups(meta: Tensor, exclude: str) -> None:
-    """Every item has a group when ``exclude`` reads them (``merge_state`` of items
-    added without ``groups`` would otherwise pass unnoticed)."""
+    """Every item has a group when ``exclude`` reads them (even after ``merge_state``)."""
     if exclude == "none":
         return
     missing = int(((meta[:, FLAGS] & HAS_GROUP) == 0).sum())

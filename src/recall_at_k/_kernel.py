@@ -138,9 +138,8 @@ def query_outcomes(counts: TieCounts, ties: str, max_k: int) -> Tensor:
 
 
 def histogram_of(outcomes: Tensor, max_k: int) -> tuple[Tensor, Tensor]:
-    """:func:`query_outcomes` records summed into the metric state: ``hist`` ``[max_k]``,
-    the (expected) number of queries whose first hit is at rank ``r``, and ``queries``,
-    int64 ``[2]``: the queries with a valid positive and without."""
+    """:func:`query_outcomes` records summed: ``hist`` ``[max_k]``, (expected) first hits at each
+    rank, and ``queries``, int64 ``[2]``: the queries with a valid positive and without."""
     if outcomes.is_floating_point():
         hist = outcomes[:, :max_k].sum(dim=0)
         without = outcomes[:, max_k].sum().to(torch.int64)

@@ -46,9 +46,8 @@ Comparable = QueryOutcomes | Mapping[str, QueryOutcomes] | RecallAtKMetric[Any]
 
 
 def mcnemar_p_value(only_a: int, only_b: int) -> float:
-    """The exact two-sided McNemar p-value ``min(1, 2 sum_{i <= min} C(m, i) / 2^m)``, m =
-    only_a + only_b (1.0 for m = 0): in exact integers up to :data:`EXACT_DISCORDANT`,
-    beyond in floating point over the terms that count (relative error below 1e-10)."""
+    """Exact two-sided McNemar p-value ``min(1, 2 sum_{i <= min} C(m, i) / 2^m)``, m = only_a +
+    only_b (1.0 for m = 0): exact integers up to :data:`EXACT_DISCORDANT`, else float."""
     m = only_a + only_b
     low = min(only_a, only_b)
     if m == 0 or 2 * low >= m:
@@ -129,11 +128,11 @@ def _wilson(successes: int, n: int, z: float) -> tuple[float, float]:
 def newcombe_interval(
     both: int, only_a: int, only_b: int, neither: int, level: float
 ) -> tuple[float, float]:
-    """Newcombe's (1998) method 10 interval for R_b - R_a on paired data: P1 = R_b, P2 = R_a
-    with Wilson intervals (l1, u1), (l2, u2); psi the corrected correlation of the hits (A =
-    both * neither - only_a * only_b over the root of the margins' product, less n/2 when A
-    > n/2, 0 when 0 <= A <= n/2): low = (P1 - P2) - sqrt((P1 - l1)^2 - 2 psi (P1 - l1)(u2 -
-    P2) + (u2 - P2)^2), high likewise with (u1 - P1) and (P2 - l2)."""
+    """Newcombe's (1998) method 10 interval for R_b - R_a on paired data: P1 = R_b, P2 = R_a,
+    Wilson intervals (l1, u1), (l2, u2), psi the corrected correlation (A = both * neither -
+    only_a * only_b over the root of the margins' product, less n/2 if A > n/2, 0 if 0 <= A
+    <= n/2); low = P1 - P2 - sqrt((P1 - l1)^2 - 2 psi (P1 - l1)(u2 - P2) + (u2 - P2)^2),
+    high likewise with (u1 - P1) and (P2 - l2)."""
     n = both + only_a + only_b + neither
     z = NormalDist().inv_cdf(0.5 + level / 2)
     hits_b, hits_a = both + only_b, both + only_a

@@ -22,9 +22,8 @@ def plot_curves(
     bands: Bands | None = None,
     labels: Sequence[str] | None = None,
 ) -> tuple[Any, Any]:
-    """Draw Recall@K against K; return ``(fig, ax)`` (a new figure when ``ax`` is None).
-    ``results``: ``{label: (ks, recalls)}``, or a list of them (one per step, labelled by
-    step or ``labels``); ``bands``: ``{label: (lows, highs)}``."""
+    """Draw Recall@K against K; ``(fig, ax)``. ``results``: ``{label: (ks, recalls)}`` or a list
+    of them (steps, labelled by step or ``labels``); ``bands``: ``{label: (lows, highs)}``."""
     try:
         import matplotlib.pyplot as plt
     except ModuleNotFoundError as err:  # pragma: no cover - exercised without matplotlib
@@ -61,8 +60,7 @@ def plot_curves(
 
 
 def fitted_limits(drawn: Sequence[float]) -> tuple[float, float]:
-    """y-axis limits around the drawn values' ``(lowest, highest)``, within [0, 1];
-    ``(0, 1)`` when nothing finite was drawn."""
+    """y-axis limits around ``(lowest, highest)`` within [0, 1]; ``(0, 1)`` if none is finite."""
     low, high = float(min(drawn)), float(max(drawn))
     if not (math.isfinite(low) and math.isfinite(high)) or low > high:
         return 0.0, 1.0

@@ -14,8 +14,7 @@ from recall_at_k._types import RecallOutput
 
 
 def format_output(values: Tensor, keys: Sequence[str], single: bool) -> RecallOutput:
-    """``values`` (``[len(keys)]``, or ``[len(keys), 2]`` for intervals) as a scalar
-    tensor when ``k`` was an int, else a dict keyed by ``keys``."""
+    """``values`` (``[len(keys)]`` or ``[len(keys), 2]``): a scalar for an int ``k``, or a dict."""
     values = values.to(torch.get_default_dtype())
     if single:
         return values[0]

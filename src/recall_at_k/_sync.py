@@ -55,9 +55,8 @@ def agree_float_dtypes(
     dist_sync_fn: Callable[..., Any],
     process_group: Any | None,
 ) -> None:
-    """Before a gather, widen every float list state's blocks to the widest dtype on any
-    process (a small gather with the metric's ``dist_sync_fn``), into new lists: the local
-    copy torchmetrics keeps for ``unsync`` stays as it was."""
+    """Before a gather, widen float list states' blocks to the widest dtype on any process (a
+    small gather, ``dist_sync_fn``) into new lists: torchmetrics' local copy stays as it was."""
     names = [name for name, layout in layouts.items() if layout.dtype is None]
     if not names:
         return

@@ -247,9 +247,8 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         should_unsync: bool = True,
         distributed_available: Callable[..., Any] | None = None,
     ) -> Generator[None, None, None]:
-        """torchmetrics' ``sync_context``, except that each process keeps its own rows, read a
-        run at a time (an explicit ``sync()``, a custom gather function or
-        ``should_unsync=False`` gather them as torchmetrics does)."""
+        """torchmetrics' ``sync_context``, but each process keeps its rows, read a run at a time
+        (``sync()``, a custom gather or ``should_unsync=False`` gather as torchmetrics does)."""
         self._life.keep_rows = dist_sync_fn is None and should_unsync
         try:
             with super().sync_context(

@@ -49,8 +49,7 @@ def check_near_duplicate(value: object) -> float | None:
 def codes(
     embeddings: Tensor, labels: Tensor, groups: Tensor | None, sizes: budget.AuditSizes
 ) -> Codes:
-    """:func:`sharded_codes` of one process's ``embeddings`` ``[N, D]`` and their
-    ``labels`` / ``groups`` ``[N]`` (None: no group codes)."""
+    """:func:`sharded_codes` of one process's ``embeddings``, ``labels``, ``groups`` (or None)."""
     shard = sharded.Shard([embeddings], [embeddings.shape[0]], False, sizes, embeddings.device)
     return shard.codes(labels, groups)
 
@@ -60,9 +59,8 @@ def audit_directions(
     directions: Sequence[Any],
     options: AuditOptions,
 ) -> list[DirectionAudit | None]:
-    """The audit of each direction ``((query rows, identity), (gallery rows, identity))``
-    or None, of ``stored`` embeddings ``[N, D]`` and metadata ``[N, >= 2]`` (label, group
-    first), or of a function making their :func:`codes` (a sharded gallery's)."""
+    """Each direction's audit (``((query rows, identity), (gallery rows, identity))`` or None) of
+    ``stored`` ``[N, D]`` and ``meta`` ``[N, >= 2]``, or of a :func:`codes` maker (sharded)."""
     if all(sides is None for sides in directions):
         return [None for _ in directions]
     if callable(stored):

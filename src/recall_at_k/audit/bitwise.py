@@ -35,9 +35,8 @@ def in_blocks(
     sizes: AuditSizes,
     device: torch.device,
 ) -> None:
-    """``task(rows, workspace)`` for blocks of the ``num`` rows (``total`` bytes a thread at
-    ``row_bytes`` a row, at least ``blocks_per_worker`` blocks a thread), on the ranking's
-    worker threads; a block's result depends on its rows alone."""
+    """``task(rows, workspace)`` on the worker threads for blocks of the ``num`` rows (``total``
+    bytes a thread, at least ``blocks_per_worker`` blocks each); results depend on rows alone."""
     count = workers_within(worker_count(device), total, sizes.worker_bytes)
     step = max(1, total // max(1, count * row_bytes))
     if count > 1:
@@ -134,9 +133,8 @@ def first_items(codes: Tensor, sizes: AuditSizes) -> Tensor:
 
 
 def sorted_parts(keys: Tensor, sizes: AuditSizes) -> Iterator[tuple[Tensor, Tensor]]:
-    """The stable ascending sort of integer ``keys`` ``[N]`` in consecutive parts ``(order,
-    values)`` of about ``sort_items`` items, split at sampled keys; each splitter's items
-    are a part of their own, its values one key broadcast."""
+    """The stable ascending sort of integer ``keys`` ``[N]`` in parts ``(order, values)`` of about
+    ``sort_items``, split at sampled keys (a splitter's items a part of their own)."""
     num = keys.shape[0]
     if num <= sizes.sort_items:
         values, order = torch.sort(keys, stable=True)

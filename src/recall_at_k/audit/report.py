@@ -1,6 +1,5 @@
-"""Per direction, the queries with copies in their gallery and the gallery's duplicates;
-the report dicts and the warning. Items are counted by binary search in the gallery's
-sorted keys, the ignore rules by inclusion-exclusion: no pairs of items."""
+"""Per direction, the queries with copies in their gallery and the gallery's duplicates, by
+binary search in sorted keys and inclusion-exclusion (no pairs); the reports, the warning."""
 
 from __future__ import annotations
 
@@ -166,8 +165,7 @@ def rounding_duplicates(keys: Codes, g_rows: Tensor) -> int:
 def counted_queries(
     histograms: Sequence[tuple[Tensor, Tensor] | None], empty_target_action: str
 ) -> list[int | None]:
-    """The counted queries of each direction, from the ranking's query counts (with,
-    without a valid positive), by the rule of ``compute()``."""
+    """Each direction's counted queries from the ranking's query counts, by ``compute()``'s rule."""
     skip = empty_target_action in ("skip", "error")
     return [None if h is None else int(h[1][0]) + (0 if skip else int(h[1][1])) for h in histograms]
 

@@ -17,10 +17,10 @@ from recall_at_k.audit.bitwise import ROWS_SLOT, expand, in_blocks, sorted_copy
 from recall_at_k.ranking.budget import AuditSizes
 
 TOLERANCE = 2.0**-12
-"""Finite embeddings ``x``, ``y`` with different bits are *equal up to float rounding* when
-``|x - y|_2 <= 2^-12 max(|x|_2, |y|_2)`` as stored, decided in float64 in the order
-``d = 0 .. D-1`` (rows scaled by one power of two). Far above a batch shape's float32 or
-float16 rounding; integer grid rows of norm below 4,096 are never copies."""
+"""Finite ``x``, ``y`` with different bits are *equal up to float rounding* when ``|x - y|_2
+<= 2^-12 max(|x|_2, |y|_2)`` as stored, decided in float64 in the order ``d = 0 .. D-1``:
+far above float32/float16 batch-shape noise; integer grid rows (norm < 4,096) never are;
+bfloat16 copies need ``ids=``."""
 
 IN_ORDER_MARGIN = 2.0**-30
 """Pairs whose sums in any order lie within this relative distance of the boundary are

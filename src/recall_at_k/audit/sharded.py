@@ -38,8 +38,7 @@ def sharded_codes(
 
 
 class Shard:
-    """This process's rows among every process's, and the collectives over them
-    (``group`` False: one process on its own, no collectives)."""
+    """This process's rows among all processes', and collectives (``group`` False: none)."""
 
     def __init__(
         self,
@@ -120,8 +119,7 @@ class Shard:
         return codes_of(klass, adjacent, labels, groups, sizes)
 
     def guarded(self, fallback: T, work: Callable[..., T], *args: Any) -> T:
-        """``work(*args)``, or after a failure here ``fallback`` (the process keeps taking
-        part in every collective; :meth:`raise_any` raises)."""
+        """``work(*args)``, or after a failure ``fallback`` (collectives go on; see raise_any)."""
         if self.failure is None:
             try:
                 return work(*args)

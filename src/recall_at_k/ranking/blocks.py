@@ -153,9 +153,8 @@ def bounds(rows: Tensor, stats: Stats) -> Tensor:
 def product(
     queries: Tensor, gallery: Gallery, first: int, stop: int, workspace: Workspace
 ) -> Tensor:
-    """Fast scores ``[T, stop - first]`` of queries against the gallery columns
-    ``first:stop`` in the workspace's tile; ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2``
-    on centred rows, the gallery's centred a part no larger than the tile at a time."""
+    """Fast scores ``[T, stop - first]`` against gallery columns ``first:stop`` in the tile;
+    ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, a tile's part at a time."""
     rows, width = queries.shape[0], stop - first
     out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
     if gallery.centre is None or gallery.neg_sq_norms is None:
@@ -179,8 +178,7 @@ def product(
 def scores_of(
     queries: Tensor, gallery: Gallery, similarity: Similarity, workspace: Workspace
 ) -> Tensor:
-    """Scores ``[T, G]`` of a tile against a whole block, ours to write into: the fast
-    product, or a callable's scores (checked, copied)."""
+    """Writable scores ``[T, G]`` of a tile: fast product, or a callable's (checked)."""
     if not callable(similarity):
         return product(queries, gallery, 0, gallery.fast.shape[0], workspace)
     scores = similarity(queries, gallery.fast)
@@ -288,8 +286,7 @@ def _by_label(rows: Tensor, lo: int, hi: int, labels: Tensor) -> Tensor:
 
 
 class LocalSource:
-    """The ordered copy of a plan: the gallery one block (a view), this process's share
-    ``[lo, hi)`` of the direction's queries."""
+    """A plan's ordered copy: the gallery as one block (a view), this process's queries."""
 
     def __init__(
         self, plan: Plan, sides: Direction, share: tuple[int, int], similarity: Similarity

@@ -24,8 +24,7 @@ POSITIVE, NEGATIVE, NEAR = range(3)
 
 
 class Decided(NamedTuple):
-    """Per query: ``s*`` (float64, -inf: no positive), ``p``, the negatives at ``s*``, and
-    whether a negative reached the near-duplicate threshold."""
+    """Per query: ``s*`` (float64, -inf: none), ``p``, negatives at ``s*``, a near negative."""
 
     best: Tensor
     tied: Tensor

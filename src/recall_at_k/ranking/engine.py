@@ -313,8 +313,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
 
 
 class _Scanned(NamedTuple):
-    """A block's scan: the negatives surely above each query's band, the pairs inside it
-    and the near-duplicate scan (None without a threshold)."""
+    """A block's scan: negatives surely above each band, pairs inside, near scan (or None)."""
 
     greater: Tensor
     pairs: list[Found]
@@ -486,8 +485,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
     junk_runs = None if aligned else _junk(gallery, spans)
 
     def squares() -> Iterator[_Square]:
-        """Each square with copies of its queries' band edges as they are when it is
-        taken (their edges rise to +inf as queries saturate)."""
+        """Each square with copies of its queries' band edges when taken (they rise to +inf)."""
         for index, rows in enumerate(spans):
             for later in range(index + int(aligned), len(spans)):
                 columns = spans[later]
@@ -562,8 +560,7 @@ def label_spans(gallery: Gallery, size: int, most: int) -> list[slice]:
 
 
 def _junk(gallery: Gallery, spans: list[slice]) -> list[tuple[int, int]]:
-    """Per span, the run of columns of its last row's label: the one label whose items a
-    square off the diagonal may hold on both sides."""
+    """Per span, the column run of its last row's label (a square may hold it on both sides)."""
     last = torch.tensor([span.stop - 1 for span in spans], device=gallery.labels.device)
     run = torch.searchsorted(gallery.block_labels, gallery.labels[last])
     starts = gallery.block_starts[run]
@@ -766,8 +763,7 @@ def _source(
     world: int,
     me: int,
 ) -> Source:
-    """A direction's blocks: a gallery sharded across ``processes``, or this process's
-    contiguous share of the queries against every item."""
+    """A direction's blocks: a sharded gallery, or this process's share of queries against all."""
     if processes is not None:
         return ShardedSource(plan, sides, options.similarity, processes)
     total = sides[0].rows.shape[0]

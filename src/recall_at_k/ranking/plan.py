@@ -87,9 +87,8 @@ def select(plays_role: Tensor, identity: Tensor) -> Side:
 
 
 def directions(items: Items, count: int) -> list[Direction | tuple[int, str] | None]:
-    """Each of the first ``count`` directions (query -> gallery, gallery -> query) as its
-    sides in stored rows, or ``(direction, what)`` naming the side it lacks (``"queries"``
-    or ``"gallery"``; an error for the caller), or None when there are no items."""
+    """The first ``count`` directions' sides in stored rows, or ``(direction, what)`` naming the
+    side it lacks (``"queries"`` or ``"gallery"``), or None when there are no items."""
     if items.labels.numel() == 0:
         return [None] * count
     identity = identities(items.ids, items.has_id)
@@ -150,9 +149,8 @@ def make_plan(
     chunk_bytes: int,
     sharded: bool = False,
 ) -> Plan:
-    """The plan of ranking ``sides`` (from :func:`directions`, in stored rows) of the
-    stored ``rows`` (every process's, under DDP) and their ``items``: the ordered copy
-    (none when ``sharded``), the labels and groups in its order, the sides renumbered."""
+    """The plan of ranking ``sides`` (from :func:`directions`) of the stored ``rows`` and their
+    ``items``: the ordered copy (none when ``sharded``), labels, groups, sides renumbered."""
     num, width = rows.shape
     plan_budget = budget(chunk_bytes, num, width)
     groups = items.groups if exclude != "none" else None

@@ -8,8 +8,7 @@ from typing import Any
 
 
 def check_progress(progress: object) -> bool:
-    """``progress`` as a bool: a ValueError unless it is one, an ImportError naming what
-    to install when it is True and tqdm cannot be imported."""
+    """``progress`` as a bool (ValueError), or ImportError naming tqdm when True and missing."""
     if not isinstance(progress, bool):
         raise ValueError(
             f"`progress` must be a bool (True shows a progress bar over the ranking),"

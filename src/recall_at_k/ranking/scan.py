@@ -27,8 +27,7 @@ from recall_at_k.ranking.budget import CPU_STACK_BYTES
 
 
 class Found(NamedTuple):
-    """Pairs a scan found: rows of the block (queries), gallery columns, and their fast
-    scores where a callable's are kept (None otherwise)."""
+    """Pairs found: block rows (queries), gallery columns, a callable's kept scores (or None)."""
 
     rows: Tensor
     columns: Tensor
@@ -85,9 +84,8 @@ def positives(
     keep_values: bool,
     workspace: Workspace,
 ) -> Positives:
-    """Each row's positives in ``scores``: the ``count`` columns from ``start`` (ignored items
-    already holed). ``groups``: the rows' and columns' groups under
-    ``exclude="same_label_and_group"`` (same-group items are junk), else None."""
+    """Each row's positives: the ``count`` columns from ``start`` (ignored items holed);
+    ``groups``: rows' and columns' under ``exclude="same_label_and_group"`` (junk), else None."""
     rows, device = scores.shape[0], scores.device
     widest = int(count.max()) if count.numel() else 0
     if widest == 0:
@@ -115,8 +113,7 @@ def positives(
 
 
 def hide_own_labels(scores: Tensor, start: Tensor, count: Tensor, hole: float) -> None:
-    """Write ``hole`` over each row's own label run: the ``count`` columns from ``start``
-    (counted in ``scores``' columns, inside them)."""
+    """Write ``hole`` over each row's own label run: the ``count`` columns from ``start``."""
     widest = int(count.max()) if count.numel() else 0
     if widest == 0:
         return
@@ -168,11 +165,10 @@ def scan(
     buffer_bytes: int,
     keep_values: bool = False,
 ) -> None:
-    """Count each query's items above ``hi`` into ``greater`` and add those within ``[lo, hi]``
-    to ``found`` (with scores where ``keep_values``): queries along ``axis`` (0: a row a
-    query, its columns items ``first:``; 1: a column a query), largest scores ``peak`` (NaN
-    reaches; a NaN score is never counted or found). Only queries reaching ``lo`` are
-    gathered, into pooled buffers of about ``buffer_bytes``; ``scores`` is kept."""
+    """Count each query's items above ``hi`` into ``greater``; add those in ``[lo, hi]`` to
+    ``found`` (scores too where ``keep_values``). Queries along ``axis`` (0: rows, items
+    columns ``first:``; 1: columns), largest scores ``peak`` (NaN reaches, is never counted
+    or found); only those reaching ``lo`` gathered, in ~``buffer_bytes``. ``scores`` kept."""
     reaching = (peak < lo).logical_not_().view(-1).nonzero().view(-1)
     if reaching.numel() == 0:
         return
@@ -250,8 +246,7 @@ def saturate(lo: Tensor, hi: Tensor, greater: Tensor, max_k: int) -> None:
 
 
 class Stack:
-    """The rows of successive CPU panels that reach their band, copied aside and compared
-    together (fewer, larger operations than per panel)."""
+    """Rows of successive CPU panels that reach their band, copied aside and compared together."""
 
     def __init__(
         self,

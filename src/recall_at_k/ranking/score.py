@@ -91,9 +91,8 @@ def canonical_scores(
     workspace: Workspace | None = None,
     batch_bytes: int = CANONICAL_BATCH_BYTES,
 ) -> Tensor:
-    """The canonical float64 score of each pair ``(queries[query_rows[i]],
-    gallery[gallery_rows[i]])``: elementwise, one term per ``d`` in order, never a BLAS
-    product or a reduction of shape-dependent order."""
+    """The canonical float64 score of each pair (``query_rows[i]``, ``gallery_rows[i]``): one
+    term per ``d`` in order, never a BLAS product or a shape-dependent reduction."""
     if queries.dtype != gallery.dtype:
         raise TypeError(f"rows of one dtype expected, got {queries.dtype} and {gallery.dtype}")
     num, dim = query_rows.shape[0], queries.shape[1]

@@ -1,7 +1,6 @@
-"""The stored embeddings (a list of ``[b, D]`` blocks), read in runs of rows or gathered by
-index, never concatenated: this process's (:class:`StoredRows`), or under DDP every
-process's (:class:`BroadcastRows`), broadcast from their owner a run at a time, in
-process order."""
+"""The stored embeddings (``[b, D]`` blocks) read in runs or by index, never concatenated:
+this process's (:class:`StoredRows`), or under DDP every process's
+(:class:`BroadcastRows`), broadcast by their owner a run at a time, in process order."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class StoredRows:
                 yield start + first, block[first : first + rows]
 
     def take(self, index: Tensor, out: Tensor | None = None) -> Tensor:
-        """The rows ``index`` (any order) in :attr:`dtype` (or ``out``'s, wider), a new
-        ``[len(index), D]`` tensor or ``out``."""
+        """Rows ``index`` in :attr:`dtype` (or wider ``out``'s), into a new tensor or ``out``."""
         if out is None:
             out = torch.empty((index.shape[0], self.shape[1]), dtype=self.dtype, device=self.device)
         if len(self.blocks) == 1:
@@ -76,8 +74,7 @@ class BroadcastRows:
         self.offset = sum(counts[: self.rank])
 
     def runs(self, rows: int) -> Iterator[tuple[int, Tensor]]:
-        """``(first row, rows)`` of every process's rows in process order, at most
-        ``rows`` a part (one buffer reused from part to part)."""
+        """``(first row, rows)`` of all processes' rows in order, ``rows`` a part at most."""
         starts = [0, *itertools.accumulate(self.counts)]
         for rank, first, part in self.broadcast(rows, [None] * len(self.counts)):
             yield starts[rank] + first, part

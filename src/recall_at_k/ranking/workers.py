@@ -32,8 +32,7 @@ _held = threading.local()  # .count: the caller's torch threads while it runs on
 
 
 def worker_count(device: torch.device) -> int:
-    """How many worker threads rank on ``device``: torch's threads on CPU (the caller's
-    own count under :func:`caller_on_one_thread`), else 1."""
+    """Worker threads on ``device``: torch's (held) thread count on CPU, else 1."""
     if device.type != "cpu":
         return 1
     held: int = getattr(_held, "count", 0)
