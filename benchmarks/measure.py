@@ -279,7 +279,10 @@ def call(
     with ``threads`` torch (and OpenMP) threads and ``MALLOC_MMAP_THRESHOLD_`` at 128 KiB.
     None past ``timeout`` seconds (the children killed: a safety net, as a contestant bounds
     itself); RuntimeError with the stderr of a child that fails (the others killed)."""
-    command = [sys.executable, __file__, str(threads), f"{fn.__module__}.{fn.__name__}"]
+    module = fn.__module__
+    if module == "__main__":  # a benchmark run as a script: its children import it by name
+        module = Path(sys.modules["__main__"].__file__ or "").stem
+    command = [sys.executable, __file__, str(threads), f"{module}.{fn.__name__}"]
     command += [json.dumps(kwargs), str(world)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     env["MALLOC_MMAP_THRESHOLD_"] = str(LIVE_MEMORY_MMAP_THRESHOLD)

@@ -254,6 +254,24 @@ def test_scale_runs_every_configuration(tmp_path: Path, monkeypatch: pytest.Monk
     assert "Sharded: not projected (measured at one size)." in text
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scale_runs_as_the_script_its_results_name(tmp_path: Path) -> None:
+    """``python benchmarks/scale.py ...``, the command its section prints: its workers
+    run in child processes that import the script by name, not as ``__main__``."""
+    results = tmp_path / "RESULTS.md"
+    args = ["--sizes", "200", "--configs", "single", "--results", str(results)]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "scale.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 200 | one process |" in results.read_text()
+
+
 def test_scale_projection_uses_the_fitted_bytes_per_item() -> None:
     """The projection from made-up rows: gathered, a copy of every item plus
     ``chunk_bytes`` (which holds the bookkeeping, or the least that does); sharded, a copy

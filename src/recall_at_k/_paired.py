@@ -47,7 +47,8 @@ Comparable = QueryOutcomes | Mapping[str, QueryOutcomes] | RecallAtKMetric[Any]
 
 def mcnemar_p_value(only_a: int, only_b: int) -> float:
     """Exact two-sided McNemar p-value ``min(1, 2 sum_{i <= min} C(m, i) / 2^m)``, m = only_a +
-    only_b (1.0 for m = 0): exact integers up to :data:`EXACT_DISCORDANT`, else float."""
+    only_b (1.0 for m = 0): exact integers up to :data:`EXACT_DISCORDANT`, else float
+    (relative error below 1e-10)."""
     m = only_a + only_b
     low = min(only_a, only_b)
     if m == 0 or 2 * low >= m:

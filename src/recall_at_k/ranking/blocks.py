@@ -430,9 +430,17 @@ class ShardedSource:
             identity = self.identities[owner][first : first + part.shape[0]]
             yield gallery_block(part, fast, labels[stored], groups[stored], identity, self.stats)
 
-    def query_rows(self, first: int, stop: int) -> Tensor:
-        index = self.queries.rows[first:stop]
-        rows = self.prepare(self.rows.local.take(index), index).to(self.stats.dtype)
+    def query_rows(self, first: int, stop: int, workspace: Workspace) -> Tensor:
+        """Queries ``first:stop`` as the ranking scores them, in ``workspace``'s buffers (a
+        step's rows, taken anew for every run, would otherwise churn the C heap)."""
+        index, device = self.queries.rows[first:stop], self.rows.device
+        shape = (index.shape[0], self.rows.shape[1])
+        taken = self.rows.local.take(index, out=workspace.get("taken", shape, self.dtype, device))
+        norms = None if self.norms is None else self.norms[index]
+        wide = None if norms is None else workspace.get("wide", shape, torch.float64, device)
+        out = workspace.get("prepared", shape, self.dtype, device)
+        rows = prepare_rows(taken, self.similarity, self.dtype, norms, out, wide)
+        rows = rows.to(self.stats.dtype)
         return rows if self.stats.centre is None else rows.sub_(self.stats.centre)
 
     def canonical(

@@ -608,7 +608,7 @@ def _passes(
 
     def bounds_of() -> None:
         for a, b in tiles:
-            bound[a:b] = bounds(source.query_rows(a, b), stats)
+            bound[a:b] = bounds(source.query_rows(a, b, workspace), stats)
 
     def positives_of(gallery: Gallery) -> None:
         located = locate(queries, gallery)
@@ -619,7 +619,7 @@ def _passes(
                 continue
             first = int(torch.where(present, start, gallery.fast.shape[0]).min())
             stop = int(torch.where(present, start + length, 0).max())
-            scores = product(source.query_rows(a, b), gallery, first, stop, workspace)
+            scores = product(source.query_rows(a, b, workspace), gallery, first, stop, workspace)
             groups, column_groups = queries.groups[a:b], gallery.groups[first:stop]
             own = located.own[a:b] - first
             hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
@@ -630,6 +630,8 @@ def _passes(
             torch.maximum(best[a:b], found.best, out=best[a:b])
             state.has_positive[a:b] |= found.has_positive
             decider.add(POSITIVE, Found(found.found.rows, found.found.columns + first, None), a)
+            if decider.full():  # within the pending share, whatever a run holds
+                decider.flush(gallery)
         decider.flush(gallery)
 
     guard.run(bounds_of)
@@ -645,7 +647,7 @@ def _passes(
         for a, b in tiles:
             if options.near_duplicate is None and bool(torch.isinf(lo[a:b]).all()):
                 continue  # no query of the tile has a band left to reach
-            scores = product(source.query_rows(a, b), gallery, 0, width, workspace)
+            scores = product(source.query_rows(a, b, workspace), gallery, 0, width, workspace)
             if check_nan:
                 state.nan[a:b] |= torch.isnan(scores).any(dim=1)
             groups = queries.groups[a:b] if same_group else None
@@ -658,6 +660,8 @@ def _passes(
                 state.near[a:b] += scanned.sure
             for kind, found in scanned.kinds(None):
                 decider.add(kind, found, a)
+            if decider.full():
+                decider.flush(gallery)
         decider.flush(gallery)
 
     for gallery in source.galleries():

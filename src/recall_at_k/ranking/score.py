@@ -56,15 +56,22 @@ SAFETY = 2.0
 
 
 def prepare_rows(
-    rows: Tensor, similarity: Similarity, dtype: torch.dtype, norms: Tensor | None = None
+    rows: Tensor,
+    similarity: Similarity,
+    dtype: torch.dtype,
+    norms: Tensor | None = None,
+    out: Tensor | None = None,
+    wide: Tensor | None = None,
 ) -> Tensor:
-    """Rows ``[m, D]`` as the ranking scores them: a new tensor of ``dtype``, for ``"cosine"``
-    divided by each row's float64 norm (:func:`row_norms`, or ``norms`` computed before)."""
+    """Rows ``[m, D]`` as the ranking scores them: a new tensor of ``dtype`` (or ``out``), for
+    ``"cosine"`` divided by each row's float64 norm (:func:`row_norms`, or ``norms`` computed
+    before) in a float64 copy (or ``wide``, of ``rows``' shape)."""
     if similarity != "cosine":
-        return rows.to(dtype, copy=True)
-    wide = rows.to(torch.float64, copy=True)  # exact
+        return rows.to(dtype, copy=True) if out is None else out.copy_(rows)
+    wide = rows.to(torch.float64, copy=True) if wide is None else wide.copy_(rows)  # exact
     norms = row_norms(wide) if norms is None else norms
-    return wide.div_(norms.unsqueeze(1)).to(dtype)
+    wide.div_(norms.unsqueeze(1))
+    return wide.to(dtype) if out is None else out.copy_(wide)
 
 
 def row_norms(rows: Tensor) -> Tensor:
