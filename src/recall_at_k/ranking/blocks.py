@@ -430,16 +430,21 @@ class ShardedSource:
             identity = self.identities[owner][first : first + part.shape[0]]
             yield gallery_block(part, fast, labels[stored], groups[stored], identity, self.stats)
 
-    def query_rows(self, first: int, stop: int, workspace: Workspace) -> Tensor:
-        """Queries ``first:stop`` as the ranking scores them, in ``workspace``'s buffers (a
-        step's rows, taken anew for every run, would otherwise churn the C heap)."""
-        index, device = self.queries.rows[first:stop], self.rows.device
-        shape = (index.shape[0], self.rows.shape[1])
-        taken = self.rows.local.take(index, out=workspace.get("taken", shape, self.dtype, device))
+    def _held(self, index: Tensor, workspace: Workspace, slot: str) -> Tensor:
+        """This process's rows ``index`` as :meth:`prepare` makes them, in ``workspace``'s
+        buffers named after ``slot`` (rows taken anew for every step would churn the C heap)."""
+        shape, device = (index.shape[0], self.rows.shape[1]), self.rows.device
+        taken = workspace.get(slot + "_taken", shape, self.dtype, device)
+        taken = self.rows.local.take(index, out=taken)
         norms = None if self.norms is None else self.norms[index]
-        wide = None if norms is None else workspace.get("wide", shape, torch.float64, device)
-        out = workspace.get("prepared", shape, self.dtype, device)
-        rows = prepare_rows(taken, self.similarity, self.dtype, norms, out, wide)
+        f64 = torch.float64
+        wide = None if norms is None else workspace.get(slot + "_wide", shape, f64, device)
+        out = workspace.get(slot, shape, self.dtype, device)
+        return prepare_rows(taken, self.similarity, self.dtype, norms, out, wide)
+
+    def query_rows(self, first: int, stop: int, workspace: Workspace) -> Tensor:
+        """Queries ``first:stop`` as the ranking scores them (in ``workspace``)."""
+        rows = self._held(self.queries.rows[first:stop], workspace, "queries")
         rows = rows.to(self.stats.dtype)
         return rows if self.stats.centre is None else rows.sub_(self.stats.centre)
 
@@ -447,8 +452,7 @@ class ShardedSource:
         self, gallery: Gallery, queries: Tensor, columns: Tensor, workspace: Workspace, batch: int
     ) -> Tensor:
         distinct, inverse = torch.unique(queries, return_inverse=True)
-        index = self.queries.rows[distinct]
-        rows = self.prepare(self.rows.local.take(index), index)
+        rows = self._held(self.queries.rows[distinct], workspace, "canonical_queries")
         return canonical_scores(
             rows, gallery.canonical, inverse, columns, self.similarity, workspace, batch
         )
