@@ -415,10 +415,17 @@ class ShardedSource:
         )
         self.run_rows = max(1, plan.budget.run_bytes // (width * self.dtype.itemsize))
 
-    def prepare(self, rows: Tensor, index: Tensor | slice) -> Tensor:
-        """This process's rows ``index`` (``rows``) as the ranking scores them (new)."""
+    def prepare(
+        self,
+        rows: Tensor,
+        index: Tensor | slice,
+        out: Tensor | None = None,
+        wide: Tensor | None = None,
+    ) -> Tensor:
+        """This process's rows ``index`` (``rows``) as the ranking scores them: new, or in
+        ``out`` (``wide``: ``"cosine"``'s float64 buffer; :func:`prepare_rows`)."""
         norms = None if self.norms is None else self.norms[index]
-        return prepare_rows(rows, self.similarity, self.dtype, norms)
+        return prepare_rows(rows, self.similarity, self.dtype, norms, out, wide)
 
     def galleries(self) -> Iterator[Gallery]:
         """Every process's gallery, a run at a time (a collective)."""
@@ -436,11 +443,10 @@ class ShardedSource:
         shape, device = (index.shape[0], self.rows.shape[1]), self.rows.device
         taken = workspace.get(slot + "_taken", shape, self.dtype, device)
         taken = self.rows.local.take(index, out=taken)
-        norms = None if self.norms is None else self.norms[index]
-        f64 = torch.float64
-        wide = None if norms is None else workspace.get(slot + "_wide", shape, f64, device)
         out = workspace.get(slot, shape, self.dtype, device)
-        return prepare_rows(taken, self.similarity, self.dtype, norms, out, wide)
+        cosine = self.norms is not None
+        wide = workspace.get(slot + "_wide", shape, torch.float64, device) if cosine else None
+        return self.prepare(taken, index, out, wide)
 
     def query_rows(self, first: int, stop: int, workspace: Workspace) -> Tensor:
         """Queries ``first:stop`` as the ranking scores them (in ``workspace``)."""
