@@ -276,7 +276,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
             scores, start - first, length, junk_groups, bound, state.hole, keep, workspace
         )
         lo, hi = band_edges(found.best, bound, found.has_positive)
-        hide_own_labels(scores, start - first, length, state.hole)
+        hide_own_labels(scores, start - first, length, state.hole, workspace)
         scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, counts, keep)
         scanned = scanner.scan(scores, 0, lo, hi, first, bound)
         greater, near_state = scanned.greater, scanned.near
@@ -467,7 +467,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             result = _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)])
             return result, band_lo, band_hi
         # A span of whole labels: its diagonal square's negatives are scanned now.
-        hide_own_labels(scores, start - first, length, hole)
+        hide_own_labels(scores, start - first, length, hole, workspace)
         scanner = _Scanner(workspace, tile_bytes, threshold, counts)
         scanned = scanner.scan(scores, 0, band_lo, band_hi, first, bound[a:b])
         kinds = scanned.kinds(kept)
@@ -652,7 +652,7 @@ def _passes(
                 state.nan[a:b] |= torch.isnan(scores).any(dim=1)
             groups = queries.groups[a:b] if same_group else None
             hide_ignored(scores, located.own[a:b], groups, gallery.groups, hole)
-            hide_own_labels(scores, located.start[a:b], located.length[a:b], hole)
+            hide_own_labels(scores, located.start[a:b], located.length[a:b], hole, workspace)
             scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, bound[a:b])
             state.greater[a:b] += scanned.greater
             saturate(lo[a:b], hi[a:b], state.greater[a:b], options.max_k)

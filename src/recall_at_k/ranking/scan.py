@@ -74,6 +74,17 @@ class Positives(NamedTuple):
     found: Found  # the valid positives within 2B of s*_f
 
 
+def run_columns(start: Tensor, count: Tensor, width: int, workspace: Workspace) -> Tensor:
+    """``[T, widest]`` columns of each row's run of ``count`` from ``start``: its last column
+    repeated past its end, ``start`` for an empty run, all within ``[0, width)``."""
+    rows, device = start.shape[0], start.device
+    widest = int(count.max()) if count.numel() else 0
+    columns = workspace.get("block_columns", (rows, widest), torch.int64, device)
+    last = (count - 1).clamp_(min=0).unsqueeze(1)
+    torch.minimum(torch.arange(widest, device=device).unsqueeze(0), last, out=columns)
+    return columns.add_(start.unsqueeze(1)).clamp_(min=0, max=max(width - 1, 0))
+
+
 def positives(
     scores: Tensor,
     start: Tensor,
@@ -87,41 +98,48 @@ def positives(
     """Each row's positives: the ``count`` columns from ``start`` (ignored items holed);
     ``groups``: rows' and columns' under ``exclude="same_label_and_group"`` (junk), else None."""
     rows, device = scores.shape[0], scores.device
-    widest = int(count.max()) if count.numel() else 0
-    if widest == 0:
+    if not count.numel() or int(count.max()) == 0:
         best = torch.full((rows, 1), -math.inf, dtype=scores.dtype, device=device)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         none = torch.zeros(rows, dtype=torch.bool, device=device)
         return Positives(best, none, Found(empty, empty, None))
-    steps = torch.arange(widest, device=device)
-    in_block = steps.unsqueeze(0) < count.unsqueeze(1)
-    columns = workspace.get("block_columns", (rows, widest), torch.int64, device)
-    torch.add(start.unsqueeze(1), steps.unsqueeze(0), out=columns)
-    columns.clamp_(min=0, max=max(scores.shape[1] - 1, 0))
+    columns = run_columns(start, count, scores.shape[1], workspace)
+    shape = tuple(columns.shape)
     values = torch.gather(
-        scores, 1, columns, out=workspace.get("block", (rows, widest), scores.dtype, device)
+        scores, 1, columns, out=workspace.get("block", shape, scores.dtype, device)
     )
-    valid = in_block & (values == values) & (values != hole)
+    valid = workspace.get("block_valid", shape, torch.bool, device)
+    if hole == -math.inf:
+        torch.gt(values, hole, out=valid)  # neither NaN nor the hole
+    else:
+        torch.eq(values, values, out=valid)
+        if not math.isnan(hole):
+            valid.logical_and_(values != hole)
+    valid.masked_fill_((count == 0).unsqueeze(1), False)
     if groups is not None:
-        valid &= groups[1][columns] != groups[0].unsqueeze(1)
-    best = torch.where(valid, values, -math.inf).amax(dim=1, keepdim=True)
+        valid.logical_and_(groups[1][columns] != groups[0].unsqueeze(1))
+    marks = workspace.get("block_marks", shape, torch.bool, device)
+    values.masked_fill_(torch.logical_not(valid, out=marks), -math.inf)
+    best = values.amax(dim=1, keepdim=True)
     has_positive = valid.any(dim=1)
     lo, _ = band_edges(best, bound, has_positive)
-    row, step = (valid & (values >= lo)).nonzero(as_tuple=True)
+    row, step = torch.ge(values, lo, out=marks).logical_and_(valid).nonzero(as_tuple=True)
+    once = step < count[row]  # a run's last column is repeated past its end
+    row, step = row[once], step[once]
     kept = values[row, step] if keep_values else None
     return Positives(best, has_positive, Found(row, columns[row, step], kept))
 
 
-def hide_own_labels(scores: Tensor, start: Tensor, count: Tensor, hole: float) -> None:
+def hide_own_labels(
+    scores: Tensor, start: Tensor, count: Tensor, hole: float, workspace: Workspace
+) -> None:
     """Write ``hole`` over each row's own label run: the ``count`` columns from ``start``."""
-    widest = int(count.max()) if count.numel() else 0
-    if widest == 0:
+    if not count.numel() or int(count.max()) == 0:
         return
-    steps = torch.arange(widest, device=scores.device)
-    in_block = steps.unsqueeze(0) < count.unsqueeze(1)
-    rows = torch.arange(scores.shape[0], device=scores.device).unsqueeze(1)
-    flat = (rows * scores.shape[1] + start.unsqueeze(1) + steps.unsqueeze(0))[in_block]
-    scores.view(-1).index_fill_(0, flat, hole)
+    columns = run_columns(start, count, scores.shape[1], workspace)
+    # An empty run's one column is written back as it is; every other write is the hole.
+    values = scores.gather(1, columns[:, :1]).masked_fill_((count > 0).unsqueeze(1), hole)
+    scores.scatter_(1, columns, values.expand(columns.shape))
 
 
 def hide_ignored(
@@ -174,26 +192,51 @@ def scan(
         return
     size, other = scores.shape[axis], scores.shape[1 - axis]
     shape = (-1, 1) if axis == 0 else (1, -1)
-    step = rows_within(buffer_bytes, other * (scores.element_size() + 2), size)
-    device, counts = scores.device, greater.dtype
+    marks = mark_dtype(other)
+    mark_bytes = 2 * marks.itemsize
+    step = rows_within(buffer_bytes, other * (scores.element_size() + mark_bytes), size)
+    device = scores.device
     values = pooled(workspace, "scan_values", step * other, scores.dtype, device)
-    above_marks = pooled(workspace, "scan_above", step * other, torch.bool, device)
-    inside_marks = pooled(workspace, "scan_inside", step * other, torch.bool, device)
     for picked in torch.split(reaching, step):
         held = picked.shape[0] * other
         picked_shape = (picked.shape[0], other) if axis == 0 else (other, picked.shape[0])
         candidates = values[:held].view(picked_shape)
         torch.index_select(scores, axis, picked, out=candidates)
-        above = above_marks[:held].view(picked_shape)
-        torch.gt(candidates, hi.index_select(0, picked).view(shape), out=above)
-        greater.index_add_(0, picked, above.sum(dim=1 - axis, dtype=counts))
-        inside = inside_marks[:held].view(picked_shape)
-        torch.ge(candidates, lo.index_select(0, picked).view(shape), out=inside)
-        row, column = inside.logical_xor_(above).nonzero(as_tuple=True)  # lo <= s <= hi
+        band_lo = lo.index_select(0, picked).view(shape)
+        band_hi = hi.index_select(0, picked).view(shape)
+        above, row, column = compare(candidates, band_lo, band_hi, axis, marks, workspace)
+        greater.index_add_(0, picked, above.to(greater.dtype))
         if row.numel():
             query, item = (row, column) if axis == 0 else (column, row)
             value = candidates[row, column] if keep_values else None
             found.append(Found(picked[query], item + first, value))
+
+
+def mark_dtype(length: int) -> torch.dtype:
+    """The dtype of 0/1 marks whose sums over ``length`` of them are exact (float32 sums of
+    0/1 are exact up to 2^24; comparisons write float marks several times faster than bool
+    ones on CPU, and float sums need no int64 copy of the marks)."""
+    return torch.float32 if length <= 2**24 else torch.float64
+
+
+def compare(
+    candidates: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    axis: int,
+    marks: torch.dtype,
+    workspace: Workspace,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per query (along ``axis``) the count of ``candidates`` above ``hi`` (in ``marks``,
+    exact), and the positions of those in ``[lo, hi]`` (row and column)."""
+    numel, device = candidates.numel(), candidates.device
+    above = pooled(workspace, "marks_above", numel, marks, device).view(candidates.shape)
+    inside = pooled(workspace, "marks_inside", numel, marks, device).view(candidates.shape)
+    torch.gt(candidates, hi, out=above)
+    torch.ge(candidates, lo, out=inside).sub_(above)  # 1 in [lo, hi], else 0 (above <= ge)
+    whole = torch.int32 if marks == torch.float32 else torch.int64  # 0.0 is all zero bits
+    row, column = inside.view(whole).nonzero(as_tuple=True)
+    return above.sum(dim=1 - axis), row, column
 
 
 class Near(NamedTuple):
@@ -261,7 +304,8 @@ class Stack:
         self.lo, self.hi, self.greater, self.found = lo, hi, greater, found
         self.workspace = workspace
         stack_bytes = min(CPU_STACK_BYTES, buffer_bytes)
-        capacity = max(lo.shape[0], stack_bytes // max(1, width * (lo.element_size() + 2)))
+        row_bytes = width * (lo.element_size() + 2 * mark_dtype(width).itemsize)
+        capacity = max(lo.shape[0], stack_bytes // max(1, row_bytes))
         self.buffer = workspace.get("stack", (capacity, width), lo.dtype, lo.device)
         self.used = 0
         self.rows: list[Tensor] = []
@@ -297,12 +341,9 @@ class Stack:
         firsts = torch.tensor(self.firsts, device=rows.device).repeat_interleave(lengths)
         candidates = self.buffer[: self.used]
         lo, hi = self.lo.index_select(0, rows), self.hi.index_select(0, rows)
-        above = self.workspace.get("stack_above", tuple(candidates.shape), torch.bool, lo.device)
-        torch.gt(candidates, hi, out=above)
-        self.greater.index_add_(0, rows, above.sum(dim=1, dtype=self.greater.dtype))
-        inside = self.workspace.get("stack_inside", tuple(candidates.shape), torch.bool, lo.device)
-        torch.ge(candidates, lo, out=inside).logical_xor_(above)
-        row, column = inside.nonzero(as_tuple=True)
+        marks = mark_dtype(candidates.shape[1])
+        above, row, column = compare(candidates, lo, hi, 0, marks, self.workspace)
+        self.greater.index_add_(0, rows, above.to(self.greater.dtype))
         if row.numel():
             self.found.append(Found(rows[row], firsts[row] + column, None))
         self.used = 0
