@@ -166,11 +166,18 @@ class Shard:
         if out is None:
             out = torch.empty((index.shape[0], self.width), dtype=self.dtype, device=self.device)
         which = torch.searchsorted(torch.tensor(self.ends, device=self.device), local, right=True)
-        for block in torch.unique(which).tolist():
-            chosen = (which == block).nonzero().view(-1)
-            rows = local[chosen] - (self.ends[block] - self.blocks[block].shape[0])
-            out[chosen] = self.blocks[block].index_select(0, rows).to(self.dtype)
-        return out
+        order = torch.argsort(which, stable=True)  # the indices grouped by block, each once
+        grouped = out if bool((order[1:] > order[:-1]).all()) else torch.empty_like(out)
+        counts = torch.bincount(which, minlength=len(self.blocks)).tolist()
+        for block, stop in enumerate(itertools.accumulate(counts)):
+            if counts[block]:
+                part = slice(stop - counts[block], stop)
+                rows = local[order[part]] - (self.ends[block] - self.blocks[block].shape[0])
+                if self.blocks[block].dtype == self.dtype:  # no copy beside ``out``
+                    torch.index_select(self.blocks[block], 0, rows, out=grouped[part])
+                else:
+                    grouped[part] = self.blocks[block].index_select(0, rows)
+        return out if grouped is out else out.index_copy_(0, order, grouped)
 
     def check(self, a: Tensor, b: Tensor, test: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
         """bool per pair of items ``(a, b)`` (global indices): ``test`` of their rows, by the
