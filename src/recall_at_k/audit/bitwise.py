@@ -11,7 +11,12 @@ import torch
 from torch import Tensor
 
 from recall_at_k._kernel import Workspace
-from recall_at_k.ranking.budget import AUDIT_HASH_DIM_BLOCK, AuditSizes, workers_within
+from recall_at_k.ranking.budget import (
+    AUDIT_HASH_DIM_BLOCK,
+    CPU_AUDIT_ROWS_BYTES,
+    AuditSizes,
+    workers_within,
+)
 from recall_at_k.ranking.workers import Workers, worker_count
 
 CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
@@ -67,12 +72,15 @@ def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
     generator = torch.Generator().manual_seed(20261203)
     coefficients = torch.randint(1, HASH_PRIME, (bits.shape[1], 3), generator=generator)
     coefficients = coefficients.to(device=bits.device, dtype=torch.float64)
-    wide = workspace.get(ROWS_SLOT, tuple(bits.shape), torch.float64, bits.device)
-    wide.copy_(bits).add_(2**15)
     keys = torch.zeros((bits.shape[0], 3), dtype=torch.float64, device=bits.device)
-    step = AUDIT_HASH_DIM_BLOCK
-    for at in range(0, bits.shape[1], step):
-        keys.addmm_(wide[:, at : at + step], coefficients[at : at + step]).remainder_(HASH_PRIME)
+    rows = max(1, CPU_AUDIT_ROWS_BYTES // max(1, 8 * bits.shape[1]))  # widened in cache
+    for first in range(0, bits.shape[0], rows if bits.device.type == "cpu" else bits.shape[0]):
+        part, block = bits[first : first + rows], keys[first : first + rows]
+        wide = workspace.get(ROWS_SLOT, tuple(part.shape), torch.float64, bits.device)
+        wide.copy_(part).add_(2**15)
+        for at in range(0, bits.shape[1], AUDIT_HASH_DIM_BLOCK):
+            columns = slice(at, at + AUDIT_HASH_DIM_BLOCK)
+            block.addmm_(wide[:, columns], coefficients[columns]).remainder_(HASH_PRIME)
     key = keys.to(torch.int64)
     return key[:, 0].mul(HASH_PRIME).add_(key[:, 1]).mul_(HASH_PRIME).add_(key[:, 2])
 
