@@ -96,8 +96,8 @@ CPU_SQUARE_BYTES = 4 * 2**20
 SQUARE_MIN_ROWS = 64
 """Square blocks of fewer rows (but not every item) cost more than tiles."""
 
-CPU_AUDIT_ROWS_BYTES = 2**19
-"""On CPU the audit widens rows to float64 (to hash or project them) this many bytes at a
+CPU_WIDE_ROWS_BYTES = 2**21
+"""On CPU rows are widened to float64 (normalised, hashed, projected) this many bytes at a
 time, in cache."""
 
 CANONICAL_BATCH_BYTES = 4 * 2**20
