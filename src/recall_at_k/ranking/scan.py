@@ -115,13 +115,15 @@ def positives(
         torch.eq(values, values, out=valid)
         if not math.isnan(hole):
             valid.logical_and_(values != hole)
-    valid.masked_fill_((count == 0).unsqueeze(1), False)
     if groups is not None:
         valid.logical_and_(groups[1][columns] != groups[0].unsqueeze(1))
     marks = workspace.get("block_marks", shape, torch.bool, device)
     values.masked_fill_(torch.logical_not(valid, out=marks), -math.inf)
-    best = values.amax(dim=1, keepdim=True)
-    has_positive = valid.any(dim=1)
+    empty = (count == 0).unsqueeze(1)  # its columns are not its run: nothing valid
+    best = values.amax(dim=1, keepdim=True).masked_fill_(empty, -math.inf)
+    # (any valid value of a built-in similarity is above the -inf hole)
+    has_positive = best.view(-1) > hole if hole == -math.inf else valid.any(dim=1)
+    has_positive.masked_fill_(empty.view(-1), False)
     lo, _ = band_edges(best, bound, has_positive)
     row, step = torch.ge(values, lo, out=marks).logical_and_(valid).nonzero(as_tuple=True)
     once = step < count[row]  # a run's last column is repeated past its end
