@@ -109,12 +109,10 @@ def positives(
         scores, 1, columns, out=workspace.get("block", shape, scores.dtype, device)
     )
     valid = workspace.get("block_valid", shape, torch.bool, device)
-    if hole == -math.inf:
+    if hole == -math.inf:  # the holes of built-in similarities; a callable's are NaN
         torch.gt(values, hole, out=valid)  # neither NaN nor the hole
     else:
         torch.eq(values, values, out=valid)
-        if not math.isnan(hole):
-            valid.logical_and_(values != hole)
     if groups is not None:
         valid.logical_and_(groups[1][columns] != groups[0].unsqueeze(1))
     marks = workspace.get("block_marks", shape, torch.bool, device)
@@ -194,9 +192,8 @@ def scan(
         return
     size, other = scores.shape[axis], scores.shape[1 - axis]
     shape = (-1, 1) if axis == 0 else (1, -1)
-    marks = mark_dtype(other)
-    mark_bytes = 2 * marks.itemsize
-    step = rows_within(buffer_bytes, other * (scores.element_size() + mark_bytes), size)
+    marks = 2 * mark_dtype(other).itemsize
+    step = rows_within(buffer_bytes, other * (scores.element_size() + marks), size)
     device = scores.device
     values = pooled(workspace, "scan_values", step * other, scores.dtype, device)
     for picked in torch.split(reaching, step):
@@ -206,7 +203,7 @@ def scan(
         torch.index_select(scores, axis, picked, out=candidates)
         band_lo = lo.index_select(0, picked).view(shape)
         band_hi = hi.index_select(0, picked).view(shape)
-        above, row, column = compare(candidates, band_lo, band_hi, axis, marks, workspace)
+        above, row, column = compare(candidates, band_lo, band_hi, axis, workspace)
         greater.index_add_(0, picked, above.to(greater.dtype))
         if row.numel():
             query, item = (row, column) if axis == 0 else (column, row)
@@ -215,23 +212,18 @@ def scan(
 
 
 def mark_dtype(length: int) -> torch.dtype:
-    """The dtype of 0/1 marks whose sums over ``length`` of them are exact (float32 sums of
-    0/1 are exact up to 2^24; comparisons write float marks several times faster than bool
-    ones on CPU, and float sums need no int64 copy of the marks)."""
+    """0/1 marks whose sums over ``length`` are exact: float (comparisons write float marks
+    several times faster than bool on CPU, and float sums need no int64 copy of them)."""
     return torch.float32 if length <= 2**24 else torch.float64
 
 
 def compare(
-    candidates: Tensor,
-    lo: Tensor,
-    hi: Tensor,
-    axis: int,
-    marks: torch.dtype,
-    workspace: Workspace,
+    candidates: Tensor, lo: Tensor, hi: Tensor, axis: int, workspace: Workspace
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per query (along ``axis``) the count of ``candidates`` above ``hi`` (in ``marks``,
-    exact), and the positions of those in ``[lo, hi]`` (row and column)."""
+    """Per query (along ``axis``) the count of ``candidates`` above ``hi`` (float, exact),
+    and the positions (row, column) of those in ``[lo, hi]``."""
     numel, device = candidates.numel(), candidates.device
+    marks = mark_dtype(candidates.shape[1 - axis])
     above = pooled(workspace, "marks_above", numel, marks, device).view(candidates.shape)
     inside = pooled(workspace, "marks_inside", numel, marks, device).view(candidates.shape)
     torch.gt(candidates, hi, out=above)
@@ -343,8 +335,7 @@ class Stack:
         firsts = torch.tensor(self.firsts, device=rows.device).repeat_interleave(lengths)
         candidates = self.buffer[: self.used]
         lo, hi = self.lo.index_select(0, rows), self.hi.index_select(0, rows)
-        marks = mark_dtype(candidates.shape[1])
-        above, row, column = compare(candidates, lo, hi, 0, marks, self.workspace)
+        above, row, column = compare(candidates, lo, hi, 0, self.workspace)
         self.greater.index_add_(0, rows, above.to(self.greater.dtype))
         if row.numel():
             self.found.append(Found(rows[row], firsts[row] + column, None))
