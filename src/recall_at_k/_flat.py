@@ -173,9 +173,7 @@ def _count_equal(matrix: Tensor, value: Tensor) -> Tensor:
     (:func:`recall_at_k._kernel.count_dtype`) except in a small matrix."""
     if matrix.numel() <= _SMALL_MATRIX:
         return (matrix == value).sum(dim=1, keepdim=True)
-    out = torch.empty(
-        matrix.shape, dtype=_kernel.count_dtype(matrix.shape[1]), device=matrix.device
-    )
+    out = matrix.new_empty(matrix.shape, dtype=_kernel.count_dtype(matrix.shape[1]))
     torch.eq(matrix, value, out=out)
     return out.sum(dim=1, keepdim=True).to(torch.int64)
 
@@ -418,14 +416,8 @@ def pack(parts: Partials) -> Tensor:
 def unpack(rows: Tensor) -> Partials:
     """Inverse of :func:`pack`."""
     scores = rows[:, _BEST:].view(torch.float64)
-    return Partials(
-        rows[:, _ID],
-        scores[:, 0],
-        rows[:, _TIED],
-        scores[:, 1:],
-        rows[:, _KEPT],
-        rows[:, _BOUNDARY],
-    )
+    ids, tied, kept, boundary = (rows[:, column] for column in (_ID, _TIED, _KEPT, _BOUNDARY))
+    return Partials(ids, scores[:, 0], tied, scores[:, 1:], kept, boundary)
 
 
 def _merged(
@@ -450,11 +442,8 @@ def compact(
 ) -> list[Tensor]:
     """The state blocks (``rows`` in all) merged into one once they exceed twice the first
     (the last merge's result) plus ``slack`` (:func:`compact_slack`): O(1) amortised a row."""
-    if len(state) < 2:
-        return state
-    if slack is None:
-        slack = compact_slack(max_k)
-    if rows <= 2 * state[0].shape[0] + slack:
+    slack = compact_slack(max_k) if slack is None else slack
+    if len(state) < 2 or rows <= 2 * state[0].shape[0] + slack:
         return state
     parts = _merged(state, max_k, complete_queries, path)
     return [] if parts is None else [pack(parts)]
