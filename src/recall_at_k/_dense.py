@@ -77,11 +77,7 @@ def check_query_ids(query_ids: Tensor, scores: Tensor) -> None:
     """``query_ids``: an integer ``[Q]`` tensor on the scores' device."""
     check_tensors(query_ids=query_ids)
     num_queries = scores.shape[0]
-    if (
-        query_ids.dim() != 1
-        or query_ids.shape[0] != num_queries
-        or query_ids.dtype not in SIGNED_INTEGER_DTYPES
-    ):
+    if tuple(query_ids.shape) != (num_queries,) or query_ids.dtype not in SIGNED_INTEGER_DTYPES:
         raise ValueError(
             f"`query_ids` must be an integer (int64) tensor of shape [Q] = [{num_queries}],"
             f" one id per row of `scores`, got {describe(query_ids)}"
@@ -212,12 +208,8 @@ def _index_counts(
     if ignore is not None:
         has_pos = has_pos & ~ignore.gather(-1, column).squeeze(-1)
         # NaN compares false with everything: ignored items count nowhere.
-        values = torch.where(
-            ignore,
-            _constant(float("nan"), scores),
-            scores,
-            out=scratch(workspace, "negatives", tuple(scores.shape), scores.dtype, scores.device),
-        )
+        out = scratch(workspace, "negatives", tuple(scores.shape), scores.dtype, scores.device)
+        values = torch.where(ignore, _constant(float("nan"), scores), scores, out=out)
     ops = ("gt",) * needed.greater + ("ge",) * needed.at_or_above
     found = _counts(values, best, ops, workspace, small, block_bytes)
     greater = found[0] if needed.greater else None
@@ -242,19 +234,11 @@ def _mask_counts_by_selects(
     relevant = target if target.dtype == torch.bool else target != 0
     valid_pos = relevant if ignore is None else relevant & ~ignore
     not_negative = relevant if ignore is None else relevant | ignore
-    positives_only = torch.where(
-        valid_pos,
-        scores,
-        _constant(float("-inf"), scores),
-        out=scratch(workspace, "positives", shape, scores.dtype, scores.device),
-    )
+    out = scratch(workspace, "positives", shape, scores.dtype, scores.device)
+    positives_only = torch.where(valid_pos, scores, _constant(float("-inf"), scores), out=out)
     best = positives_only.amax(dim=-1, keepdim=True)
-    negatives_only = torch.where(
-        not_negative,
-        _constant(float("nan"), scores),
-        scores,
-        out=scratch(workspace, "negatives", shape, scores.dtype, scores.device),
-    )
+    out = scratch(workspace, "negatives", shape, scores.dtype, scores.device)
+    negatives_only = torch.where(not_negative, _constant(float("nan"), scores), scores, out=out)
     ops = ("gt",) * needed.greater + ("ge",) * needed.at_or_above
     found = _counts(negatives_only, best, ops, workspace, False, block_bytes)
     greater = found[0] if needed.greater else None
@@ -272,8 +256,7 @@ def _mask_counts_small(scores: Tensor, target: Tensor, needed: NeededCounts) -> 
     ``at > relevant`` are the negatives among them and ``at & relevant`` the positives tied
     at s* (all items when s* = -inf)."""
     relevant = target if target.dtype == torch.bool else target != 0
-    best = torch.where(relevant, scores, _constant(float("-inf"), scores))
-    best = best.amax(dim=-1, keepdim=True)
+    best = torch.where(relevant, scores, _constant(float("-inf"), scores)).amax(-1, keepdim=True)
     greater = (scores > best).sum(dim=-1) if needed.greater else None
     at_or_above = tied = None
     if needed.at_or_above or needed.tied_positives:
@@ -375,10 +358,6 @@ def _mask_counts_in_blocks(
             at_or_above = torch.where(
                 all_minus_inf, gallery - num_pos, at_or_above_f.to(torch.int64) - tied
             )
-    return TieCounts(
-        greater_f.to(torch.int64) if needed.greater else None,
-        at_or_above,
-        tied if needed.tied_positives else None,
-        num_pos > 0,
-        torch.isnan(row_best),
-    )
+    greater = greater_f.to(torch.int64) if needed.greater else None
+    tied = tied if needed.tied_positives else None
+    return TieCounts(greater, at_or_above, tied, num_pos > 0, torch.isnan(row_best))
