@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from recall_at_k.ranking.stored import FLOAT_FLOOR, dtype_bits, dtype_of_bits, widest_float
+from recall_at_k.ranking.stored import FLOAT_BITS, FLOAT_FLOOR, FLOAT_OF_BITS, widest_float
 
 
 class ListLayout(NamedTuple):
@@ -62,10 +62,10 @@ def agree_float_dtypes(
         return
     states = [_blocks(getattr(metric, name)) for name in names]
     widest = [widest_float([block.dtype for block in blocks]) for blocks in states]
-    local = torch.tensor([dtype_bits(dtype) for dtype in widest], device=metric.device)
+    local = torch.tensor([FLOAT_BITS[dtype] for dtype in widest], device=metric.device)
     gathered = torch.stack([g.reshape(-1) for g in dist_sync_fn(local, group=process_group)])
     for name, blocks, bits in zip(names, states, gathered.amax(dim=0).tolist(), strict=True):
-        dtype = dtype_of_bits(int(bits))
+        dtype = FLOAT_OF_BITS[int(bits)]
         if any(block.dtype != dtype for block in blocks):
             setattr(metric, name, [block.to(dtype) for block in blocks])
 

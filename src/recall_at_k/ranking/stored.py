@@ -106,8 +106,9 @@ class BroadcastRows:
                 yield rank, first, part
 
 
-_BITS = {torch.float32: 32, torch.float64: 64}
-_FLOAT_OF_BITS = {bits: dtype for dtype, bits in _BITS.items()}
+FLOAT_BITS = {torch.float32: 32, torch.float64: 64}
+"""The bits of each stored float dtype, to agree on one across processes (and back)."""
+FLOAT_OF_BITS = {bits: dtype for dtype, bits in FLOAT_BITS.items()}
 
 
 def process_rows(
@@ -116,21 +117,11 @@ def process_rows(
     """The rows and values each process of ``group`` holds, and the widest float dtype any
     holds them in (``dtype``: this process's): one all-gather of three integers."""
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows, held, _BITS[dtype]], dtype=torch.int64, device=device)
+    mine = torch.tensor([rows, held, FLOAT_BITS[dtype]], dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
     collectives.all_gather(every, mine, group=group)
     widest = max(int(row[2]) for row in every)
-    return [int(row[0]) for row in every], [int(row[1]) for row in every], _FLOAT_OF_BITS[widest]
-
-
-def dtype_bits(dtype: torch.dtype) -> int:
-    """The bits of a stored float dtype (32 or 64), for agreeing on one across processes."""
-    return _BITS[dtype]
-
-
-def dtype_of_bits(bits: int) -> torch.dtype:
-    """The stored float dtype of ``bits`` (:func:`dtype_bits`)."""
-    return _FLOAT_OF_BITS[bits]
+    return [int(row[0]) for row in every], [int(row[1]) for row in every], FLOAT_OF_BITS[widest]
 
 
 def broadcast_blocks(
