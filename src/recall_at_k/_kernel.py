@@ -65,15 +65,14 @@ class Workspace:
         self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> Tensor:
         """An uninitialised tensor of ``shape`` from ``slot``."""
-        numel = math.prod(shape)
-        key = (slot, dtype, device)
+        numel, key = math.prod(shape), (slot, dtype, device)
         buffer = self._buffers.get(key)
-        stale = (
-            buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled()
-        )
-        if buffer is None or stale or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buffer
+        if (
+            buffer is None
+            or (buffer.is_inference() and not torch.is_inference_mode_enabled())
+            or buffer.numel() < numel
+        ):
+            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buffer[:numel].view(shape)
 
     def clear(self) -> None:
