@@ -91,15 +91,13 @@ def _stirling_error(n: int) -> float:
     """log(n!) - log(sqrt(2 pi n) (n / e)^n)."""
     if n <= 15:
         return math.lgamma(n + 1) - (n + 0.5) * math.log(n) + n - 0.5 * math.log(2 * math.pi)
-    nn = float(n) * n
-    s0, s1, s2, s3, s4 = 1 / 12, 1 / 360, 1 / 1260, 1 / 1680, 1 / 1188
-    if n > 500:
-        return (s0 - s1 / nn) / n
-    if n > 80:
-        return (s0 - (s1 - s2 / nn) / nn) / n
-    if n > 35:
-        return (s0 - (s1 - (s2 - s3 / nn) / nn) / nn) / n
-    return (s0 - (s1 - (s2 - (s3 - s4 / nn) / nn) / nn) / nn) / n
+    # (s0 - (s1 - (s2 - ...) / nn) / nn) / n, with fewer terms the larger n.
+    nn, terms = float(n) * n, (1 / 12, 1 / 360, 1 / 1260, 1 / 1680, 1 / 1188)
+    used = 2 if n > 500 else 3 if n > 80 else 4 if n > 35 else 5
+    total = terms[used - 1]
+    for term in reversed(terms[: used - 1]):
+        total = term - total / nn
+    return total / n
 
 
 def _deviance(x: float, mean: float) -> float:
@@ -293,9 +291,8 @@ def _compare(hits_a: Tensor, hits_b: Tensor, level: float) -> PairedComparison:
     only_a = int((hit_a & ~hit_b).sum())
     only_b = int((~hit_a & hit_b).sum())
     n = hit_a.numel()
-    neither = n - both - only_a - only_b
     p_value = mcnemar_p_value(only_a, only_b)
     if n == 0:
         return PairedComparison(math.nan, math.nan, math.nan, p_value, 0, 0, 0)
-    low, high = newcombe_interval(both, only_a, only_b, neither, level)
+    low, high = newcombe_interval(both, only_a, only_b, n - both - only_a - only_b, level)
     return PairedComparison((only_b - only_a) / n, low, high, p_value, only_a, only_b, n)
