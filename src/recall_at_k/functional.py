@@ -353,11 +353,8 @@ def embedding_recall_at_k(
     _embedding_checks.check_batch(queries, query_labels, query_groups, query_ids, query_names)
     sides = [(queries, query_labels, query_groups, query_ids)]
     if gallery is None:
-        for name, value in (
-            ("gallery_labels", gallery_labels),
-            ("gallery_groups", gallery_groups),
-            ("gallery_ids", gallery_ids),
-        ):
+        names = ("gallery_labels", "gallery_groups", "gallery_ids")
+        for name, value in zip(names, (gallery_labels, gallery_groups, gallery_ids), strict=True):
             if value is not None:
                 raise ValueError(
                     f"`{name}` was given without `gallery`: pass `gallery` too, or leave"
@@ -366,16 +363,14 @@ def embedding_recall_at_k(
     else:
         if gallery_labels is None:
             raise ValueError("`gallery_labels` are required with `gallery`")
+        sides.append((gallery, gallery_labels, gallery_groups, gallery_ids))
         gallery_names = ("gallery", "gallery_labels", "gallery_groups", "gallery_ids")
-        _embedding_checks.check_batch(
-            gallery, gallery_labels, gallery_groups, gallery_ids, gallery_names
-        )
+        _embedding_checks.check_batch(*sides[1], gallery_names)
         if gallery.shape[1] != queries.shape[1] or gallery.device != queries.device:
             raise ValueError(
                 f"`gallery` must have the width and device of `queries` ({queries.shape[1]},"
                 f" {queries.device}), got {gallery.shape[1]}, {gallery.device}"
             )
-        sides.append((gallery, gallery_labels, gallery_groups, gallery_ids))
     if exclude != "none" and any(side[2] is None for side in sides):
         raise ValueError(
             f"`query_groups` and `gallery_groups` are required with exclude={exclude!r}"
