@@ -82,10 +82,8 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         check_choice("ties", ties, TIES)
         check_choice("empty_target_action", empty_target_action, EMPTY_TARGET_ACTIONS)
         self.keys = check_key(key, self.ks)
-        self.ties = ties
-        self.empty_target_action = empty_target_action
-        self.key = key
-        self.validate_args = validate_args
+        self.ties, self.empty_target_action = ties, empty_target_action
+        self.key, self.validate_args = key, validate_args
         self._prefixes = tuple(prefixes)
         self._exact_states: list[str] = []
         self._list_layouts: dict[str, ListLayout] = {}
@@ -152,8 +150,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             # compute()'s key: every process's update count, gathered as the states were.
             mine = torch.tensor([self.update_count], dtype=torch.int64, device=self.device)
             assert dist_sync_fn is not None
-            counts = dist_sync_fn(mine, group)
-            self._gathered_key = tuple(int(count) for count in counts)
+            self._gathered_key = tuple(int(count) for count in dist_sync_fn(mine, group))
 
     def _will_sync(
         self, should_sync: bool, distributed_available: Callable[..., Any] | None
@@ -255,8 +252,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
         cast, or ``sync()`` / ``unsync()`` changes the held state."""
         key = self._result_key_now()
         if self._result is not None and self._result_key == key:
-            result: OutputT = self._result
-            return result
+            return cast(OutputT, self._result)
         result = self._output([values for values, _ in self._recall_values()])
         if self._keep_result and not self._in_forward:
             self._result, self._result_key = result, key
@@ -274,8 +270,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
     def _value_for_view(self, key: str) -> Tensor:
         """``compute()[key]``, for a view of :meth:`per_k`."""
         result = self.compute()
-        value: Tensor = result[key] if isinstance(result, dict) else result
-        return value
+        return result[key] if isinstance(result, dict) else result
 
     def confidence_interval(self, level: float = 0.95) -> OutputT:
         """The Wilson score interval of each Recall@K, from the synchronised state.
