@@ -195,8 +195,7 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         _embedding_checks.check_similarity(similarity, exclude)
         self.directions = names
         self.chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
-        self.similarity = similarity
-        self.exclude = exclude
+        self.similarity, self.exclude = similarity, exclude
         self.bidirectional = bool(bidirectional)
         self.near_duplicate = _audit.check_near_duplicate(near_duplicate)
         self.progress = check_progress(progress)

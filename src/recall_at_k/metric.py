@@ -147,9 +147,8 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
         self._add_count_state(self._queries_name, torch.zeros(2, dtype=torch.int64))
         # Flat form: blocks of per-query partial rows (recall_at_k._flat), merged by id.
         self._flat_name = f"flat_partials_{tag}"
-        self._add_list_state(
-            self._flat_name, ListLayout((_flat.ROW_PREFIX + self.max_k,), torch.int64)
-        )
+        rows = ListLayout((_flat.ROW_PREFIX + self.max_k,), torch.int64)
+        self._add_list_state(self._flat_name, rows)
         # Dense form with query_ids: one outcome record a query, de-duplicated by id.
         self._ids_name, self._outcomes_name = f"query_ids_{tag}", f"query_outcomes_{tag}"
         self._add_list_state(self._ids_name, ListLayout((), torch.int64))
@@ -313,8 +312,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
             tensor([[0., 0.],
                     [1., 1.]], dtype=torch.float64)
         """
-        outcomes: QueryOutcomes = self._synced(self._query_outcomes)
-        return outcomes
+        return cast(QueryOutcomes, self._synced(self._query_outcomes))
 
     def _query_outcomes(self) -> QueryOutcomes:
         without_ids = int(self.query_counts.sum())
@@ -325,8 +323,7 @@ class RetrievalRecallAtK(RecallAtKMetric[OutputT]):
                 " rank histogram, not one record per query); pass"
                 " `update(scores, target, query_ids=ids)`"
             )
-        flat = self._flat_counts()
-        dense = self._dense_records()
+        flat, dense = self._flat_counts(), self._dense_records()
         if flat is not None and dense is not None:
             raise ValueError(
                 "query_outcomes(): this metric holds dense rows (ids from `query_ids`) and"
