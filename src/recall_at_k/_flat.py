@@ -309,13 +309,9 @@ def _summarise_matrix(
         counted = torch.where(pos, nan, matrix)
         num_items: Tensor | int = width
     else:
-        matrix, pos, counted = _padded(
-            counts,
-            width,
-            (values, _NEG_INF),
-            (positive, False),
-            (torch.where(positive, nan, values), float("nan")),
-        )
+        counted = torch.where(positive, nan, values)
+        columns = (values, _NEG_INF), (positive, False), (counted, float("nan"))
+        matrix, pos, counted = _padded(counts, width, *columns)
         num_items = counts.unsqueeze(1)
     best = torch.where(pos, matrix, neg_inf).amax(dim=1, keepdim=True)
     tied = (pos & (matrix == best)).sum(dim=1, keepdim=True)
