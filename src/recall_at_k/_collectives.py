@@ -53,30 +53,29 @@ def gather_all_tensors(result: Tensor, group: Any = None) -> list[Tensor]:
     world = dist.get_world_size(group)
     dist.barrier(group=group)
     with torch.no_grad():
-        if result.ndim == 0:
-            parts = [torch.zeros_like(result) for _ in range(world)]
-            all_gather(parts, result, group)
-        else:
-            parts = _gather_padded(result, world, group)
+        gather = _gather_padded if result.ndim else _gather
+        parts = gather(result, world, group)
     parts[dist.get_rank(group)] = result
+    return parts
+
+
+def _gather(tensor: Tensor, world: int, group: Any) -> list[Tensor]:
+    """Every process's ``tensor``, all of one shape, in new tensors."""
+    parts = [torch.zeros_like(tensor) for _ in range(world)]
+    all_gather(parts, tensor, group)
     return parts
 
 
 def _gather_padded(result: Tensor, world: int, group: Any) -> list[Tensor]:
     """Every process's ``result`` of at least one dimension: each padded to the largest
     size in every dimension where sizes differ, gathered, and cut back."""
-    shape = torch.tensor(result.shape, device=result.device)
-    shapes = [torch.zeros_like(shape) for _ in range(world)]
-    all_gather(shapes, shape, group)
+    shapes = _gather(torch.tensor(result.shape, device=result.device), world, group)
     largest = torch.stack(shapes).amax(dim=0)
     if all(bool((size == largest).all()) for size in shapes):
-        parts = [torch.zeros_like(result) for _ in range(world)]
-        all_gather(parts, result, group)
-        return parts
+        return _gather(result, world, group)
     padded = result.new_zeros(tuple(largest.tolist()))
     padded[tuple(slice(size) for size in result.shape)] = result
-    parts = [torch.zeros_like(padded) for _ in range(world)]
-    all_gather(parts, padded, group)
+    parts = _gather(padded, world, group)
     return [
         part[tuple(slice(int(size)) for size in sizes)]
         for part, sizes in zip(parts, shapes, strict=True)
