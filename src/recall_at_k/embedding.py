@@ -378,16 +378,10 @@ class EmbeddingRecallAtK(RecallAtKMetric[OutputT]):
         ranked: list[engine.Ranked | None] = [None] * count
         if purpose != "protocol_report" or self.near_duplicate is not None:
             near = self.near_duplicate if audits is not None else None
-            rank_options = engine.RankOptions(
-                self.similarity,
-                self.exclude,
-                self.ties,
-                self.max_k,
-                self.validate_args,
-                near,
-                self.progress and purpose == "compute",
-                caller=f"EmbeddingRecallAtK.{purpose}()",
-            )
+            basics = self.similarity, self.exclude, self.ties, self.max_k, self.validate_args
+            progress = self.progress and purpose == "compute"
+            caller = f"EmbeddingRecallAtK.{purpose}()"
+            rank_options = engine.RankOptions(*basics, near, progress, caller=caller)
             known = None if audits is None or near is None else [a and a.known() for a in audits]
             outcomes = purpose == "query_outcomes"
             ranked = engine.rank(planned, rank_options, group, sharded, known, outcomes)
