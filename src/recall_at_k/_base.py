@@ -198,8 +198,7 @@ class RecallAtKMetric(RecallMetric, Generic[OutputT]):
             self._in_forward = False
             # dist_sync_on_step=True: torchmetrics put the accumulated states back itself.
             self._gathered_states = False
-            self._widened = {}
-            self._filled_for_sync = []
+            self._widened, self._filled_for_sync = {}, []
         self._after_forward()
         for view in self._view_list:
             view(value[view.key] if isinstance(value, dict) else value)

@@ -33,8 +33,7 @@ class Lifecycle:
         self.keep_rows = False  # inside sync_context: the next sync keeps rows in place
         self.synced: Synced | None = None  # set by sync(), until unsync()
         self.report: tuple[list[dict[str, int]], bool] | None = None  # and whether synced
-        # The audit's warning: None, then its text until compute() shows it, then "".
-        self.warning: str | None = None
+        self.warning: str | None = None  # the audit's: None, its text until compute() shows it, ""
 
 
 def audits_for(

@@ -136,8 +136,7 @@ def newcombe_interval(
     z = NormalDist().inv_cdf(0.5 + level / 2)
     hits_b, hits_a = both + only_b, both + only_a
     p1, p2 = hits_b / n, hits_a / n
-    l1, u1 = _wilson(hits_b, n, z)
-    l2, u2 = _wilson(hits_a, n, z)
+    (l1, u1), (l2, u2) = _wilson(hits_b, n, z), _wilson(hits_a, n, z)
     margins = hits_b * (n - hits_b) * hits_a * (n - hits_a)
     psi = 0.0
     if margins > 0:
@@ -262,8 +261,7 @@ def _aligned(a: QueryOutcomes, b: QueryOutcomes, direction: str) -> tuple[Tensor
                 f"`{name}`{where}: query ids must be unique, got"
                 f" {outcomes.ids.numel() - distinct.numel()} repeated id(s)"
             )
-        hits = outcomes.hits
-        fractional = (hits != 0) & (hits != 1)
+        fractional = (outcomes.hits != 0) & (outcomes.hits != 1)
         if bool(fractional.any()):
             raise ValueError(
                 f"`{name}`{where}: {int(fractional.any(dim=1).sum())} queries have a hit"

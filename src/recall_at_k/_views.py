@@ -46,8 +46,7 @@ class RecallView(RecallMetric):
         # Plain attributes, not submodules: the view is the parent's child, not its owner.
         object.__setattr__(self, "_parent", parent)
         object.__setattr__(self, "_read", read)
-        # The batch value during this view's own forward, else None.
-        self._batch: Tensor | None = None
+        self._batch: Tensor | None = None  # the batch value during its own forward, else None
 
     @property
     def parent(self) -> Metric:

@@ -384,10 +384,8 @@ def embedding_recall_at_k(
     rows = StoredRows([side[0] for side in sides], queries.shape[1])
     planned = _plan.make_plan(rows, items, _plan.directions(items, 1), exclude, chunk_bytes)  # type: ignore[arg-type]
     _plan.prepare(planned, similarity)
-    options = _engine.RankOptions(
-        similarity, exclude, ties, max(ks), validate_args, progress=progress
-    )
-    ranked = _engine.rank(planned, options)[0]
+    opts = _engine.RankOptions(similarity, exclude, ties, max(ks), validate_args, progress=progress)
+    ranked = _engine.rank(planned, opts)[0]
     assert ranked is not None
     values, _ = recall_values(ranked.hist, ranked.queries, ks, empty_target_action)
     return format_output(values, keys, single)
