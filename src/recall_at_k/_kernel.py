@@ -111,8 +111,7 @@ def expected_hit_probability(
     p = tied_positives.to(torch.float64).unsqueeze(-1)
     steps = torch.arange(max_k, dtype=torch.float64, device=device)
     # log((e - i) / (e + p - i)) = log1p(-p / (e + p - i)); only i < e is ever used.
-    terms = torch.log1p(-p / (e + p - steps).clamp(min=1.0))
-    log_ratio = terms.cumsum(dim=-1)
+    log_ratio = torch.log1p(-p / (e + p - steps).clamp(min=1.0)).cumsum(dim=-1)
     m = (steps + 1) - greater.to(torch.float64).unsqueeze(-1)
     index = (m - 1).clamp(min=0, max=max_k - 1).to(torch.int64)
     miss_all_tied = torch.exp(log_ratio.gather(-1, index))
@@ -170,8 +169,7 @@ def rank_histogram(counts: TieCounts, ties: str, max_k: int) -> tuple[Tensor, Te
 
 def first_of_each_id(ids: Tensor) -> Tensor:
     """Positions of the first occurrence of every distinct id, in order of the ids."""
-    order = torch.sort(ids, stable=True).indices
-    sorted_ids = ids[order]
+    sorted_ids, order = torch.sort(ids, stable=True)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[1:] = sorted_ids[1:] != sorted_ids[:-1]
     return order[first]

@@ -95,8 +95,7 @@ class Decider:
         merged = torch.maximum(before, best)
         count = torch.zeros(touched.shape[0], dtype=self.tied.dtype, device=rows.device)
         count.index_add_(0, inverse, (scores == merged[inverse]).to(count.dtype))
-        tied = self.tied[touched].masked_fill_(merged > before, 0).add_(count)
-        self.tied[touched] = tied
+        self.tied[touched] = self.tied[touched].masked_fill_(merged > before, 0).add_(count)
         self.best[touched] = merged
 
     def result(self) -> Decided:
