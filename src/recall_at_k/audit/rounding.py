@@ -131,14 +131,13 @@ def candidates(grid: Grid, places: Places, sizes: AuditSizes) -> Iterator[tuple[
     )
     low = 3 * torch.arange(FILTERS - PROJECTIONS, dtype=torch.int32, device=key.device)
     step = max(1, sizes.candidate_pairs // len(offsets))
+    shifts = torch.tensor(offsets, device=key.device)  # shifts[0] = 0: the own cell
     for start in range(0, key.shape[0] if key.shape[0] > 1 else 0, step):
         position = torch.arange(start, min(key.shape[0], start + step), device=key.device)
-        own, begin, size = key[position], [], []
-        for offset in offsets:  # the own cell: the rows after this one
-            lo = position + 1 if offset == 0 else torch.searchsorted(key, own + offset)
-            begin.append(lo)
-            size.append(torch.searchsorted(key, own + offset, right=True) - lo)
-        begins, sizes_ = torch.stack(begin, dim=1).view(-1), torch.stack(size, dim=1).view(-1)
+        near = key[position].unsqueeze(1) + shifts
+        begin, end = torch.searchsorted(key, near), torch.searchsorted(key, near, right=True)
+        begin[:, 0] = position + 1  # in its own cell, the rows after this one
+        begins, sizes_ = begin.view(-1), end.sub_(begin).view(-1)
         for owner, other in expand(begins, sizes_, sizes.candidate_pairs):
             a, b = members[position[owner // len(offsets)]].long(), members[other].long()
             cells = [(places.others[c].to(torch.int32).unsqueeze(1) >> low) & 7 for c in (a, b)]
