@@ -11,12 +11,7 @@ import torch
 from torch import Tensor
 
 from recall_at_k._kernel import Workspace
-from recall_at_k.ranking.budget import (
-    AUDIT_HASH_DIM_BLOCK,
-    CPU_WIDE_ROWS_BYTES,
-    AuditSizes,
-    workers_within,
-)
+from recall_at_k.ranking.budget import AUDIT_HASH_DIM_BLOCK, AuditSizes, wide_rows, workers_within
 from recall_at_k.ranking.workers import Workers, worker_count
 
 CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
@@ -73,8 +68,8 @@ def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
     coefficients = torch.randint(1, HASH_PRIME, (bits.shape[1], 3), generator=generator)
     coefficients = coefficients.to(device=bits.device, dtype=torch.float64)
     keys = torch.zeros((bits.shape[0], 3), dtype=torch.float64, device=bits.device)
-    rows = max(1, CPU_WIDE_ROWS_BYTES // max(1, 8 * bits.shape[1]))  # widened in cache
-    for first in range(0, bits.shape[0], rows if bits.device.type == "cpu" else bits.shape[0]):
+    rows = wide_rows(bits.shape[1], bits.shape[0], bits.device)
+    for first in range(0, bits.shape[0], rows):
         part, block = bits[first : first + rows], keys[first : first + rows]
         wide = workspace.get(ROWS_SLOT, tuple(part.shape), torch.float64, bits.device)
         wide.copy_(part).add_(2**15)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k.audit.bitwise import ROWS_SLOT, expand, in_blocks, sorted_copy
-from recall_at_k.ranking.budget import CPU_WIDE_ROWS_BYTES, AuditSizes
+from recall_at_k.ranking.budget import AuditSizes, wide_rows
 
 TOLERANCE = 2.0**-12
 """Finite ``x``, ``y`` with different bits are *equal up to float rounding* when ``|x - y|_2
@@ -65,8 +65,8 @@ def times_power_of_two(rows: Tensor, exponent: Tensor) -> None:
 def project(grid: Grid, rows: Tensor, scratch: Tensor) -> Tensor:
     """float64 ``[m, FILTERS]``: the projections of the normalised ``rows`` (NaN for a row
     that is not finite), of float64 copies (in ``scratch``) scaled in place."""
-    step = max(1, CPU_WIDE_ROWS_BYTES // max(1, 8 * rows.shape[1]))
-    if rows.device.type != "cpu" or rows.shape[0] <= step:
+    step = wide_rows(rows.shape[1], rows.shape[0], rows.device)
+    if rows.shape[0] <= step:
         return _project(grid, rows, scratch)
     parts = [_project(grid, rows[a : a + step], scratch) for a in range(0, rows.shape[0], step)]
     return torch.cat(parts)

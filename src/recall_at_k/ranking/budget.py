@@ -152,6 +152,14 @@ def workers_within(threads: int, work_bytes: int, least: int = CPU_WORKER_BYTES)
     return max(1, min(threads, work_bytes // max(1, least)))
 
 
+def wide_rows(width: int, rows: int, device: torch.device) -> int:
+    """Of ``rows`` rows of ``width`` values, how many to widen to float64 at a time: on CPU
+    within :data:`CPU_WIDE_ROWS_BYTES` (in cache), elsewhere all (at least one)."""
+    if device.type != "cpu":
+        return max(1, rows)
+    return max(1, CPU_WIDE_ROWS_BYTES // max(1, 8 * width))
+
+
 def bookkeeping_bytes(items: int) -> int:
     """What the bookkeeping of ``items`` items may take, :data:`RESERVED_BYTES` included."""
     return BOOKKEEPING_BYTES_PER_ITEM * max(0, items) + RESERVED_BYTES

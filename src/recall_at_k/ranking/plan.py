@@ -19,7 +19,7 @@ from torch import Tensor
 
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.budget import CPU_WIDE_ROWS_BYTES, Budget, budget, workers_within
+from recall_at_k.ranking.budget import Budget, budget, wide_rows, workers_within
 from recall_at_k.ranking.score import prepare_rows
 from recall_at_k.ranking.stored import BroadcastRows, StoredRows
 from recall_at_k.ranking.workers import Workers, worker_count
@@ -189,8 +189,7 @@ def prepare(plan: Plan, similarity: Similarity) -> None:
         return
     workers = workers_within(worker_count(embeddings.device), plan.budget.row_block_bytes)
     step = max(1, plan.budget.row_block_rows() // workers)
-    if embeddings.device.type == "cpu":
-        step = min(step, max(1, CPU_WIDE_ROWS_BYTES // (8 * max(1, embeddings.shape[1]))))
+    step = min(step, wide_rows(embeddings.shape[1], step, embeddings.device))
     starts = range(0, embeddings.shape[0], step)
 
     def normalise(start: int, _: Workspace) -> None:
