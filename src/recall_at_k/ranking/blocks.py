@@ -159,19 +159,25 @@ def product(
     out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
     if gallery.centre is None or gallery.neg_sq_norms is None:
         return torch.matmul(queries, gallery.fast[first:stop].T, out=out)
-    dim = queries.shape[1]
-    step = max(1, rows * width // max(1, dim))
+    dim, dtype, device = queries.shape[1], queries.dtype, queries.device
+    step = max(1, min(width, rows * width // max(1, dim)))
+    # Both buffers taken once: a narrow tile centres its columns in many parts.
+    centred = workspace.get("centred", (step * dim,), dtype, device)
+    parted = (
+        None if step >= width else workspace.get("centred_scores", (rows * step,), dtype, device)
+    )
     for part in range(first, stop, step):
         end = min(stop, part + step)
-        centred = workspace.get("centred", (end - part, dim), queries.dtype, queries.device)
-        torch.sub(gallery.fast[part:end], gallery.centre, out=centred)
-        target = out[:, part - first : end - first]
+        rows_centred = torch.sub(
+            gallery.fast[part:end], gallery.centre, out=centred[: (end - part) * dim].view(-1, dim)
+        )
         norms = gallery.neg_sq_norms[:, part:end]
-        if step >= width:
-            torch.addmm(norms, queries, centred.T, alpha=2, out=target)
+        if parted is None:
+            torch.addmm(norms, queries, rows_centred.T, alpha=2, out=out)
         else:
-            buffer = workspace.get("centred_scores", tuple(target.shape), out.dtype, out.device)
-            target.copy_(torch.addmm(norms, queries, centred.T, alpha=2, out=buffer))
+            target = parted[: rows * (end - part)].view(rows, -1)
+            torch.addmm(norms, queries, rows_centred.T, alpha=2, out=target)
+            out[:, part - first : end - first] = target
     return out.sub_(queries.square().sum(dim=1, keepdim=True))
 
 
