@@ -62,10 +62,12 @@ def times_power_of_two(rows: Tensor, exponent: Tensor) -> None:
         rows.mul_(torch.pow(2.0, (exponent - first).unsqueeze(1).to(rows.dtype)))
 
 
-def project(grid: Grid, rows: Tensor, scratch: Tensor) -> Tensor:
+def project(grid: Grid, rows: Tensor, workspace: Workspace) -> Tensor:
     """float64 ``[m, FILTERS]``: the projections of the normalised ``rows`` (NaN for a row
-    that is not finite), of float64 copies (in ``scratch``) scaled in place."""
-    step = wide_rows(rows.shape[1], rows.shape[0], rows.device)
+    that is not finite), of float64 copies scaled in place, :func:`wide_rows` at a time in
+    one buffer of ``workspace``."""
+    step = min(rows.shape[0], wide_rows(rows.shape[1], rows.shape[0], rows.device))
+    scratch = workspace.get(ROWS_SLOT, (step, rows.shape[1]), torch.float64, rows.device)
     if rows.shape[0] <= step:
         return _project(grid, rows, scratch)
     parts = [_project(grid, rows[a : a + step], scratch) for a in range(0, rows.shape[0], step)]
@@ -104,9 +106,7 @@ def place_rows(
     packing = 8.0 ** torch.arange(FILTERS - PROJECTIONS, dtype=torch.float64, device=device)
 
     def block(part: slice, workspace: Workspace) -> None:
-        rows = rows_of(part)
-        scratch = workspace.get(ROWS_SLOT, tuple(rows.shape), torch.float64, device)
-        projected = project(grid, rows, scratch)
+        projected = project(grid, rows_of(part), workspace)
         finite = projected.isfinite().all(dim=1)
         index = projected.div_(grid.cell).floor_().masked_fill_(~finite.unsqueeze(1), 0.0)
         key = places.key[part].zero_()
