@@ -192,8 +192,7 @@ def scan(
         return
     size, other = scores.shape[axis], scores.shape[1 - axis]
     shape = (-1, 1) if axis == 0 else (1, -1)
-    marks = 2 * mark_dtype(other).itemsize
-    step = rows_within(buffer_bytes, other * (scores.element_size() + marks), size)
+    step = rows_within(buffer_bytes, compared_row_bytes(other, scores.element_size()), size)
     device = scores.device
     values = pooled(workspace, "scan_values", step * other, scores.dtype, device)
     for picked in torch.split(reaching, step):
@@ -215,6 +214,12 @@ def mark_dtype(length: int) -> torch.dtype:
     """0/1 marks whose sums over ``length`` are exact: float (comparisons write float marks
     several times faster than bool on CPU, and float sums need no int64 copy of them)."""
     return torch.float32 if length <= 2**24 else torch.float64
+
+
+def compared_row_bytes(length: int, itemsize: int) -> int:
+    """The bytes a compared row of ``length`` values takes: the values and the two marks
+    :func:`compare` writes for them."""
+    return length * (itemsize + 2 * mark_dtype(length).itemsize)
 
 
 def compare(
@@ -298,7 +303,7 @@ class Stack:
         self.lo, self.hi, self.greater, self.found = lo, hi, greater, found
         self.workspace = workspace
         stack_bytes = min(CPU_STACK_BYTES, buffer_bytes)
-        row_bytes = width * (lo.element_size() + 2 * mark_dtype(width).itemsize)
+        row_bytes = compared_row_bytes(width, lo.element_size())
         capacity = max(lo.shape[0], stack_bytes // max(1, row_bytes))
         self.buffer = workspace.get("stack", (capacity, width), lo.dtype, lo.device)
         self.used = 0
