@@ -6,7 +6,8 @@ them, as torchmetrics' test suite shares its ``pytest.pool``. Unlike a
 ``multiprocessing.Pool``, every rank here is one fixed process with a pipe of its own,
 so ``fn`` always runs as ``fn(rank, world_size, payload)`` on the process of that rank.
 
-- A pool of ``world_size`` processes is spawned on first use (:func:`run`) and kept until
+- A pool of ``world_size`` processes is started on first use (:func:`run`), forked from a
+  server process that imported torch and the package once, and kept until
   :func:`shutdown` (the tests' ``conftest.py`` calls it at the end of the session;
   ``atexit`` is the fallback). Each process joins one gloo process group on 127.0.0.1
   through a ``TCPStore`` that this (the parent) process holds, so no port is guessed.
@@ -221,13 +222,32 @@ def _stop() -> None:
 # ------------------------------------------------------------------------ the parent
 
 
+PRELOAD = ["torch", "torch.distributed", "recall_at_k"]
+"""What the fork server imports once, before it forks a shared pool's processes."""
+
+
+def _context(fresh: bool) -> Any:
+    """How a pool's processes start. A shared pool's are forked from a server process that
+    imported torch and the package once (``forkserver``): a spawned process imports them
+    itself, seconds each, which was most of the multi-process tests' time. A fresh pool's
+    are spawned: they measure the process from its start (the resident set, an environment
+    such as ``MALLOC_MMAP_THRESHOLD_`` read when it starts), which the fork server's
+    environment, taken when it started, would not have."""
+    if fresh:
+        return get_context("spawn")
+    context = get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    return context
+
+
 def _describe(fn: Fn, world_size: int) -> str:
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     return f"run_distributed({name}, world_size={world_size})"
 
 
 class Pool:
-    """``world_size`` spawned processes joined by one gloo process group."""
+    """``world_size`` processes joined by one gloo process group (``check=False``: a
+    fresh pool, see :func:`_context`)."""
 
     def __init__(self, world_size: int, *, check: bool = True) -> None:
         self.world_size = world_size
@@ -238,7 +258,7 @@ class Pool:
             "127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False
         )
         self._stacks = tempfile.TemporaryDirectory(prefix="run_distributed-")
-        context = get_context("spawn")
+        context = _context(fresh=not check)
         self._processes = []
         self._conns: list[connection.Connection] = []
         try:
