@@ -72,7 +72,8 @@ MODES: dict[str, dict[str, Any]] = {
         "scaling": dict(grid=[(128, 100), (256, 200), (512, 400)], k_size=(256, 200),
                         k_counts=[1, 3, 10], state_queries=[10, 100, 1_000], repeats=1),
         "distributed": dict(dense_size=(256, 100), embedding_num=300, repeats=1),
-        "scale": dict(sizes=[300]),
+        # one process: tests/test_benchmarks.py runs the gathered and sharded ones alone
+        "scale": dict(sizes=[300], configs=["single"]),
     },
 }
 # fmt: on

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "Pool", "run", "shutdown"]
+__all__ = ["DEFAULT_TIMEOUT", "Pool", "forked", "run", "shutdown"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a call may run before the parent stops its processes and raises."""
@@ -238,6 +238,14 @@ def _context(fresh: bool) -> Any:
     context = get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # no effect once the server runs
     return context
+
+
+def forked(target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``target(*args)`` in a process forked from the shared pools' server (started; not a
+    daemon, so that it may start processes of its own)."""
+    process = _context(fresh=False).Process(target=target, args=args)
+    process.start()
+    return process
 
 
 def _describe(fn: Fn, world_size: int) -> str:

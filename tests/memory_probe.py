@@ -26,14 +26,19 @@ groups, :func:`groups_of`) and ``"near_duplicate"``; items always have ids.
 
 ``python tests/memory_probe.py '<json list of cases>'`` prints one JSON line per case:
 ``{"case": ..., "peak": bytes, "audit_peak": bytes, "ranking_peak": bytes,
-"stored": bytes, "tile": bytes, "items": N}``.
+"stored": bytes, "tile": bytes, "items": N}``. ``python tests/memory_probe.py --serve``
+reads one case a line from its standard input and measures each in a child forked for it
+(:func:`serve`): a process that starts with the imports done, so that each case does not
+pay seconds of imports, and whose heap is its own from the fork on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +177,42 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _measured_in_a_child(case: dict[str, Any]) -> str:
+    """``measure(case)`` in a child forked for it, as a JSON line; an ``"error"`` line with
+    the traceback if it failed. The parent runs no torch operation and starts no thread,
+    so the child forks from one thread and its heap and threads are its own."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, write the line, leave without the parent's exits
+        os.close(read)
+        try:
+            line, code = json.dumps(measure(case)), 0
+        except BaseException:
+            line, code = json.dumps({"case": case, "error": traceback.format_exc()}), 1
+        with os.fdopen(write, "w") as out:
+            out.write(line)
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as result:
+        line = result.read()
+    _, status = os.waitpid(pid, 0)
+    if not line:
+        return json.dumps({"case": case, "error": f"the child died (wait status {status})"})
+    return line
+
+
+def serve() -> None:
+    """Measure each case read from standard input (a JSON line) in a child of its own;
+    print one JSON line for each."""
+    for line in sys.stdin:
+        print(_measured_in_a_child(json.loads(line)), flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
     for case in json.loads(sys.argv[1]):
         print(json.dumps(measure(case)), flush=True)
 

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import atexit
 import csv
 import importlib.util
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
+import distributed_pool
 import pytest
 import torch
 
@@ -84,8 +88,55 @@ DECIMAL = r"\d+\.\d+"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+OWN_PROCESS = {"huggingface_trainer.py"}
+"""Examples run as a new process: transformers and huggingface_hub read ``HF_HUB_OFFLINE``
+when imported, which in a forked process (:func:`_run`) they were before it was set."""
+
+
 def _run(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return _subprocess([sys.executable, str(EXAMPLES / name), *args], cwd)
+    """``python examples/NAME ARGS`` in ``cwd``: for most examples in a process forked from
+    the server that imported torch and the package once (``tests/distributed_pool.py``),
+    which runs the file as ``__main__`` with the script's ``sys.argv``, ``sys.path[0]``,
+    environment and exit handlers: a new interpreter spends seconds importing them."""
+    command = [sys.executable, str(EXAMPLES / name), *args]
+    if name in OWN_PROCESS:
+        return _subprocess(command, cwd)
+    out, err = cwd / f".{name}.stdout", cwd / f".{name}.stderr"
+    process = distributed_pool.forked(_run_as_main, (command[1:], str(cwd), str(out), str(err)))
+    process.join(300)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        pytest.fail(f"{command} did not end within 300 s:\n{err.read_text()[-3000:]}")
+    stdout, stderr = out.read_text(encoding="utf-8"), err.read_text(encoding="utf-8")
+    return subprocess.CompletedProcess(command, process.exitcode or 0, stdout, stderr)
+
+
+def _run_as_main(argv: list[str], cwd: str, out: str, err: str) -> None:
+    """In the forked process: what ``python ARGV`` does with its script, its output to
+    ``out`` and ``err``."""
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(ENV)
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    sys.argv = list(argv)
+    sys.path.insert(0, str(Path(argv[0]).parent))
+    code: int | str | None = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
 
 
 def _launch(name: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -25,8 +25,8 @@ from exit_worker import KS, shares, values
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
 
-RUNS = 4
-ROUNDS = 5
+RUNS = 2
+ROUNDS = 10
 RUN_TIMEOUT_S = 120  # a run takes seconds; generous for a loaded CI machine
 WORKER = Path(__file__).with_name("exit_worker.py")
 
