@@ -7,10 +7,11 @@ small to hold that bookkeeping, plus the least that does
 (``memory_formula.least_chunk_bytes``): for every protocol and similarity, with the
 protocol audit on.
 
-Measured in a process of its own (forked for the case from one that imported once) as the benchmarks measure it (``tests/memory_probe.py``:
-the resident-set high-water mark over the resident set before ``compute()``, freed
-buffers returned at once, after a first ``compute()`` and ``protocol_report()`` of the
-same items), with nothing allowed on top of the bound. Before the ranking wrote its one
+Measured in a process of its own (a child forked for the case from a probe process that
+imported once) as the benchmarks measure it (``tests/memory_probe.py``: the resident-set
+high-water mark over the resident set before ``compute()``, freed buffers returned at
+once, after a first ``compute()`` and ``protocol_report()`` of the same items), with
+nothing allowed on top of the bound. Before the ranking wrote its one
 ordered copy, ``compute()`` added 3.2x (query/gallery) to 4.7x (leave-one-out) the
 stored bytes in one process and 8x the gathered bytes per process under DDP. At the
 issue's size (24,000 x 256 items, ``chunk_bytes`` 4 MiB: the bound is 1.171x) the whole ``compute()`` and
