@@ -200,6 +200,13 @@ def main() -> dict[str, float]:
             f" {len(embeddings)} evaluation embeddings: {same}"
         )
     assert same, (streamed, one_call)
+    if torch.distributed.is_initialized():
+        # The Trainer leaves its gloo group alive at exit (under torchrun); ending it here
+        # keeps gloo's threads out of the C++ static destructors, where a process aborted
+        # now and then ("terminate called without an active exception"). The barrier
+        # first lets gloo's threads let go of the last collective.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return streamed
 
 
