@@ -24,12 +24,12 @@ high-water mark reset as the audit ends); ``"peak"`` is the larger of the two.
 A case may set ``"exclude"`` (``"same_group"`` or ``"same_label_and_group"``: items get
 groups, :func:`groups_of`) and ``"near_duplicate"``; items always have ids.
 
-``python tests/memory_probe.py '<json list of cases>'`` prints one JSON line per case:
-``{"case": ..., "peak": bytes, "audit_peak": bytes, "ranking_peak": bytes,
-"stored": bytes, "tile": bytes, "items": N}``. ``python tests/memory_probe.py --serve``
-reads one case a line from its standard input and measures each in a child forked for it
-(:func:`serve`): a process that starts with the imports done, so that each case does not
-pay seconds of imports, and whose heap is its own from the fork on.
+``python tests/memory_probe.py`` reads one case a line (JSON) from its standard input and
+prints one JSON line for each, ``{"case": ..., "peak": bytes, "audit_peak": bytes,
+"ranking_peak": bytes, "stored": bytes, "tile": bytes, "items": N}`` (or ``{"case": ...,
+"error": traceback}``), measured in a child forked for the case (:func:`serve`): a process
+that starts with the imports done, so that each case does not pay seconds of imports,
+and whose heap is its own from the fork on.
 """
 
 from __future__ import annotations
@@ -210,11 +210,7 @@ def serve() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    if sys.argv[1:] == ["--serve"]:
-        serve()
-        return
-    for case in json.loads(sys.argv[1]):
-        print(json.dumps(measure(case)), flush=True)
+    serve()
 
 
 if __name__ == "__main__":

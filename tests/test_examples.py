@@ -88,6 +88,8 @@ DECIMAL = r"\d+\.\d+"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+TIMEOUT_S = 300
+"""Seconds an example may run before it is killed and its test fails."""
 OWN_PROCESS = {"huggingface_trainer.py"}
 """Examples run as a new process: transformers and huggingface_hub read ``HF_HUB_OFFLINE``
 when imported, which in a forked process (:func:`_run`) they were before it was set."""
@@ -103,18 +105,20 @@ def _run(name: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess[s
         return _subprocess(command, cwd)
     out, err = cwd / f".{name}.stdout", cwd / f".{name}.stderr"
     process = distributed_pool.forked(_run_as_main, (command[1:], str(cwd), str(out), str(err)))
-    process.join(300)
-    if process.is_alive():
-        process.kill()
+    process.join(TIMEOUT_S)
+    if process.is_alive():  # kill it with every process it started, as _subprocess does
+        os.killpg(process.pid, signal.SIGKILL)
         process.join()
-        pytest.fail(f"{command} did not end within 300 s:\n{err.read_text()[-3000:]}")
+        pytest.fail(f"{command} did not end within {TIMEOUT_S} s:\n{err.read_text()[-3000:]}")
+    assert process.exitcode is not None
     stdout, stderr = out.read_text(encoding="utf-8"), err.read_text(encoding="utf-8")
-    return subprocess.CompletedProcess(command, process.exitcode or 0, stdout, stderr)
+    return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
 
 
 def _run_as_main(argv: list[str], cwd: str, out: str, err: str) -> None:
     """In the forked process: what ``python ARGV`` does with its script, its output to
-    ``out`` and ``err``."""
+    ``out`` and ``err``, in a session of its own (which a timeout kills whole)."""
+    os.setsid()
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
@@ -147,7 +151,7 @@ def _launch(name: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _subprocess(
-    command: list[str], cwd: Path, timeout: int = 300
+    command: list[str], cwd: Path, timeout: int = TIMEOUT_S
 ) -> subprocess.CompletedProcess[str]:
     """Run ``command``; on a timeout, kill it with every process it started (torchrun's
     workers too), so that a hang fails the test instead of outliving it."""

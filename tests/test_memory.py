@@ -51,15 +51,15 @@ def bound(result: dict[str, Any]) -> int:
 
 
 class _Server:
-    """A process that measures cases (``tests/memory_probe.py --serve``): it imports
-    once, then forks a child for each case, which measures in a process of its own."""
+    """A process that measures cases (``tests/memory_probe.py``): it imports once, then
+    forks a child for each case, which measures in a process of its own."""
 
     def __init__(self) -> None:
         here = Path(__file__).resolve().parent
         env = {**os.environ, **ENV}
         env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here)])
         self.process = subprocess.Popen(
-            [sys.executable, str(here / "memory_probe.py"), "--serve"],
+            [sys.executable, str(here / "memory_probe.py")],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -66,7 +66,7 @@ def project(grid: Grid, rows: Tensor, workspace: Workspace) -> Tensor:
     """float64 ``[m, FILTERS]``: the projections of the normalised ``rows`` (NaN for a row
     that is not finite), of float64 copies scaled in place, :func:`wide_rows` at a time in
     one buffer of ``workspace``."""
-    step = min(rows.shape[0], wide_rows(rows.shape[1], rows.shape[0], rows.device))
+    step = wide_rows(rows.shape[1], rows.shape[0], rows.device)
     scratch = workspace.get(ROWS_SLOT, (step, rows.shape[1]), torch.float64, rows.device)
     if rows.shape[0] <= step:
         return _project(grid, rows, scratch)

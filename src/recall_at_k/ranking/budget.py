@@ -154,10 +154,11 @@ def workers_within(threads: int, work_bytes: int, least: int = CPU_WORKER_BYTES)
 
 def wide_rows(width: int, rows: int, device: torch.device) -> int:
     """Of ``rows`` rows of ``width`` values, how many to widen to float64 at a time: on CPU
-    within :data:`CPU_WIDE_ROWS_BYTES` (in cache), elsewhere all (at least one)."""
+    within :data:`CPU_WIDE_ROWS_BYTES` (in cache), elsewhere all; at most ``rows``, at
+    least one."""
     if device.type != "cpu":
         return max(1, rows)
-    return max(1, CPU_WIDE_ROWS_BYTES // max(1, 8 * width))
+    return max(1, min(rows, CPU_WIDE_ROWS_BYTES // max(1, 8 * width)))
 
 
 def bookkeeping_bytes(items: int) -> int:

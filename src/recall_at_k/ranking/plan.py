@@ -189,7 +189,7 @@ def prepare(plan: Plan, similarity: Similarity) -> None:
         return
     workers = workers_within(worker_count(embeddings.device), plan.budget.row_block_bytes)
     step = max(1, plan.budget.row_block_rows() // workers)
-    step = min(step, wide_rows(embeddings.shape[1], step, embeddings.device))
+    step = wide_rows(embeddings.shape[1], step, embeddings.device)
     starts = range(0, embeddings.shape[0], step)
 
     def normalise(start: int, _: Workspace) -> None:
