@@ -1,5 +1,5 @@
-"""Test-session set-up: the Agg backend, a seed per test, the test selection by marker
-and the shared distributed worker pool.
+"""Test-session set-up: the Agg backend, a seed per test, one torch thread per xdist worker,
+the test selection by marker and the shared distributed worker pool.
 
 Markers (registered in ``pyproject.toml``): ``slow`` (benchmark smoke runs), ``memory``
 (resident-memory probes), ``ddp`` (more than one process). ``python -m pytest`` runs
@@ -23,6 +23,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import distributed_pool  # from this directory, put on the path above
 
 LEFT_OUT_BY_DEFAULT = ("slow", "memory")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist (-n N) the N workers share the cores: each runs torch on one
+    # thread, as do the processes it starts (OMP_NUM_THREADS), or their torch threads
+    # would spin beside the other workers'. Tests of thread counts set them themselves.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -137,20 +138,38 @@ def test_a_test_not_marked_ddp_cannot_run_processes() -> None:
         run_distributed(_ranks, world_size=2)
 
 
-def _collected(*args: str) -> tuple[int, int]:
-    """(selected, deselected) by ``pytest --collect-only`` in this repository."""
+_COLLECT = """\
+import json
+import sys
+
+import pytest
+
+for args in sys.argv[1:]:
+    print("=== collect", flush=True)
+    pytest.main(["--collect-only", "-q", *json.loads(args)])
+    sys.stdout.flush()
+"""
+
+
+def _collected(*runs: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(selected, deselected) of each ``pytest --collect-only`` run of ``runs`` in this
+    repository: one process, which imports the test modules once for them all."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", *args],
+        [sys.executable, "-c", _COLLECT, *(json.dumps(args) for args in runs)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
     )
-    last = done.stdout.strip().splitlines()[-1]
-    found = re.match(r"(\d+)(?:/(\d+))? tests? collected(?: \((\d+) deselected\))?", last)
-    assert found, done.stdout[-2000:] + done.stderr[-2000:]
-    selected = int(found.group(1))
-    return selected, int(found.group(3) or 0)
+    parts = done.stdout.split("=== collect\n")[1:]
+    assert len(parts) == len(runs), done.stdout[-2000:] + done.stderr[-2000:]
+    counts = []
+    for part in parts:
+        last = part.strip().splitlines()[-1]
+        found = re.match(r"(\d+)(?:/(\d+))? tests? collected(?: \((\d+) deselected\))?", last)
+        assert found, part[-2000:] + done.stderr[-2000:]
+        counts.append((int(found.group(1)), int(found.group(3) or 0)))
+    return counts
 
 
 @pytest.mark.slow
@@ -159,8 +178,9 @@ def test_the_default_run_leaves_out_slow_and_memory_and_all_runs_them() -> None:
     source = (ROOT / benchmarks).read_text(encoding="utf-8")
     slow = source.count("@pytest.mark.slow\n")
     assert slow >= 4
-    default, left_out = _collected(benchmarks)
-    assert left_out >= slow and default > 0
-    assert _collected(benchmarks, "--all") == (default + left_out, 0)
     named = f"{benchmarks}::test_threads_all_runs_at_every_core_only"  # marked slow
-    assert _collected(named) == (1, 0)
+    plain, every, by_name = _collected((benchmarks,), (benchmarks, "--all"), (named,))
+    default, left_out = plain
+    assert left_out >= slow and default > 0
+    assert every == (default + left_out, 0)
+    assert by_name == (1, 0)
