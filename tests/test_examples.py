@@ -300,7 +300,7 @@ def test_the_page_numbers_come_from_the_torch_of_ci_first_leg() -> None:
     """CI's first leg installs the newest torch; the page and the README name the one it
     was when the page's numbers were last checked, PAGE_TORCH."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    newest = 'uv pip install --quiet --upgrade torch "${torch_index[@]}"\n'
+    newest = 'uv pip install --quiet --compile-bytecode --upgrade torch "${torch_index[@]}"\n'
     assert newest in ci
     assert ci.index(newest) < ci.index("leg \"tests: the README's test command")
     page = " ".join(RECIPES_PAGE.read_text(encoding="utf-8").split())
