@@ -252,9 +252,9 @@ def test_the_lowest_versions_run_leaves_out_what_the_readme_says() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = [line for line in ci.splitlines() if line.startswith("python -m pytest")]
     # Leg 1 (the newest versions) runs the memory probes (beside the lint and the type
-    # check), the README's command as it is and the slow tests; the lowest versions' leg leaves
-    # out the memory probes, the benchmark smoke runs and the exactness sweeps, and
-    # nothing else.
+    # check), the README's command as it is and the slow tests; the lowest versions' leg
+    # leaves out the memory probes, the benchmark smoke runs and the exactness sweeps,
+    # and nothing else.
     left_out = ("test_memory.py", "test_benchmarks.py", "test_embedding_exact.py")
     left_out += ("test_embedding_band.py",)
     fewer = "python -m pytest -q -n 2" + "".join(f" --ignore=tests/{name}" for name in left_out)
