@@ -119,8 +119,9 @@ class Seam:
         first: int,
         stop: int,
         workspace: Workspace,
+        tile_bytes: int = 0,
     ) -> Tensor:
-        out = self.original(queries, gallery, first, stop, workspace)
+        out = self.original(queries, gallery, first, stop, workspace, tile_bytes)
         if gallery.centre is not None:  # the queries and gallery are as stored
             assert not bool(gallery.centre.any())
         items = gallery.fast[first:stop]

@@ -151,16 +151,24 @@ def bounds(rows: Tensor, stats: Stats) -> Tensor:
 
 
 def product(
-    queries: Tensor, gallery: Gallery, first: int, stop: int, workspace: Workspace
+    queries: Tensor,
+    gallery: Gallery,
+    first: int,
+    stop: int,
+    workspace: Workspace,
+    tile_bytes: int = 0,
 ) -> Tensor:
     """Fast scores ``[T, stop - first]`` against gallery columns ``first:stop`` in the tile;
-    ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, a tile's part at a time."""
+    ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, as many at a time as the
+    tile's scores or ``tile_bytes`` (a worker's tile share) hold, whichever is more (a tile
+    of few rows would otherwise centre a column or two at a time: a product each)."""
     rows, width = queries.shape[0], stop - first
     out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
     if gallery.centre is None or gallery.neg_sq_norms is None:
         return torch.matmul(queries, gallery.fast[first:stop].T, out=out)
     dim, dtype, device = queries.shape[1], queries.dtype, queries.device
-    step = max(1, min(width, rows * width // max(1, dim)))
+    room = max(rows * width, tile_bytes // queries.element_size())
+    step = max(1, min(width, room // max(1, dim)))
     # Both buffers taken once: a narrow tile centres its columns in many parts.
     centred = workspace.get("centred", (step * dim,), dtype, device)
     parted = (

@@ -68,6 +68,7 @@ from recall_at_k.ranking.scan import (
     hide_own_labels,
     joined,
     near,
+    near_edges,
     near_scan,
     positives,
     saturate,
@@ -263,7 +264,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
             first = int(torch.where(present, start, num_gallery).min())
             stop = int(torch.where(present, start + length, 0).max())
             first, stop = (first, stop) if first < stop else (0, 0)
-            scores = product(rows_fast, gallery, first, stop, workspace)
+            scores = product(rows_fast, gallery, first, stop, workspace, tile_bytes)
         else:
             first, stop = 0, num_gallery
             scores = scores_of(rows_fast, gallery, similarity, workspace)
@@ -277,8 +278,9 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
         )
         lo, hi = band_edges(found.best, bound, found.has_positive)
         hide_own_labels(scores, start - first, length, state.hole, workspace)
-        scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, counts, keep)
-        scanned = scanner.scan(scores, 0, lo, hi, first, bound)
+        scanner = _Scanner(workspace, tile_bytes, counts, keep)
+        near_at = near_edges(options.near_duplicate, bound, scores.dtype)
+        scanned = scanner.scan(scores, 0, lo, hi, first, near_at)
         greater, near_state = scanned.greater, scanned.near
         if panels:
             saturate(lo, hi, greater, options.max_k)
@@ -289,7 +291,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
             spans += [(a, min(a + width, num_gallery)) for a in range(stop, num_gallery, width)]
             stack = Stack(lo, hi, greater, scanned.pairs, width, workspace, tile_bytes)
             for a, b in spans:
-                panel = product(rows_fast, gallery, a, b, workspace)
+                panel = product(rows_fast, gallery, a, b, workspace, tile_bytes)
                 if ignore_outside:
                     row_groups = groups if same_group else None
                     hide_ignored(panel, own - a, row_groups, gallery.groups[a:b], state.hole)
@@ -338,17 +340,23 @@ class _Scanner(NamedTuple):
 
     workspace: Workspace
     buffer_bytes: int
-    threshold: float | None  # near_duplicate
     counts: torch.dtype
     keep: bool = False  # keep the fast scores (a callable's, which are the canonical)
 
     def scan(
-        self, scores: Tensor, axis: int, lo: Tensor, hi: Tensor, first: int, bound: Tensor
+        self,
+        scores: Tensor,
+        axis: int,
+        lo: Tensor,
+        hi: Tensor,
+        first: int,
+        near_at: tuple[Tensor, Tensor] | None,
     ) -> _Scanned:
         """Scan ``scores`` (a query a row, or a column with ``axis=1``; its items from
-        ``first``) for each query's band ``[lo, hi]`` and the near threshold."""
+        ``first``) for each query's band ``[lo, hi]`` and the near threshold's edges
+        ``near_at``."""
         greater = torch.zeros(scores.shape[axis], dtype=self.counts, device=scores.device)
-        found = _Scanned(greater, [], near_scan(self.threshold, bound, scores.dtype))
+        found = _Scanned(greater, [], near_scan(near_at))
         if scores.numel():
             peak = scores.amax(dim=1 - axis).unsqueeze(1)
             room = self.workspace, self.buffer_bytes
@@ -356,6 +364,13 @@ class _Scanner(NamedTuple):
                 near(scores, axis, peak, found.near, first, self.keep, *room)
             scan(scores, axis, peak, lo, hi, first, greater, found.pairs, *room, self.keep)
         return found
+
+
+def _part(
+    edges: tuple[Tensor, Tensor] | None, first: int, stop: int
+) -> tuple[Tensor, Tensor] | None:
+    """Rows ``first:stop`` of the near threshold's edges (None without a threshold)."""
+    return None if edges is None else (edges[0][first:stop], edges[1][first:stop])
 
 
 def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list[tuple[int, int]]:
@@ -433,6 +448,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
     bound = torch.empty((num, 1), dtype=torch.float64, device=device)
     for a in range(0, num, size):
         bound[a : a + size] = bounds(centred(a, min(num, a + size)), stats)
+    near_all = near_edges(threshold, bound, gallery.fast.dtype)
     widest = int(located.length.max()) if num else 0
     most = max(size, math.isqrt(max(1, tile_bytes // itemsize)))
     spans = label_spans(gallery, size, most) if 0 < widest <= size else None
@@ -453,7 +469,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         a, b = part
         start, length = located.start[a:b], located.length[a:b]
         first, stop = (a, b) if aligned else (int(start.min()), int((start + length).max()))
-        scores = product(centred(a, b), gallery, first, stop, workspace)
+        scores = product(centred(a, b), gallery, first, stop, workspace, tile_bytes)
         groups, column_groups = gallery.groups[a:b], gallery.groups[first:stop]
         own = located.own[a:b] - first
         hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
@@ -468,8 +484,8 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             return result, band_lo, band_hi
         # A span of whole labels: its diagonal square's negatives are scanned now.
         hide_own_labels(scores, start - first, length, hole, workspace)
-        scanner = _Scanner(workspace, tile_bytes, threshold, counts)
-        scanned = scanner.scan(scores, 0, band_lo, band_hi, first, bound[a:b])
+        scanner = _Scanner(workspace, tile_bytes, counts)
+        scanned = scanner.scan(scores, 0, band_lo, band_hi, first, _part(near_all, a, b))
         kinds = scanned.kinds(kept)
         result = _Result(a, b, found.has_positive, scanned.greater, scanned.sure, None, kinds)
         return result, band_lo, band_hi
@@ -503,7 +519,12 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         index, later, row_lo, row_hi, column_lo, column_hi, rectangle = square
         rows, columns = spans[index], spans[later]
         scores = product(
-            centred(rows.start, rows.stop), gallery, columns.start, columns.stop, workspace
+            centred(rows.start, rows.stop),
+            gallery,
+            columns.start,
+            columns.stop,
+            workspace,
+            tile_bytes,
         )
         if index == later:  # a diagonal square of spans cut anywhere: its own labels
             labels = gallery.labels
@@ -517,10 +538,11 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         sides = [(0, rows, columns, row_lo, row_hi)]
         if later > index:  # read down: the columns' queries against the rows' items
             sides.append((1, columns, rows, column_lo, column_hi))
-        scanner = _Scanner(workspace, tile_bytes, threshold, counts)
+        scanner = _Scanner(workspace, tile_bytes, counts)
         results = []
         for axis, queries, items, band_lo, band_hi in sides:
-            found = scanner.scan(scores, axis, band_lo, band_hi, items.start, bound[queries])
+            near_at = _part(near_all, queries.start, queries.stop)
+            found = scanner.scan(scores, axis, band_lo, band_hi, items.start, near_at)
             kinds = found.kinds(None)
             results.append(
                 _Result(queries.start, queries.stop, None, found.greater, found.sure, None, kinds)
@@ -619,7 +641,8 @@ def _passes(
                 continue
             first = int(torch.where(present, start, gallery.fast.shape[0]).min())
             stop = int(torch.where(present, start + length, 0).max())
-            scores = product(source.query_rows(a, b, workspace), gallery, first, stop, workspace)
+            rows_fast = source.query_rows(a, b, workspace)
+            scores = product(rows_fast, gallery, first, stop, workspace, tile_bytes)
             groups, column_groups = queries.groups[a:b], gallery.groups[first:stop]
             own = located.own[a:b] - first
             hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
@@ -639,7 +662,8 @@ def _passes(
         guard.run(positives_of, gallery)
         progress.update(1)
     lo, hi = _band(best, bound, state.has_positive, hole)
-    scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, state.greater.dtype)
+    scanner = _Scanner(workspace, tile_bytes, state.greater.dtype)
+    near_all = near_edges(options.near_duplicate, bound, best.dtype)
 
     def negatives_of(gallery: Gallery) -> None:
         located = locate(queries, gallery)
@@ -647,13 +671,14 @@ def _passes(
         for a, b in tiles:
             if options.near_duplicate is None and bool(torch.isinf(lo[a:b]).all()):
                 continue  # no query of the tile has a band left to reach
-            scores = product(source.query_rows(a, b, workspace), gallery, 0, width, workspace)
+            rows_fast = source.query_rows(a, b, workspace)
+            scores = product(rows_fast, gallery, 0, width, workspace, tile_bytes)
             if check_nan:
                 state.nan[a:b] |= torch.isnan(scores).any(dim=1)
             groups = queries.groups[a:b] if same_group else None
             hide_ignored(scores, located.own[a:b], groups, gallery.groups, hole)
             hide_own_labels(scores, located.start[a:b], located.length[a:b], hole, workspace)
-            scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, bound[a:b])
+            scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, _part(near_all, a, b))
             state.greater[a:b] += scanned.greater
             saturate(lo[a:b], hi[a:b], state.greater[a:b], options.max_k)
             if scanned.sure is not None:
