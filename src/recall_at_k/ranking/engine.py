@@ -68,7 +68,6 @@ from recall_at_k.ranking.scan import (
     hide_own_labels,
     joined,
     near,
-    near_edges,
     near_scan,
     positives,
     saturate,
@@ -278,9 +277,8 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
         )
         lo, hi = band_edges(found.best, bound, found.has_positive)
         hide_own_labels(scores, start - first, length, state.hole, workspace)
-        scanner = _Scanner(workspace, tile_bytes, counts, keep)
-        near_at = near_edges(options.near_duplicate, bound, scores.dtype)
-        scanned = scanner.scan(scores, 0, lo, hi, first, near_at)
+        scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, counts, keep)
+        scanned = scanner.scan(scores, 0, lo, hi, first, bound)
         greater, near_state = scanned.greater, scanned.near
         if panels:
             saturate(lo, hi, greater, options.max_k)
@@ -340,23 +338,17 @@ class _Scanner(NamedTuple):
 
     workspace: Workspace
     buffer_bytes: int
+    threshold: float | None  # near_duplicate
     counts: torch.dtype
     keep: bool = False  # keep the fast scores (a callable's, which are the canonical)
 
     def scan(
-        self,
-        scores: Tensor,
-        axis: int,
-        lo: Tensor,
-        hi: Tensor,
-        first: int,
-        near_at: tuple[Tensor, Tensor] | None,
+        self, scores: Tensor, axis: int, lo: Tensor, hi: Tensor, first: int, bound: Tensor
     ) -> _Scanned:
         """Scan ``scores`` (a query a row, or a column with ``axis=1``; its items from
-        ``first``) for each query's band ``[lo, hi]`` and the near threshold's edges
-        ``near_at``."""
+        ``first``) for each query's band ``[lo, hi]`` and the near threshold."""
         greater = torch.zeros(scores.shape[axis], dtype=self.counts, device=scores.device)
-        found = _Scanned(greater, [], near_scan(near_at))
+        found = _Scanned(greater, [], near_scan(self.threshold, bound, scores.dtype))
         if scores.numel():
             peak = scores.amax(dim=1 - axis).unsqueeze(1)
             room = self.workspace, self.buffer_bytes
@@ -364,13 +356,6 @@ class _Scanner(NamedTuple):
                 near(scores, axis, peak, found.near, first, self.keep, *room)
             scan(scores, axis, peak, lo, hi, first, greater, found.pairs, *room, self.keep)
         return found
-
-
-def _part(
-    edges: tuple[Tensor, Tensor] | None, first: int, stop: int
-) -> tuple[Tensor, Tensor] | None:
-    """Rows ``first:stop`` of the near threshold's edges (None without a threshold)."""
-    return None if edges is None else (edges[0][first:stop], edges[1][first:stop])
 
 
 def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list[tuple[int, int]]:
@@ -448,7 +433,6 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
     bound = torch.empty((num, 1), dtype=torch.float64, device=device)
     for a in range(0, num, size):
         bound[a : a + size] = bounds(centred(a, min(num, a + size)), stats)
-    near_all = near_edges(threshold, bound, gallery.fast.dtype)
     widest = int(located.length.max()) if num else 0
     most = max(size, math.isqrt(max(1, tile_bytes // itemsize)))
     spans = label_spans(gallery, size, most) if 0 < widest <= size else None
@@ -484,8 +468,8 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             return result, band_lo, band_hi
         # A span of whole labels: its diagonal square's negatives are scanned now.
         hide_own_labels(scores, start - first, length, hole, workspace)
-        scanner = _Scanner(workspace, tile_bytes, counts)
-        scanned = scanner.scan(scores, 0, band_lo, band_hi, first, _part(near_all, a, b))
+        scanner = _Scanner(workspace, tile_bytes, threshold, counts)
+        scanned = scanner.scan(scores, 0, band_lo, band_hi, first, bound[a:b])
         kinds = scanned.kinds(kept)
         result = _Result(a, b, found.has_positive, scanned.greater, scanned.sure, None, kinds)
         return result, band_lo, band_hi
@@ -538,11 +522,10 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         sides = [(0, rows, columns, row_lo, row_hi)]
         if later > index:  # read down: the columns' queries against the rows' items
             sides.append((1, columns, rows, column_lo, column_hi))
-        scanner = _Scanner(workspace, tile_bytes, counts)
+        scanner = _Scanner(workspace, tile_bytes, threshold, counts)
         results = []
         for axis, queries, items, band_lo, band_hi in sides:
-            near_at = _part(near_all, queries.start, queries.stop)
-            found = scanner.scan(scores, axis, band_lo, band_hi, items.start, near_at)
+            found = scanner.scan(scores, axis, band_lo, band_hi, items.start, bound[queries])
             kinds = found.kinds(None)
             results.append(
                 _Result(queries.start, queries.stop, None, found.greater, found.sure, None, kinds)
@@ -662,8 +645,7 @@ def _passes(
         guard.run(positives_of, gallery)
         progress.update(1)
     lo, hi = _band(best, bound, state.has_positive, hole)
-    scanner = _Scanner(workspace, tile_bytes, state.greater.dtype)
-    near_all = near_edges(options.near_duplicate, bound, best.dtype)
+    scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, state.greater.dtype)
 
     def negatives_of(gallery: Gallery) -> None:
         located = locate(queries, gallery)
@@ -678,7 +660,7 @@ def _passes(
             groups = queries.groups[a:b] if same_group else None
             hide_ignored(scores, located.own[a:b], groups, gallery.groups, hole)
             hide_own_labels(scores, located.start[a:b], located.length[a:b], hole, workspace)
-            scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, _part(near_all, a, b))
+            scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, bound[a:b])
             state.greater[a:b] += scanned.greater
             saturate(lo[a:b], hi[a:b], state.greater[a:b], options.max_k)
             if scanned.sure is not None:

@@ -248,22 +248,12 @@ class Near(NamedTuple):
     found: list[Found]
 
 
-def near_edges(
-    threshold: float | None, bound: Tensor, dtype: torch.dtype
-) -> tuple[Tensor, Tensor] | None:
-    """The threshold's edges ``[T, 1]`` for queries with bounds ``bound``, rounded outwards
-    (None without a threshold): computed once a ranking, sliced for each block."""
+def near_scan(threshold: float | None, bound: Tensor, dtype: torch.dtype) -> Near | None:
+    """An empty near-duplicate scan of queries with bounds ``bound`` (None without a threshold)."""
     if threshold is None:
         return None
-    return edges(torch.full_like(bound, threshold), bound, dtype)
-
-
-def near_scan(near_edges: tuple[Tensor, Tensor] | None) -> Near | None:
-    """An empty near-duplicate scan of queries with the threshold's edges ``near_edges``."""
-    if near_edges is None:
-        return None
-    lo, hi = near_edges
-    sure = torch.zeros(lo.shape[0], dtype=torch.int64, device=lo.device)
+    lo, hi = edges(torch.full_like(bound, threshold), bound, dtype)
+    sure = torch.zeros(bound.shape[0], dtype=torch.int64, device=bound.device)
     return Near(lo, hi, sure, [])
 
 
