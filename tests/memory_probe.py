@@ -53,12 +53,18 @@ from memory_formula import CPU_TILE_BYTES
 ENV = {"MALLOC_MMAP_THRESHOLD_": str(LIVE_MEMORY_MMAP_THRESHOLD), "OMP_NUM_THREADS": "1"}
 """The environment of a measuring process."""
 
+TIMEOUT_S = 1500
+"""How long the probes that start processes of their own wait for them: CI runs the probes
+in the background at the lowest CPU priority (``.ci/run``), where they take minutes more
+than on an idle machine (pytest's own limit, 600 s a test, is raised there to match)."""
+
 start = start_peak
 """Start a window; the baseline in bytes (then :func:`peak_since`)."""
 
 __all__ = [
     "CPU_TILE_BYTES",
     "ENV",
+    "TIMEOUT_S",
     "fill",
     "groups_of",
     "items",

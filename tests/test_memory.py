@@ -35,7 +35,7 @@ import pytest
 import torch
 from helpers import run_distributed
 from memory_formula import chunk_bound, least_chunk_bytes
-from memory_probe import ENV, measure
+from memory_probe import ENV, TIMEOUT_S, measure
 
 pytestmark = pytest.mark.memory
 
@@ -219,7 +219,9 @@ def test_each_process_adds_one_copy_of_the_gathered_embeddings(
         monkeypatch.setenv(name, value)  # inherited by the spawned processes
     payload = {"num": NUM, "dim": DIM}
     # Fresh processes: they measure their own resident set, with ENV from their start.
-    results = run_distributed(_peak_worker, world_size=2, payload=payload, fresh=True)
+    results = run_distributed(
+        _peak_worker, world_size=2, payload=payload, fresh=True, timeout=TIMEOUT_S
+    )
     from memory_probe import items
 
     from recall_at_k import EmbeddingRecallAtK

@@ -35,7 +35,7 @@ from embedding_reference import (
     split,
 )
 from helpers import TIES, assert_recall_close, run_distributed
-from memory_probe import ENV
+from memory_probe import ENV, TIMEOUT_S
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
@@ -525,8 +525,8 @@ def memory(monkeypatch_module: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         monkeypatch_module.setenv(name, value)  # inherited by the spawned processes
     payload = {"num": MEMORY_NUM, "dim": MEMORY_DIM, "chunk": MEMORY_CHUNK}
     # Fresh processes: they measure their own resident set, with ENV from their start;
-    # four of them on a small machine may take minutes (pytest's own limit is 600 s).
-    return run_distributed(_memory_worker, 4, payload, fresh=True, timeout=550)
+    # four of them on a small machine may take minutes (memory_probe.TIMEOUT_S).
+    return run_distributed(_memory_worker, 4, payload, fresh=True, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -624,7 +624,7 @@ def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes
     for name, value in ENV.items():
         monkeypatch.setenv(name, value)  # inherited by the spawned processes
     payload = {"num": NARROW_NUM, "dim": NARROW_DIM, "chunk": NARROW_CHUNK}
-    found = run_distributed(_narrow_memory_worker, 4, payload, fresh=True, timeout=550)
+    found = run_distributed(_narrow_memory_worker, 4, payload, fresh=True, timeout=TIMEOUT_S)
     gathered = NARROW_NUM * NARROW_DIM * 4
     for result in found:
         assert result["peak"] <= NARROW_SHARE * gathered, result["peak"] / gathered
