@@ -149,9 +149,9 @@ def _metric(
 
 def _chunks(num_gallery: int) -> tuple[int, ...]:
     """1 byte (one query a tile), 7 rows' worth, 64 KiB, 1 GiB. The first runs at one
-    thread only: tiles that small take no worker thread (a worker's least share is a MiB),
-    so a second thread would run it alike, thousands of steps again (tests/test_threads.py
-    runs it at three)."""
+    thread only: tiles that small take no worker thread (a worker's least share is a MiB:
+    tests/test_threads.py::test_small_tiles_stay_on_the_calling_thread), so a second
+    thread would rerun the same walk of thousands of steps."""
     return (1, 7 * num_gallery * 4, 2**16, 2**30)
 
 
