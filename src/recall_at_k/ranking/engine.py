@@ -64,14 +64,15 @@ from recall_at_k.ranking.scan import (
     Near,
     Stack,
     band_edges,
+    edges,
     hide_ignored,
     hide_own_labels,
     joined,
-    near,
     near_scan,
+    pooled,
     positives,
     saturate,
-    scan,
+    scan_square,
 )
 from recall_at_k.ranking.workers import Workers, caller_on_one_thread, worker_count
 
@@ -142,8 +143,10 @@ class _Result(NamedTuple):
     found: list[tuple[int, Found]]  # (kind, pairs), positives first
 
 
-_Square = tuple[int, int, Tensor, Tensor, Tensor, Tensor, tuple[int, int] | None]
-"""A square: its spans' indices (rows, columns), copies of their band edges, its rectangle."""
+_Square = tuple[int, int, Tensor, tuple[int, int] | None]
+"""A square: its spans' indices (rows, columns), a copy of their bands, its rectangle."""
+_Counted = list[tuple[int, Tensor, Tensor, Found]]
+"""A square's scans by kind: the queries reaching the band, their counts above it, pairs in it."""
 
 
 class _Walk(NamedTuple):
@@ -275,19 +278,19 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
         found = positives(
             scores, start - first, length, junk_groups, bound, state.hole, keep, workspace
         )
-        lo, hi = band_edges(found.best, bound, found.has_positive)
+        band = band_edges(found.best, bound, found.has_positive)
         hide_own_labels(scores, start - first, length, state.hole, workspace)
         scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, counts, keep)
-        scanned = scanner.scan(scores, 0, lo, hi, first, bound)
+        scanned = scanner.scan(scores, band, first, bound)
         greater, near_state = scanned.greater, scanned.near
         if panels:
-            saturate(lo, hi, greater, options.max_k)
+            saturate(band, greater, options.max_k)
             outside = (own >= 0) & ((own < first) | (own >= stop))
             ignore_outside = same_group or bool(outside.any())
             width = max(1, panel_bytes // (rows * itemsize))
             spans = [(a, min(a + width, first)) for a in range(0, first, width)]
             spans += [(a, min(a + width, num_gallery)) for a in range(stop, num_gallery, width)]
-            stack = Stack(lo, hi, greater, scanned.pairs, width, workspace, tile_bytes)
+            stack = Stack(band, greater, scanned.pairs, width, workspace, tile_bytes)
             for a, b in spans:
                 panel = product(rows_fast, gallery, a, b, workspace, tile_bytes)
                 if ignore_outside:
@@ -295,9 +298,10 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
                     hide_ignored(panel, own - a, row_groups, gallery.groups[a:b], state.hole)
                 peak = panel.amax(dim=1, keepdim=True)
                 if near_state is not None:
-                    near(panel, 0, peak, near_state, a, False, workspace, tile_bytes)
+                    near_band, near_sure, pairs = near_state
+                    scanner.into(panel, peak, near_band, a, near_sure, pairs)
                 if stack.add(panel, peak, a):
-                    saturate(lo, hi, greater, options.max_k)
+                    saturate(band, greater, options.max_k)
             stack.flush()
         positive = Found(found.found.rows, found.found.columns + first, found.found.values)
         kinds = scanned.kinds(positive)
@@ -342,20 +346,28 @@ class _Scanner(NamedTuple):
     counts: torch.dtype
     keep: bool = False  # keep the fast scores (a callable's, which are the canonical)
 
-    def scan(
-        self, scores: Tensor, axis: int, lo: Tensor, hi: Tensor, first: int, bound: Tensor
-    ) -> _Scanned:
-        """Scan ``scores`` (a query a row, or a column with ``axis=1``; its items from
-        ``first``) for each query's band ``[lo, hi]`` and the near threshold."""
-        greater = torch.zeros(scores.shape[axis], dtype=self.counts, device=scores.device)
+    def scan(self, scores: Tensor, band: Tensor, first: int, bound: Tensor) -> _Scanned:
+        """Scan ``scores`` (a query a row, its items columns from ``first``) for each query's
+        ``band`` ``[lo, hi]`` and the near threshold."""
+        greater = torch.zeros(scores.shape[0], dtype=self.counts, device=scores.device)
         found = _Scanned(greater, [], near_scan(self.threshold, bound, scores.dtype))
         if scores.numel():
-            peak = scores.amax(dim=1 - axis).unsqueeze(1)
-            room = self.workspace, self.buffer_bytes
+            peak = scores.amax(dim=1, keepdim=True)
             if found.near is not None:
-                near(scores, axis, peak, found.near, first, self.keep, *room)
-            scan(scores, axis, peak, lo, hi, first, greater, found.pairs, *room, self.keep)
+                self.into(scores, peak, found.near.band, first, found.near.sure, found.near.found)
+            self.into(scores, peak, band, first, greater, found.pairs)
         return found
+
+    def into(
+        self, scores: Tensor, peak: Tensor, band: Tensor, first: int, to: Tensor, found: list[Found]
+    ) -> None:
+        """Count each row's items above its ``band`` into ``to``, add those inside to ``found``:
+        :func:`scan_square` of the rows alone (their items columns from ``first``)."""
+        room = self.workspace, self.buffer_bytes
+        got = scan_square(scores, peak.view(-1), band, (0, first), *room, self.keep)
+        if got is not None:
+            to.index_add_(0, got[0], got[1].to(to.dtype))
+            found.append(got[2])
 
 
 def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list[tuple[int, int]]:
@@ -384,14 +396,12 @@ def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list
     return tiles
 
 
-def _band(
-    found_best: Tensor, bound: Tensor, has_positive: Tensor, hole: float
-) -> tuple[Tensor, Tensor]:
-    """The band's edges, ``lo`` kept above a ``-inf`` hole (else the band would count holes)."""
-    lo, hi = band_edges(found_best, bound, has_positive)
+def _band(found_best: Tensor, bound: Tensor, has_positive: Tensor, hole: float) -> Tensor:
+    """The bands, ``lo`` kept above a ``-inf`` hole (else the band would count holes)."""
+    band = band_edges(found_best, bound, has_positive)
     if hole == -math.inf:
-        lo.clamp_(min=torch.finfo(lo.dtype).min)
-    return lo, hi
+        band[:, :1].clamp_(min=torch.finfo(band.dtype).min)
+    return band
 
 
 def _squares_possible(source: LocalSource, options: RankOptions, device: torch.device) -> bool:
@@ -426,21 +436,20 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
     junk = options.exclude == "same_label_and_group"
     same_group = options.exclude == "same_group"
 
-    def centred(first: int, stop: int) -> Tensor:
-        rows = gallery.fast[first:stop]
+    def centred(span: slice) -> Tensor:
+        rows = gallery.fast[span]
         return rows if stats.centre is None else rows - stats.centre
 
     bound = torch.empty((num, 1), dtype=torch.float64, device=device)
     for a in range(0, num, size):
-        bound[a : a + size] = bounds(centred(a, min(num, a + size)), stats)
+        bound[a : a + size] = bounds(centred(slice(a, a + size)), stats)
     widest = int(located.length.max()) if num else 0
     most = max(size, math.isqrt(max(1, tile_bytes // itemsize)))
     spans = label_spans(gallery, size, most) if 0 < widest <= size else None
     aligned = spans is not None
     if spans is None:
         spans = [slice(a, min(a + size, num)) for a in range(0, num, size)]
-    lo = torch.full((num, 1), math.inf, dtype=gallery.fast.dtype, device=device)
-    hi = torch.full_like(lo, math.inf)
+    band = torch.full((num, 2), math.inf, dtype=gallery.fast.dtype, device=device)
     if aligned:
         parts = [(span.start, span.stop) for span in spans]
     else:  # label runs of ``step`` rows lie within ``step + 2 widest`` columns
@@ -449,11 +458,11 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             step = (step + 1) // 2
         parts = [(a, min(a + step, s.stop)) for s in spans for a in range(s.start, s.stop, step)]
 
-    def label_task(part: tuple[int, int], workspace: Workspace) -> tuple[_Result, Tensor, Tensor]:
+    def label_task(part: tuple[int, int], workspace: Workspace) -> tuple[_Result, Tensor]:
         a, b = part
         start, length = located.start[a:b], located.length[a:b]
         first, stop = (a, b) if aligned else (int(start.min()), int((start + length).max()))
-        scores = product(centred(a, b), gallery, first, stop, workspace, tile_bytes)
+        scores = product(centred(slice(a, b)), gallery, first, stop, workspace, tile_bytes)
         groups, column_groups = gallery.groups[a:b], gallery.groups[first:stop]
         own = located.own[a:b] - first
         hide_ignored(scores, own, groups if same_group else None, column_groups, hole)
@@ -462,30 +471,30 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             scores, start - first, length, junk_groups, bound[a:b], hole, False, workspace
         )
         kept = Found(found.found.rows, found.found.columns + first, None)
-        band_lo, band_hi = _band(found.best, bound[a:b], found.has_positive, hole)
+        bands = _band(found.best, bound[a:b], found.has_positive, hole)
         if not aligned:
             result = _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)])
-            return result, band_lo, band_hi
+            return result, bands
         # A span of whole labels: its diagonal square's negatives are scanned now.
         hide_own_labels(scores, start - first, length, hole, workspace)
         scanner = _Scanner(workspace, tile_bytes, threshold, counts)
-        scanned = scanner.scan(scores, 0, band_lo, band_hi, first, bound[a:b])
+        scanned = scanner.scan(scores, bands, first, bound[a:b])
         kinds = scanned.kinds(kept)
         result = _Result(a, b, found.has_positive, scanned.greater, scanned.sure, None, kinds)
-        return result, band_lo, band_hi
+        return result, bands
 
     with Workers(label_task, min(workers, len(parts)), decider.workspace) as labels:
-        for result, band_lo, band_hi in labels.map(parts):
-            lo[result.first : result.stop], hi[result.first : result.stop] = band_lo, band_hi
+        for result, bands in labels.map(parts):
+            band[result.first : result.stop] = bands
             _merge(result, state, decider)
             if decider.full():
                 decider.flush(gallery)
     if aligned:
-        saturate(lo, hi, state.greater, max_k)
+        saturate(band, state.greater, max_k)
     junk_runs = None if aligned else _junk(gallery, spans)
 
     def squares() -> Iterator[_Square]:
-        """Each square with copies of its queries' band edges when taken (they rise to +inf)."""
+        """Each square with a copy of its queries' bands when taken (they rise to +inf)."""
         for index, rows in enumerate(spans):
             for later in range(index + int(aligned), len(spans)):
                 columns = spans[later]
@@ -495,50 +504,46 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
                     if run_stop > columns.start:  # one label on both sides: its rectangle
                         top = max(run_start, rows.start) - rows.start
                         rectangle = top, min(run_stop, columns.stop) - columns.start
-                rows_lo, rows_hi = lo[rows].clone(), hi[rows].clone()
-                columns_lo, columns_hi = lo[columns].clone(), hi[columns].clone()
-                yield index, later, rows_lo, rows_hi, columns_lo, columns_hi, rectangle
+                sides = band[rows] if later == index else torch.cat((band[rows], band[columns]))
+                yield index, later, sides, rectangle
 
-    def square_task(square: _Square, workspace: Workspace) -> list[_Result]:
-        index, later, row_lo, row_hi, column_lo, column_hi, rectangle = square
+    def square_task(square: _Square, workspace: Workspace) -> _Counted:
+        index, later, sides, rectangle = square
         rows, columns = spans[index], spans[later]
-        scores = product(
-            centred(rows.start, rows.stop),
-            gallery,
-            columns.start,
-            columns.stop,
-            workspace,
-            tile_bytes,
-        )
+        scores = product(centred(rows), gallery, columns.start, columns.stop, workspace, tile_bytes)
         if index == later:  # a diagonal square of spans cut anywhere: its own labels
-            labels = gallery.labels
-            same = labels[rows].unsqueeze(1) == labels[columns].unsqueeze(0)
+            same = gallery.labels[rows].unsqueeze(1) == gallery.labels[columns].unsqueeze(0)
             scores.masked_fill_(same, hole)
         elif rectangle is not None:
             scores[rectangle[0] :, : rectangle[1]] = hole
         if same_group:
             same = gallery.groups[rows].unsqueeze(1) == gallery.groups[columns].unsqueeze(0)
             scores.masked_fill_(same, hole)
-        sides = [(0, rows, columns, row_lo, row_hi)]
-        if later > index:  # read down: the columns' queries against the rows' items
-            sides.append((1, columns, rows, column_lo, column_hi))
-        scanner = _Scanner(workspace, tile_bytes, threshold, counts)
-        results = []
-        for axis, queries, items, band_lo, band_hi in sides:
-            found = scanner.scan(scores, axis, band_lo, band_hi, items.start, bound[queries])
-            kinds = found.kinds(None)
-            results.append(
-                _Result(queries.start, queries.stop, None, found.greater, found.sure, None, kinds)
-            )
-        return results
+        # its rows' largest scores, then (read down: the columns' queries) its columns'
+        height = scores.shape[0]
+        peaks = pooled(workspace, "square_peaks", sides.shape[0], scores.dtype, device)
+        torch.amax(scores, 1, out=peaks[:height])
+        if later > index:
+            torch.amax(scores, 0, out=peaks[height:])
+        kinds = [(NEGATIVE, sides)]
+        if threshold is not None:  # the near-duplicate threshold's band, as the other
+            bound_of = bound[rows] if later == index else torch.cat((bound[rows], bound[columns]))
+            kinds.append((NEAR, edges(torch.full_like(bound_of, threshold), bound_of, sides.dtype)))
+        firsts, out = (rows.start, columns.start), []
+        for kind, bands in kinds:
+            got = scan_square(scores, peaks, bands, firsts, workspace, tile_bytes)
+            out += [] if got is None else [(kind, *got)]
+        return out
 
     total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
     with Workers(square_task, max(1, min(workers, total)), decider.workspace) as squaring:
         for results in squaring.map(squares()):
-            for result in results:
-                _merge(result, state, decider)
-                part = slice(result.first, result.stop)
-                saturate(lo[part], hi[part], state.greater[part], max_k)
+            for kind, queries, above, pairs in results:
+                into = state.greater if kind == NEGATIVE else state.near
+                into.index_add_(0, queries, above.to(into.dtype))
+                decider.add(kind, pairs)
+                if kind == NEGATIVE:  # queries missed at every K are scanned no more
+                    band.index_fill_(0, queries[state.greater[queries] >= max_k], math.inf)
             if decider.full():
                 decider.flush(gallery)
     progress.update(num)
@@ -644,14 +649,14 @@ def _passes(
     for gallery in source.galleries():
         guard.run(positives_of, gallery)
         progress.update(1)
-    lo, hi = _band(best, bound, state.has_positive, hole)
+    band = _band(best, bound, state.has_positive, hole)
     scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, state.greater.dtype)
 
     def negatives_of(gallery: Gallery) -> None:
         located = locate(queries, gallery)
         width = gallery.fast.shape[0]
         for a, b in tiles:
-            if options.near_duplicate is None and bool(torch.isinf(lo[a:b]).all()):
+            if options.near_duplicate is None and bool(torch.isinf(band[a:b, 0]).all()):
                 continue  # no query of the tile has a band left to reach
             rows_fast = source.query_rows(a, b, workspace)
             scores = product(rows_fast, gallery, 0, width, workspace, tile_bytes)
@@ -660,9 +665,9 @@ def _passes(
             groups = queries.groups[a:b] if same_group else None
             hide_ignored(scores, located.own[a:b], groups, gallery.groups, hole)
             hide_own_labels(scores, located.start[a:b], located.length[a:b], hole, workspace)
-            scanned = scanner.scan(scores, 0, lo[a:b], hi[a:b], 0, bound[a:b])
+            scanned = scanner.scan(scores, band[a:b], 0, bound[a:b])
             state.greater[a:b] += scanned.greater
-            saturate(lo[a:b], hi[a:b], state.greater[a:b], options.max_k)
+            saturate(band[a:b], state.greater[a:b], options.max_k)
             if scanned.sure is not None:
                 state.near[a:b] += scanned.sure
             for kind, found in scanned.kinds(None):

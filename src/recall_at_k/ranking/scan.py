@@ -8,10 +8,10 @@ band needs, without a Python loop over queries. The band is ``[s*_f - 2B, s*_f +
 - :func:`hide_own_labels` and :func:`hide_ignored` write a *hole* over the items no count
   may see (the query's own label, itself, its group under ``exclude="same_group"``):
   ``-inf`` for the built-in similarities (finite scores), NaN for a callable's;
-- :func:`scan` counts each query's items surely above the band and finds the pairs inside
-  it, comparing only the rows whose largest score reaches the band; :class:`Stack`
+- :func:`scan_square` counts each query's items surely above the band and finds the pairs
+  inside it, comparing only the rows whose largest score reaches the band; :class:`Stack`
   gathers the reaching rows of many CPU panels to compare them together;
-- :func:`near` does the same for the near-duplicate threshold ``t``: items above
+- a :class:`Near` scan does the same for the near-duplicate threshold ``t``: items above
   ``t + B`` are surely at or above it, those within ``B`` of it are re-scored."""
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def joined(parts: list[Found], device: torch.device) -> Found:
     return Found(torch.cat([p.rows for p in parts]), torch.cat([p.columns for p in parts]), values)
 
 
-def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``lo <= centre - half``, ``hi >= centre + half`` in ``dtype``, rounded outwards."""
+def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[T, 2]`` bands ``[lo, hi]``: ``lo <= centre - half``, ``hi >= centre + half`` in
+    ``dtype``, rounded outwards."""
     lo_wide, hi_wide = centre - half, centre + half
     lo, hi = lo_wide.to(dtype), hi_wide.to(dtype)
     lo = torch.where(
@@ -55,15 +56,14 @@ def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> tuple[Tensor, Ten
     hi = torch.where(
         hi.to(torch.float64) < hi_wide, torch.nextafter(hi, hi.new_tensor(math.inf)), hi
     )
-    return lo, hi
+    return torch.cat((lo, hi), 1)
 
 
-def band_edges(best: Tensor, bound: Tensor, has_positive: Tensor) -> tuple[Tensor, Tensor]:
-    """``[T, 1]`` edges ``lo <= s*_f - 2B``, ``hi >= s*_f + 2B`` in the scores' dtype;
+def band_edges(best: Tensor, bound: Tensor, has_positive: Tensor) -> Tensor:
+    """``[T, 2]`` bands ``lo <= s*_f - 2B``, ``hi >= s*_f + 2B`` in the scores' dtype;
     +inf for a query without a valid positive (nothing reaches its band)."""
-    lo, hi = edges(best.to(torch.float64), 2 * bound, best.dtype)
-    missing = ~has_positive.view(-1, 1)
-    return lo.masked_fill_(missing, math.inf), hi.masked_fill_(missing, math.inf)
+    band = edges(best.to(torch.float64), 2 * bound, best.dtype)
+    return band.masked_fill_(~has_positive.view(-1, 1), math.inf)
 
 
 class Positives(NamedTuple):
@@ -122,7 +122,7 @@ def positives(
     # (any valid value of a built-in similarity is above the -inf hole)
     has_positive = best.view(-1) > hole if hole == -math.inf else valid.any(dim=1)
     has_positive.masked_fill_(empty.view(-1), False)
-    lo, _ = band_edges(best, bound, has_positive)
+    lo = band_edges(best, bound, has_positive)[:, :1]
     row, step = torch.ge(values, lo, out=marks).logical_and_(valid).nonzero(as_tuple=True)
     once = step < count[row]  # a run's last column is repeated past its end
     row, step = row[once], step[once]
@@ -170,44 +170,58 @@ def pooled(
     return workspace.get(slot, (capacity,), dtype, device)[:numel]
 
 
-def scan(
+def scan_square(
     scores: Tensor,
-    axis: int,
-    peak: Tensor,
-    lo: Tensor,
-    hi: Tensor,
-    first: int,
-    greater: Tensor,
-    found: list[Found],
+    peaks: Tensor,
+    bands: Tensor,
+    firsts: tuple[int, int],
     workspace: Workspace,
     buffer_bytes: int,
     keep_values: bool = False,
-) -> None:
-    """Count each query's items above ``hi`` into ``greater``; add those in ``[lo, hi]`` to
-    ``found`` (scores too where ``keep_values``). Queries along ``axis`` (0: rows, items
-    columns ``first:``; 1: columns), largest scores ``peak`` (NaN reaches, is never counted
-    or found); only those reaching ``lo`` gathered, in ~``buffer_bytes``. ``scores`` kept."""
-    reaching = (peak < lo).logical_not_().view(-1).nonzero().view(-1)
-    if reaching.numel() == 0:
-        return
-    size, other = scores.shape[axis], scores.shape[1 - axis]
-    shape = (-1, 1) if axis == 0 else (1, -1)
-    step = rows_within(buffer_bytes, compared_row_bytes(other, scores.element_size()), size)
-    device = scores.device
-    values = pooled(workspace, "scan_values", step * other, scores.dtype, device)
-    for picked in torch.split(reaching, step):
-        held = picked.shape[0] * other
-        picked_shape = (picked.shape[0], other) if axis == 0 else (other, picked.shape[0])
-        candidates = values[:held].view(picked_shape)
-        torch.index_select(scores, axis, picked, out=candidates)
-        band_lo = lo.index_select(0, picked).view(shape)
-        band_hi = hi.index_select(0, picked).view(shape)
-        above, row, column = compare(candidates, band_lo, band_hi, axis, workspace)
-        greater.index_add_(0, picked, above.to(greater.dtype))
+) -> tuple[Tensor, Tensor, Found] | None:
+    """Scan a square's rows and, where ``peaks`` goes on past them, its columns (read down)
+    in one compare. ``peaks``: their largest scores, rows first (NaN reaches, is never
+    counted or found); ``bands``: their ``[lo, hi]``; ``firsts``: the positions of the
+    square's first row and column. Only the queries reaching their band are compared, in
+    ~``buffer_bytes``. Those queries (positions), their counts above it (float), the pairs
+    inside it (scores too where ``keep_values``); None when none reaches."""
+    height, width = scores.shape
+    reaching = (peaks < bands[:, 0]).logical_not_().nonzero().view(-1)
+    total = reaching.shape[0]
+    if total == 0:
+        return None
+    down = int(torch.searchsorted(reaching, height))  # rows before, columns from here
+    length = max(width, height) if peaks.shape[0] > height else width
+    queries = reaching + firsts[0]
+    queries[down:] += firsts[1] - firsts[0] - height
+    dtype, device, itemsize = scores.dtype, scores.device, scores.element_size()
+    turned = length * itemsize if total > down else 0  # the columns' copy before turned
+    step = rows_within(buffer_bytes, compared_row_bytes(length, itemsize) + turned, total)
+    counts, pairs = [], []
+    for a in range(0, total, step):
+        b = min(a + step, total)
+        split = min(max(down, a), b) - a  # compared rows [0, split) are the square's rows
+        candidates = pooled(workspace, "scan_values", (b - a) * length, dtype, device)
+        candidates = candidates.view(b - a, length)
+        # each query's scores against its items, padded with -inf (never in or above a band)
+        if split > 0:
+            torch.index_select(scores, 0, reaching[a : a + split], out=candidates[:split, :width])
+        if split < b - a:  # columns gathered as they lie (fast), then turned
+            index = reaching[a + split : b] - height
+            columns = pooled(workspace, "scan_columns", height * index.shape[0], dtype, device)
+            columns = torch.index_select(scores, 1, index, out=columns.view(height, -1))
+            candidates[split:, :height] = columns.T
+        for rows, size in ((slice(0, split), width), (slice(split, None), height)):
+            if size < length:
+                candidates[rows, size:] = -math.inf
+        band = bands.index_select(0, reaching[a:b])
+        above, row, column = compare(candidates, band[:, :1], band[:, 1:], workspace)
+        counts.append(above)
         if row.numel():
-            query, item = (row, column) if axis == 0 else (column, row)
+            item = column + torch.where(row < split, firsts[1], firsts[0])
             value = candidates[row, column] if keep_values else None
-            found.append(Found(picked[query], item + first, value))
+            pairs.append(Found(queries[a:b][row], item, value))
+    return queries, torch.cat(counts), joined(pairs, peaks.device)
 
 
 def mark_dtype(length: int) -> torch.dtype:
@@ -223,27 +237,26 @@ def compared_row_bytes(length: int, itemsize: int) -> int:
 
 
 def compare(
-    candidates: Tensor, lo: Tensor, hi: Tensor, axis: int, workspace: Workspace
+    candidates: Tensor, lo: Tensor, hi: Tensor, workspace: Workspace
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per query (along ``axis``) the count of ``candidates`` above ``hi`` (float, exact),
-    and the positions (row, column) of those in ``[lo, hi]``."""
+    """Per row the count of ``candidates`` above ``hi`` (float, exact), and the positions
+    (row, column) of those in ``[lo, hi]``."""
     numel, device = candidates.numel(), candidates.device
-    marks = mark_dtype(candidates.shape[1 - axis])
+    marks = mark_dtype(candidates.shape[1])
     above = pooled(workspace, "marks_above", numel, marks, device).view(candidates.shape)
     inside = pooled(workspace, "marks_inside", numel, marks, device).view(candidates.shape)
     torch.gt(candidates, hi, out=above)
     torch.ge(candidates, lo, out=inside).sub_(above)  # 1 in [lo, hi], else 0 (above <= ge)
     whole = torch.int32 if marks == torch.float32 else torch.int64  # 0.0 is all zero bits
     row, column = inside.view(whole).nonzero(as_tuple=True)
-    return above.sum(dim=1 - axis), row, column
+    return above.sum(dim=1), row, column
 
 
 class Near(NamedTuple):
-    """A near-duplicate scan: the threshold's edges ``[T, 1]`` (``t - B``, ``t + B``,
+    """A near-duplicate scan: the threshold's band ``[T, 2]`` (``t - B``, ``t + B``,
     rounded outwards), the count of items surely at or above it, the pairs within."""
 
-    lo: Tensor
-    hi: Tensor
+    band: Tensor
     sure: Tensor
     found: list[Found]
 
@@ -252,25 +265,8 @@ def near_scan(threshold: float | None, bound: Tensor, dtype: torch.dtype) -> Nea
     """An empty near-duplicate scan of queries with bounds ``bound`` (None without a threshold)."""
     if threshold is None:
         return None
-    lo, hi = edges(torch.full_like(bound, threshold), bound, dtype)
-    sure = torch.zeros(bound.shape[0], dtype=torch.int64, device=bound.device)
-    return Near(lo, hi, sure, [])
-
-
-def near(
-    scores: Tensor,
-    axis: int,
-    peak: Tensor,
-    scan_state: Near,
-    first: int,
-    keep_values: bool,
-    workspace: Workspace,
-    buffer_bytes: int,
-) -> None:
-    """Add a block of scores (as in :func:`scan`, own labels and ignored items holed) to a
-    near-duplicate scan: the threshold's edges are its band; items above count into ``sure``."""
-    lo, hi, sure, found = scan_state
-    scan(scores, axis, peak, lo, hi, first, sure, found, workspace, buffer_bytes, keep_values)
+    band = edges(torch.full_like(bound, threshold), bound, dtype)
+    return Near(band, torch.zeros(bound.shape[0], dtype=torch.int64, device=bound.device), [])
 
 
 def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
@@ -278,13 +274,11 @@ def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
     return max(1, min(rows, buffer_bytes // max(1, row_bytes)))
 
 
-def saturate(lo: Tensor, hi: Tensor, greater: Tensor, max_k: int) -> None:
+def saturate(band: Tensor, greater: Tensor, max_k: int) -> None:
     """Stop scanning queries with at least ``max_k`` items surely above ``s*`` (a miss at every
-    K): their ``lo`` and ``hi`` become +inf, so no item of theirs is counted or found again
-    (rows compared later, in a :class:`Stack` or an earlier square, would be both)."""
-    done = greater.view(-1, 1) >= max_k
-    lo.masked_fill_(done, math.inf)
-    hi.masked_fill_(done, math.inf)
+    K): their ``band`` becomes +inf, so no item of theirs is counted or found again (rows
+    compared later, in a :class:`Stack` or an earlier square, would be both)."""
+    band.masked_fill_(greater.view(-1, 1) >= max_k, math.inf)
 
 
 class Stack:
@@ -292,20 +286,19 @@ class Stack:
 
     def __init__(
         self,
-        lo: Tensor,
-        hi: Tensor,
+        band: Tensor,
         greater: Tensor,
         found: list[Found],
         width: int,
         workspace: Workspace,
         buffer_bytes: int,
     ) -> None:
-        self.lo, self.hi, self.greater, self.found = lo, hi, greater, found
+        self.band, self.greater, self.found = band, greater, found
         self.workspace = workspace
         stack_bytes = min(CPU_STACK_BYTES, buffer_bytes)
-        row_bytes = compared_row_bytes(width, lo.element_size())
-        capacity = max(lo.shape[0], stack_bytes // max(1, row_bytes))
-        self.buffer = workspace.get("stack", (capacity, width), lo.dtype, lo.device)
+        row_bytes = compared_row_bytes(width, band.element_size())
+        capacity = max(band.shape[0], stack_bytes // max(1, row_bytes))
+        self.buffer = workspace.get("stack", (capacity, width), band.dtype, band.device)
         self.used = 0
         self.rows: list[Tensor] = []
         self.firsts: list[int] = []
@@ -313,7 +306,7 @@ class Stack:
     def add(self, scores: Tensor, peak: Tensor, first: int) -> bool:
         """Copy the rows of a panel (columns ``first:``) that reach their band (a
         narrower panel padded with -inf); whether the rows before were compared first."""
-        rows = (peak < self.lo).logical_not_().view(-1).nonzero().view(-1)
+        rows = (peak < self.band[:, :1]).logical_not_().view(-1).nonzero().view(-1)
         count = rows.shape[0]
         if count == 0:
             return False
@@ -339,8 +332,8 @@ class Stack:
         lengths = torch.tensor([r.shape[0] for r in self.rows], device=rows.device)
         firsts = torch.tensor(self.firsts, device=rows.device).repeat_interleave(lengths)
         candidates = self.buffer[: self.used]
-        lo, hi = self.lo.index_select(0, rows), self.hi.index_select(0, rows)
-        above, row, column = compare(candidates, lo, hi, 0, self.workspace)
+        band = self.band.index_select(0, rows)
+        above, row, column = compare(candidates, band[:, :1], band[:, 1:], self.workspace)
         self.greater.index_add_(0, rows, above.to(self.greater.dtype))
         if row.numel():
             self.found.append(Found(rows[row], firsts[row] + column, None))
