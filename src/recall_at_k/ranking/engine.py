@@ -64,11 +64,10 @@ from recall_at_k.ranking.scan import (
     Near,
     Stack,
     band_edges,
-    edges,
     hide_ignored,
     hide_own_labels,
     joined,
-    near_scan,
+    near_band,
     pooled,
     positives,
     saturate,
@@ -350,7 +349,11 @@ class _Scanner(NamedTuple):
         """Scan ``scores`` (a query a row, its items columns from ``first``) for each query's
         ``band`` ``[lo, hi]`` and the near threshold."""
         greater = torch.zeros(scores.shape[0], dtype=self.counts, device=scores.device)
-        found = _Scanned(greater, [], near_scan(self.threshold, bound, scores.dtype))
+        near = None
+        if self.threshold is not None:  # an empty near-duplicate scan
+            sure = torch.zeros(scores.shape[0], dtype=torch.int64, device=scores.device)
+            near = Near(near_band(self.threshold, bound, scores.dtype), sure, [])
+        found = _Scanned(greater, [], near)
         if scores.numel():
             peak = scores.amax(dim=1, keepdim=True)
             if found.near is not None:
@@ -528,7 +531,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         kinds = [(NEGATIVE, sides)]
         if threshold is not None:  # the near-duplicate threshold's band, as the other
             bound_of = bound[rows] if later == index else torch.cat((bound[rows], bound[columns]))
-            kinds.append((NEAR, edges(torch.full_like(bound_of, threshold), bound_of, sides.dtype)))
+            kinds.append((NEAR, near_band(threshold, bound_of, sides.dtype)))
         firsts, out = (rows.start, columns.start), []
         for kind, bands in kinds:
             got = scan_square(scores, peaks, bands, firsts, workspace, tile_bytes)

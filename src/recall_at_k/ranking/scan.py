@@ -261,12 +261,10 @@ class Near(NamedTuple):
     found: list[Found]
 
 
-def near_scan(threshold: float | None, bound: Tensor, dtype: torch.dtype) -> Near | None:
-    """An empty near-duplicate scan of queries with bounds ``bound`` (None without a threshold)."""
-    if threshold is None:
-        return None
-    band = edges(torch.full_like(bound, threshold), bound, dtype)
-    return Near(band, torch.zeros(bound.shape[0], dtype=torch.int64, device=bound.device), [])
+def near_band(threshold: float, bound: Tensor, dtype: torch.dtype) -> Tensor:
+    """The near-duplicate threshold's band ``[t - B, t + B]`` (rounded outwards) of queries
+    with bounds ``bound``, as :func:`edges` gives it."""
+    return edges(torch.full_like(bound, threshold), bound, dtype)
 
 
 def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
