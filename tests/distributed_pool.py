@@ -222,8 +222,12 @@ def _stop() -> None:
 # ------------------------------------------------------------------------ the parent
 
 
-PRELOAD = ["torch", "torch.distributed", "recall_at_k"]
-"""What the fork server imports once, before it forks a shared pool's processes."""
+PRELOAD = ["torch", "torch.distributed", "recall_at_k", "lightning.pytorch"]
+"""What the fork server imports once, before it forks a process: a shared pool's, a
+Lightning DDP worker (``lightning_models.forked_ddp``) or another test's own
+(``start_method="forkserver"``). Set when this module is imported (by conftest), before
+any of them can start the server."""
+get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 
 def _context(fresh: bool) -> Any:
@@ -235,9 +239,7 @@ def _context(fresh: bool) -> Any:
     environment, taken when it started, would not have."""
     if fresh:
         return get_context("spawn")
-    context = get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # no effect once the server runs
-    return context
+    return get_context("forkserver")  # its server imports PRELOAD
 
 
 def forked(target: Callable[..., Any], args: tuple[Any, ...]) -> Any:

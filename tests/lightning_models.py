@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import TensorDataset
 
 from recall_at_k import EmbeddingRecallAtK, RetrievalRecallAtK
@@ -22,8 +23,17 @@ def make_data(num: int, seed: int) -> TensorDataset:
     return TensorDataset(features, target, ids)
 
 
+def forked_ddp() -> DDPStrategy:
+    """``ddp_spawn``'s launcher with its workers forked from the tests' fork server
+    (``start_method="forkserver"``; tests/distributed_pool.py), not spawned: the same
+    pickled trainer and model, gloo group and DistributedSampler padding, without each
+    worker importing torch, torchmetrics, Lightning and the package again (about 8
+    CPU-seconds a worker here). tests/test_lightning.py keeps one ``"ddp_spawn"`` run."""
+    return DDPStrategy(start_method="forkserver")
+
+
 class EndProcessGroup(pl.Callback):
-    """Ends each ``ddp_spawn`` worker's gloo process group once its run is over.
+    """Ends each DDP worker's gloo process group once its run is over.
 
     Lightning leaves a gloo group alive when a spawned worker exits (it destroys only NCCL
     groups at exit). Its threads are then destroyed among the C++ static destructors, and

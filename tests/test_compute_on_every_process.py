@@ -2,8 +2,10 @@
 local-only alternative (docs/distributed.md, "Call compute() on every process"; calling
 it on every process is examples/torchrun_evaluation.py, run by tests/test_examples.py).
 
-Every case starts two fresh gloo processes of its own: a collective that one process left
-half done leaves the group unusable, so these never share processes with other tests.
+Every case starts two gloo processes of its own: a collective that one process left half
+done leaves the group unusable, so these never share processes with other tests. They are
+forked from the tests' fork server (tests/distributed_pool.py), which imported torch and
+the package once and never joins a process group.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def _run(case: str) -> list[Any]:
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _entry, args=(port, out_dir, case), nprocs=2, join=True, start_method="spawn"
+            _entry, args=(port, out_dir, case), nprocs=2, join=True, start_method="forkserver"
         )
         results = []
         for rank in range(2):

@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning_models import EndProcessGroup
+from lightning_models import EndProcessGroup, forked_ddp
 from test_lightning_patterns import GALLERY, dense_reference, logged, make_data, trainer_for
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -149,7 +149,7 @@ def test_manual_recipe_logs_the_synced_values_without_the_sync_dist_warning(
     trainer = trainer_for(
         tmp_path,
         devices=2,
-        strategy="ddp_spawn",
+        strategy=forked_ddp(),
         callbacks=[EndProcessGroup(), RecordWarnings(tmp_path)],
     )
     trainer.validate(model, DataLoader(data, batch_size=4), verbose=False)

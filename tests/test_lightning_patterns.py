@@ -5,7 +5,8 @@ references on the very batches the module saw: per-step and per-epoch logging th
 ``forward`` + ``per_k``, an int ``k`` through ``self.log``, a ``MetricCollection`` beside
 torchmetrics' ``RetrievalMRR``, a manual ``compute()``/``reset()``, a checkpoint callback
 monitoring a per-K key, ``precision="16-true"``/``"bf16-true"`` (counts stay exact) and
-``ddp_spawn`` on an odd-sized validation set (padding counts once).
+two DDP processes (``ddp_spawn``'s launcher, workers forked: ``forked_ddp``) on an
+odd-sized validation set (padding counts once).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from embedding_reference import Batch, reference_embedding_recall
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning_models import EndProcessGroup
+from lightning_models import EndProcessGroup, forked_ddp
 from reference import reference_recall
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -302,13 +303,13 @@ class Padded(pl.LightningModule):
 
 
 @pytest.mark.ddp
-def test_ddp_spawn_on_an_odd_validation_set_counts_padding_once(tmp_path: Path) -> None:
+def test_ddp_on_an_odd_validation_set_counts_padding_once(tmp_path: Path) -> None:
     model = Padded()
     data = make_data(31, seed=4)  # two processes: DistributedSampler pads one query
     features, target, _ = data.tensors
     with torch.no_grad():  # the padded query (the first) ranks its positive third
         target[0] = model.layer(features[0]).argsort(descending=True)[2]
-    trainer = trainer_for(tmp_path, devices=2, strategy="ddp_spawn", callbacks=[EndProcessGroup()])
+    trainer = trainer_for(tmp_path, devices=2, strategy=forked_ddp(), callbacks=[EndProcessGroup()])
     trainer.validate(model, DataLoader(data, batch_size=4), verbose=False)
     columns = logged(tmp_path)
     with torch.no_grad():

@@ -636,20 +636,21 @@ def test_sharded_compute_of_narrow_embeddings_adds_under_0_6x_the_gathered_bytes
 
 
 @pytest.mark.ddp
-def test_a_lightning_ddp_spawn_validation_logs_the_one_process_values() -> None:
-    """``Trainer(strategy="ddp_spawn", devices=2)`` validating with ``sharded=True``
+def test_a_lightning_ddp_validation_logs_the_one_process_values() -> None:
+    """``Trainer(strategy=..., devices=2)`` (``ddp_spawn``'s launcher, workers forked:
+    ``lightning_models.forked_ddp``) validating with ``sharded=True``
     (45 items: the sampler pads one repeat, which ``ids=`` drop) logs bit for bit
     what one process computes on the items."""
     import lightning.pytorch as pl
     from lightning_models import KS as LIGHTNING_KS
-    from lightning_models import EndProcessGroup, ShardedEmbedder, embedding_data
+    from lightning_models import EndProcessGroup, ShardedEmbedder, embedding_data, forked_ddp
     from torch.utils.data import DataLoader
 
     model, data = ShardedEmbedder(), embedding_data(45, seed=8)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_spawn",
+        strategy=forked_ddp(),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
