@@ -27,8 +27,8 @@ def forked_ddp() -> DDPStrategy:
     """``ddp_spawn``'s launcher with its workers forked from the tests' fork server
     (``start_method="forkserver"``; tests/distributed_pool.py), not spawned: the same
     pickled trainer and model, gloo group and DistributedSampler padding, without each
-    worker importing torch, torchmetrics, Lightning and the package again (about 8
-    CPU-seconds a worker here). tests/test_lightning.py keeps one ``"ddp_spawn"`` run."""
+    worker importing torch, torchmetrics, Lightning and the package again (CHANGELOG.md).
+    tests/test_lightning.py keeps one ``"ddp_spawn"`` run."""
     return DDPStrategy(start_method="forkserver")
 
 
