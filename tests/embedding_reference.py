@@ -488,10 +488,11 @@ def engine_recall(
 
 
 def fast_and_canonical(
-    embeddings: Tensor, similarity: str, queries: int, width: int
+    embeddings: Tensor, similarity: str, queries: int, width: int, tile_bytes: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
     """|fast - canonical| per pair (fast scores from tiles of ``queries`` rows and
-    panels of ``width`` columns), and each query's bound, ``[Q, G]`` and ``[Q, 1]``."""
+    panels of ``width`` columns, each product in a tile of ``tile_bytes``), and each
+    query's bound, ``[Q, G]`` and ``[Q, 1]``."""
     prepared = ranking_score.prepare_rows(embeddings, similarity, torch.float32)  # type: ignore[arg-type]
     num, dim = prepared.shape
     stats = blocks.statistics(
@@ -516,7 +517,7 @@ def fast_and_canonical(
         block = centred[start : start + queries]
         for first in range(0, num, width):
             stop = min(first + width, num)
-            part = blocks.product(block, gallery, first, stop, workspace)
+            part = blocks.product(block, gallery, first, stop, workspace, tile_bytes)
             fast[start : start + queries, first:stop] = part
     rows = torch.arange(num)
     pairs = torch.cartesian_prod(rows, rows)

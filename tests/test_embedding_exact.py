@@ -34,6 +34,7 @@ from reference import reference_recall
 from torch import Tensor
 
 from recall_at_k import EmbeddingRecallAtK
+from recall_at_k.ranking import budget as _budget
 from recall_at_k.ranking import score as _score
 
 # The exactness sweeps (routes, tilings, threads, processes): `-m slow` runs them, as CI does.
@@ -318,12 +319,31 @@ def _adversarial() -> Iterator[tuple[str, Tensor, str]]:
         yield f"offset {offset}", torch.randn(80, 32, generator=g) + offset, "euclidean"
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (64, 4096)])
-def test_fast_scores_stay_within_the_certified_bound(shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("shape", [(1, 1, 0), (7, 13, 0), (7, 13, 2**20), (64, 4096, 0)])
+def test_fast_scores_stay_within_the_certified_bound(
+    shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tiles of ``shape[0]`` rows, panels of ``shape[1]`` columns, in tiles of
+    ``shape[2]`` bytes: where those hold more than a panel, each product is widened to a
+    multiple of ``PRODUCT_COLUMNS`` columns (at the gallery's end, by columns before the
+    panel's first) and must still return the scores of the panel's own columns."""
+    widths: list[int] = []
+
+    def recorded(original: Any) -> Any:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            widths.append(kwargs["out"].shape[1] if "out" in kwargs else -1)
+            return original(*args, **kwargs)
+
+        return record
+
+    for name in ("matmul", "addmm"):
+        monkeypatch.setattr(torch, name, recorded(getattr(torch, name)))
     for name, embeddings, similarity in _adversarial():
         error, bound, _ = fast_and_canonical(embeddings, similarity, *shape)
         worst = float((error / bound.clamp_min(1e-300)).max())
         assert bool((error <= bound).all()), (name, similarity, worst)
+    if shape[2]:  # every product widened (13 columns: 16)
+        assert widths and all(width % _budget.PRODUCT_COLUMNS == 0 for width in widths), widths
 
 
 def test_cosine_normalisation_is_per_row() -> None:

@@ -19,6 +19,7 @@ from torch import Tensor
 from recall_at_k import _collectives as collectives
 from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
+from recall_at_k.ranking.budget import PRODUCT_COLUMNS
 from recall_at_k.ranking.plan import Direction, Plan
 from recall_at_k.ranking.score import (
     bound_absolute,
@@ -95,9 +96,8 @@ def gallery_block(
     if stats.centre is not None:
         neg_sq_norms = torch.empty((1, fast.shape[0]), dtype=fast.dtype, device=fast.device)
         for first, part in chunks(fast, stats.block_rows):
-            neg_sq_norms[0, first : first + part.shape[0]] = (
-                (part - stats.centre).square_().sum(dim=1).neg_()
-            )
+            squares = (part - stats.centre).square_().sum(dim=1).neg_()
+            neg_sq_norms[0, first : first + part.shape[0]] = squares
     blocks = block_labels, starts, counts
     return Gallery(
         canonical, fast, labels, groups, *blocks, *by_identity, stats.centre, neg_sq_norms
@@ -158,35 +158,38 @@ def product(
     workspace: Workspace,
     tile_bytes: int = 0,
 ) -> Tensor:
-    """Fast scores ``[T, stop - first]`` against gallery columns ``first:stop`` in the tile;
-    ``"euclidean"``: ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, as many at a time as the
-    tile's scores or ``tile_bytes`` (a worker's tile share) hold, whichever is more (a tile
-    of few rows would otherwise centre a column or two at a time: a product each)."""
-    rows, width = queries.shape[0], stop - first
+    """Fast scores ``[T, stop - first]`` (a view) against gallery columns ``first:stop``:
+    where ``tile_bytes`` (a worker's tile share) holds them, neighbouring columns widen the
+    product to a multiple of :data:`PRODUCT_COLUMNS`, the BLAS's fast width. ``"euclidean"``:
+    ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, as many at a time as the tile's scores or
+    ``tile_bytes`` hold, whichever is more (else a tile of few rows centres a column or two
+    at a time: a product each)."""
+    rows, width, num = queries.shape[0], stop - first, gallery.fast.shape[0]
+    wide = -(-width // PRODUCT_COLUMNS) * PRODUCT_COLUMNS
+    if width < wide <= num and rows * wide * queries.element_size() <= tile_bytes:
+        width = wide
+    lo = min(num, first + width) - width  # first, or before it where widened at the end
     out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
     if gallery.centre is None or gallery.neg_sq_norms is None:
-        return torch.matmul(queries, gallery.fast[first:stop].T, out=out)
+        torch.matmul(queries, gallery.fast[lo : lo + width].T, out=out)
+        return out[:, first - lo : stop - lo]
     dim, dtype, device = queries.shape[1], queries.dtype, queries.device
     room = max(rows * width, tile_bytes // queries.element_size())
     step = max(1, min(width, room // max(1, dim)))
     # Both buffers taken once: a narrow tile centres its columns in many parts.
     centred = workspace.get("centred", (step * dim,), dtype, device)
-    parted = (
-        None if step >= width else workspace.get("centred_scores", (rows * step,), dtype, device)
-    )
-    for part in range(first, stop, step):
-        end = min(stop, part + step)
-        rows_centred = torch.sub(
-            gallery.fast[part:end], gallery.centre, out=centred[: (end - part) * dim].view(-1, dim)
-        )
+    slot = (rows * step,), dtype, device
+    parted = None if step >= width else workspace.get("centred_scores", *slot)
+    for part in range(lo, lo + width, step):
+        end = min(lo + width, part + step)
+        into = centred[: (end - part) * dim].view(-1, dim)
+        rows_centred = torch.sub(gallery.fast[part:end], gallery.centre, out=into)
         norms = gallery.neg_sq_norms[:, part:end]
-        if parted is None:
-            torch.addmm(norms, queries, rows_centred.T, alpha=2, out=out)
-        else:
-            target = parted[: rows * (end - part)].view(rows, -1)
-            torch.addmm(norms, queries, rows_centred.T, alpha=2, out=target)
-            out[:, part - first : end - first] = target
-    return out.sub_(queries.square().sum(dim=1, keepdim=True))
+        target = out if parted is None else parted[: rows * (end - part)].view(rows, -1)
+        torch.addmm(norms, queries, rows_centred.T, alpha=2, out=target)
+        if parted is not None:
+            out[:, part - lo : end - lo] = target
+    return out.sub_(queries.square().sum(dim=1, keepdim=True))[:, first - lo : stop - lo]
 
 
 def scores_of(

@@ -87,6 +87,9 @@ CPU_PANEL_BYTES = 2 * 2**20
 CPU_PANEL_COLUMNS = 512
 """... at most this many columns wide (the BLAS packs the widest panel)."""
 
+PRODUCT_COLUMNS = 8
+"""Products are widened to a multiple of this many columns where the tile holds them."""
+
 CPU_STACK_BYTES = 4 * 2**20
 """Panel rows that reach their band are stacked aside in about this many bytes."""
 

@@ -50,12 +50,9 @@ def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> Tensor:
     ``dtype``, rounded outwards."""
     lo_wide, hi_wide = centre - half, centre + half
     lo, hi = lo_wide.to(dtype), hi_wide.to(dtype)
-    lo = torch.where(
-        lo.to(torch.float64) > lo_wide, torch.nextafter(lo, lo.new_tensor(-math.inf)), lo
-    )
-    hi = torch.where(
-        hi.to(torch.float64) < hi_wide, torch.nextafter(hi, hi.new_tensor(math.inf)), hi
-    )
+    down, up = lo.new_tensor(-math.inf), hi.new_tensor(math.inf)
+    lo = torch.where(lo.to(torch.float64) > lo_wide, torch.nextafter(lo, down), lo)
+    hi = torch.where(hi.to(torch.float64) < hi_wide, torch.nextafter(hi, up), hi)
     return torch.cat((lo, hi), 1)
 
 
@@ -305,8 +302,7 @@ class Stack:
         """Copy the rows of a panel (columns ``first:``) that reach their band (a
         narrower panel padded with -inf); whether the rows before were compared first."""
         rows = (peak < self.band[:, :1]).logical_not_().view(-1).nonzero().view(-1)
-        count = rows.shape[0]
-        if count == 0:
+        if (count := rows.shape[0]) == 0:
             return False
         flushed = self.used + count > self.buffer.shape[0]
         if flushed:
