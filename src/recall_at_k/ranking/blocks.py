@@ -158,16 +158,15 @@ def product(
     workspace: Workspace,
     tile_bytes: int = 0,
 ) -> Tensor:
-    """Fast scores ``[T, stop - first]`` (a view) against gallery columns ``first:stop``:
-    where ``tile_bytes`` (a worker's tile share) holds them, neighbouring columns widen the
-    product to a multiple of :data:`PRODUCT_COLUMNS`, the BLAS's fast width. ``"euclidean"``:
-    ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, as many at a time as the tile's scores or
-    ``tile_bytes`` hold, whichever is more (else a tile of few rows centres a column or two
-    at a time: a product each)."""
+    """Fast scores ``[T, stop - first]`` (a view) against gallery columns ``first:stop``,
+    widened by neighbouring columns to a multiple of :data:`PRODUCT_COLUMNS` (the BLAS's
+    fast width) where ``tile_bytes`` (a worker's tile share) holds them. ``"euclidean"``:
+    ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, as many at a time as the tile or
+    ``tile_bytes`` holds (else a tile of few rows centres a column or two a product)."""
     rows, width, num = queries.shape[0], stop - first, gallery.fast.shape[0]
     wide = -(-width // PRODUCT_COLUMNS) * PRODUCT_COLUMNS
-    if width < wide <= num and rows * wide * queries.element_size() <= tile_bytes:
-        width = wide
+    fits = wide <= num and rows * wide * queries.element_size() <= tile_bytes
+    width = wide if fits else width
     lo = min(num, first + width) - width  # first, or before it where widened at the end
     out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
     if gallery.centre is None or gallery.neg_sq_norms is None:

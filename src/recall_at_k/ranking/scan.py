@@ -148,8 +148,7 @@ def hide_ignored(
 ) -> None:
     """Write ``hole`` at each row's own column (``self_column``; outside ``scores``: nothing)
     and, with groups (``exclude="same_group"``), over the columns of the row's group."""
-    width = scores.shape[1]
-    inside = (self_column >= 0) & (self_column < width)
+    inside = (self_column >= 0) & (self_column < scores.shape[1])
     if bool(inside.any()):
         rows = inside.nonzero().view(-1)
         scores[rows, self_column[rows].long()] = hole
@@ -203,8 +202,10 @@ def scan_square(
         # each query's scores against its items, padded with -inf (never in or above a band)
         if split > 0:
             torch.index_select(scores, 0, reaching[a : a + split], out=candidates[:split, :width])
-        if split < b - a:  # columns gathered as they lie (fast), then turned
-            index = reaching[a + split : b] - height
+        index = reaching[a + split : b] - height  # the columns' queries (read down)
+        if split < b - a and not scores.is_contiguous():  # a widened product's columns:
+            torch.index_select(scores.T, 0, index, out=candidates[split:, :height])  # fast
+        elif split < b - a:  # gathered as they lie (fast), then turned
             columns = pooled(workspace, "scan_columns", height * index.shape[0], dtype, device)
             columns = torch.index_select(scores, 1, index, out=columns.view(height, -1))
             candidates[split:, :height] = columns.T
