@@ -183,8 +183,7 @@ def scan_square(
     inside it (scores too where ``keep_values``); None when none reaches."""
     height, width = scores.shape
     reaching = (peaks < bands[:, 0]).logical_not_().nonzero().view(-1)
-    total = reaching.shape[0]
-    if total == 0:
+    if (total := reaching.shape[0]) == 0:
         return None
     down = int(torch.searchsorted(reaching, height))  # rows before, columns from here
     length = max(width, height) if peaks.shape[0] > height else width
@@ -202,13 +201,14 @@ def scan_square(
         # each query's scores against its items, padded with -inf (never in or above a band)
         if split > 0:
             torch.index_select(scores, 0, reaching[a : a + split], out=candidates[:split, :width])
-        index = reaching[a + split : b] - height  # the columns' queries (read down)
-        if split < b - a and not scores.is_contiguous():  # a widened product's columns:
-            torch.index_select(scores.T, 0, index, out=candidates[split:, :height])  # fast
-        elif split < b - a:  # gathered as they lie (fast), then turned
-            columns = pooled(workspace, "scan_columns", height * index.shape[0], dtype, device)
-            columns = torch.index_select(scores, 1, index, out=columns.view(height, -1))
-            candidates[split:, :height] = columns.T
+        if split < b - a:  # the columns' queries (read down)
+            index = reaching[a + split : b] - height
+            if not scores.is_contiguous():  # a widened product's view: rows of its transpose
+                torch.index_select(scores.T, 0, index, out=candidates[split:, :height])
+            else:  # gathered as they lie (fast), then turned
+                columns = pooled(workspace, "scan_columns", height * index.shape[0], dtype, device)
+                columns = torch.index_select(scores, 1, index, out=columns.view(height, -1))
+                candidates[split:, :height] = columns.T
         for rows, size in ((slice(0, split), width), (slice(split, None), height)):
             if size < length:
                 candidates[rows, size:] = -math.inf
