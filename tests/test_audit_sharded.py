@@ -110,8 +110,6 @@ TINY = budget.AuditSizes(
     sort_items=4,
     sort_passes=3,
     candidate_pairs=3,
-    blocks_per_worker=1,
-    worker_bytes=1,
 )
 """Blocks of one or two rows, sorts of four items, chunks of three pairs: every batching
 path runs."""

@@ -141,6 +141,19 @@ def test_tiles_and_squares_run_on_worker_threads(
     assert all(count == 1 for _, count in seen)
 
 
+def test_a_cpu_workspace_slot_that_grows_takes_twice_its_size() -> None:
+    """A CPU slot that must grow takes at least twice its size (pages never written are
+    never resident), so that a slot growing a little at a time is paged in a few times a
+    ranking, not once a request."""
+    workspace, cpu = Workspace(), torch.device("cpu")
+    first = workspace.get("slot", (10,), torch.float32, cpu)
+    grown = workspace.get("slot", (11,), torch.float32, cpu)
+    within = workspace.get("slot", (4, 5), torch.float32, cpu)
+    assert first.data_ptr() != grown.data_ptr() == within.data_ptr()
+    assert within.shape == (4, 5)
+    assert workspace.get("slot", (21,), torch.float32, cpu).data_ptr() != grown.data_ptr()
+
+
 def test_results_come_in_order_and_errors_reach_the_caller() -> None:
     def task(item: int, workspace: Workspace) -> int:
         if item == 7:

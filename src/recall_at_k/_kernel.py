@@ -56,7 +56,9 @@ def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:
 
 class Workspace:
     """Scratch buffers reused across calls (never metric state); each slot grows to the largest
-    request, and one made under ``torch.inference_mode()`` is replaced outside it."""
+    request (on CPU to at least twice its size: pages never written are never resident, and
+    each new buffer is paged in again), and one made under ``torch.inference_mode()`` is
+    replaced outside it."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -67,12 +69,12 @@ class Workspace:
         """An uninitialised tensor of ``shape`` from ``slot``."""
         numel, key = math.prod(shape), (slot, dtype, device)
         buffer = self._buffers.get(key)
-        if (
-            buffer is None
-            or (buffer.is_inference() and not torch.is_inference_mode_enabled())
-            or buffer.numel() < numel
-        ):
-            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        stale = buffer is not None and buffer.is_inference() > torch.is_inference_mode_enabled()
+        if buffer is None or stale or buffer.numel() < numel:
+            size = numel
+            if buffer is not None and not stale and device.type == "cpu":
+                size = max(numel, 2 * buffer.numel())
+            buffer = self._buffers[key] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel].view(shape)
 
     def clear(self) -> None:

@@ -4,15 +4,13 @@ exact whatever the hash. Sorts run in parts, rows a block at a time."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from recall_at_k._kernel import Workspace
-from recall_at_k.ranking.budget import AUDIT_HASH_DIM_BLOCK, AuditSizes, wide_rows, workers_within
-from recall_at_k.ranking.workers import Workers, worker_count
+from recall_at_k.ranking.budget import AUDIT_HASH_DIM_BLOCK, AuditSizes, wide_rows
 
 CODE32_LIMIT = 2**31 - 1  # codes of up to this many items are int32, int64 beyond
 
@@ -28,23 +26,14 @@ def code_dtype(num: int) -> torch.dtype:
 
 
 def in_blocks(
-    task: Callable[[slice, Workspace], None],
-    num: int,
-    row_bytes: int,
-    total: int,
-    sizes: AuditSizes,
-    device: torch.device,
+    task: Callable[[slice, Workspace], None], num: int, row_bytes: int, total: int
 ) -> None:
-    """``task(rows, workspace)`` on the worker threads for blocks of the ``num`` rows (``total``
-    bytes a thread, at least ``blocks_per_worker`` blocks each); results depend on rows alone."""
-    count = workers_within(worker_count(device), total, sizes.worker_bytes)
-    step = max(1, total // max(1, count * row_bytes))
-    if count > 1:
-        step = max(1, min(step, -(-num // (sizes.blocks_per_worker * count))))
-    pool: Workers[Callable[[Workspace], None], None]
-    pool = Workers(lambda block, workspace: block(workspace), count, Workspace())
-    with pool:
-        list(pool.map(functools.partial(task, slice(at, at + step)) for at in range(0, num, step)))
+    """``task(rows, workspace)`` for blocks of the ``num`` rows, ``total`` bytes at a time, in one
+    workspace (torch's own threads share each block: worker threads, each a task this small,
+    cost more); results depend on rows alone."""
+    step, workspace = max(1, total // max(1, row_bytes)), Workspace()
+    for at in range(0, num, step):
+        task(slice(at, at + step), workspace)
 
 
 def words(rows: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -93,7 +82,7 @@ def hash_rows(
     def hash_block(part: slice, workspace: Workspace) -> None:
         out[part] = hash_words(words(rows_of(part)), workspace)
 
-    in_blocks(hash_block, num, row_bytes, sizes.block_bytes, sizes, device)
+    in_blocks(hash_block, num, row_bytes, sizes.block_bytes)
     return out
 
 

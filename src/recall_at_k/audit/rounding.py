@@ -116,7 +116,7 @@ def place_rows(
         low = index[:, PROJECTIONS:].remainder_(8)  # integers: exact
         places.others[part] = (low @ packing).to(torch.int16)
 
-    in_blocks(block, num, row_bytes, sizes.project_bytes, sizes, device)
+    in_blocks(block, num, row_bytes, sizes.project_bytes)
     return places
 
 

@@ -87,7 +87,7 @@ class Shard:
             own = torch.arange(
                 self.starts[self.me], self.starts[self.me] + self.rows, device=device
             )
-            args = (lambda part: self.take(own[part]), self.rows, 5 * size, sizes, device)
+            args = (lambda part: self.rows_of(own[part]), self.rows, 5 * size, sizes, device)
             return self.spread(
                 self.guarded(torch.zeros_like(own), bitwise.hash_rows, *args), self.counts
             )
@@ -102,7 +102,7 @@ class Shard:
             bounds = torch.searchsorted(first, torch.tensor(self.starts, device=device)).tolist()
             mine = first[bounds[self.me] : bounds[self.me + 1]].long()
             failed = rounding.Places(torch.full_like(mine, rounding.NOT_FINITE), mine.short())
-            rows = (lambda part: self.take(mine[part]), mine.shape[0], 8 * self.width + size)
+            rows = (lambda part: self.rows_of(mine[part]), mine.shape[0], 8 * self.width + size)
             local = self.guarded(failed, rounding.place_rows, grid, *rows, sizes, device)
             shares = [hi - lo for lo, hi in itertools.pairwise(bounds)]
             # The int16 cells travel as pairs of bytes (gloo has no int16).
@@ -159,6 +159,16 @@ class Shard:
             if hi > lo:
                 self.broadcast(out[lo:hi], rank)
         return out
+
+    def rows_of(self, index: Tensor) -> Tensor:
+        """:meth:`take` of ascending ``index`` (each once), a view where it is a run of
+        this process's rows in one block of the common dtype (read in place, no copy)."""
+        if len(self.blocks) == 1 and self.blocks[0].dtype == self.dtype and index.numel():
+            first, last = int(index[0]), int(index[-1])
+            if last - first == index.shape[0] - 1:
+                first -= self.starts[self.me]
+                return self.blocks[0][first : first + index.shape[0]]
+        return self.take(index)
 
     def take(self, index: Tensor, out: Tensor | None = None) -> Tensor:
         """The rows of items held here (global int64 indices) in the common dtype."""

@@ -221,9 +221,6 @@ AUDIT_CANDIDATE_BYTES = 256
 AUDIT_CANDIDATE_PAIRS = (64, 2**16)
 """The fewest and most candidate pairs of rounding copies enumerated and checked at a time."""
 
-AUDIT_BLOCKS_PER_WORKER = 4
-"""Blocks of rows each worker thread gets at least, so that the threads finish together."""
-
 AUDIT_SHARDED_BLOCK_BYTES = 2**20
 """A sharded audit's rows hashed, compared or sent at a time: a fixed cost beside its codes."""
 
@@ -237,13 +234,11 @@ AUDIT_SHARDED_CANDIDATE_PAIRS = 2**13
 class AuditSizes(NamedTuple):
     """Every size the protocol audit (:mod:`recall_at_k.audit`) works in."""
 
-    block_bytes: int  # rows hashed, compared or checked at a time, all threads together
+    block_bytes: int  # rows hashed, compared or checked at a time
     project_bytes: int  # rows projected at a time (a copy and a float64 copy)
     sort_items: int  # keys sorted (or scattered) at a time
     sort_passes: int  # passes over the keys of one sort in parts, at most
     candidate_pairs: int  # pairs (or queries) enumerated and checked at a time
-    blocks_per_worker: int  # blocks each worker thread gets at least
-    worker_bytes: int  # a worker thread's share of a block at least (workers_within)
 
 
 def audit_sizes(block_bytes: int) -> AuditSizes:
@@ -255,8 +250,6 @@ def audit_sizes(block_bytes: int) -> AuditSizes:
         sort_items=max(AUDIT_SORT_MIN_ITEMS, block_bytes // AUDIT_SORT_BYTES),
         sort_passes=AUDIT_SORT_MAX_PASSES,
         candidate_pairs=max(least, min(most, block_bytes // AUDIT_CANDIDATE_BYTES)),
-        blocks_per_worker=AUDIT_BLOCKS_PER_WORKER,
-        worker_bytes=CPU_WORKER_BYTES,
     )
 
 

@@ -17,12 +17,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from recall_at_k._kernel import Workspace
 from recall_at_k._types import Similarity
-from recall_at_k.ranking.budget import Budget, budget, wide_rows, workers_within
+from recall_at_k.ranking.budget import Budget, budget, wide_rows
 from recall_at_k.ranking.score import prepare_rows
 from recall_at_k.ranking.stored import BroadcastRows, StoredRows
-from recall_at_k.ranking.workers import Workers, worker_count
 
 QUERY, GALLERY = 1, 2
 """The role bits of :attr:`Items.roles`."""
@@ -183,19 +181,13 @@ def make_plan(
 
 def prepare(plan: Plan, similarity: Similarity) -> None:
     """Normalise the ordered copy in place for ``"cosine"`` (each row's value depends on
-    that row alone), blocks of rows on the CPU's worker threads, each writing its own."""
+    that row alone), :func:`wide_rows` rows at a time through one float64 buffer (torch's
+    own threads share each block: worker threads, each a task this small, cost more)."""
     embeddings = plan.embeddings
     if similarity != "cosine" or embeddings is None:
         return
-    workers = workers_within(worker_count(embeddings.device), plan.budget.row_block_bytes)
-    step = max(1, plan.budget.row_block_rows() // workers)
-    step = wide_rows(embeddings.shape[1], step, embeddings.device)
-    starts = range(0, embeddings.shape[0], step)
-
-    def normalise(start: int, _: Workspace) -> None:
+    step = wide_rows(embeddings.shape[1], plan.budget.row_block_rows(), embeddings.device)
+    wide = embeddings.new_empty((step, embeddings.shape[1]), dtype=torch.float64)
+    for start in range(0, embeddings.shape[0], step):
         part = embeddings[start : start + step]
-        part.copy_(prepare_rows(part, similarity, embeddings.dtype))
-
-    with Workers(normalise, min(workers, len(starts)), Workspace()) as pool:
-        for _ in pool.map(starts):
-            pass
+        prepare_rows(part, similarity, embeddings.dtype, out=part, wide=wide[: part.shape[0]])
