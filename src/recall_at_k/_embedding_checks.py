@@ -45,10 +45,11 @@ def check_batch(
 
 
 def check_finite(embeddings: Tensor, name: str = "embeddings") -> None:
-    """Finite embeddings (reads values on the host; only with ``validate_args=True``)."""
-    if embeddings.numel() and not bool(torch.isfinite(embeddings).all()):
-        nan = int(torch.isnan(embeddings).sum())
-        inf = int(torch.isinf(embeddings).sum())
+    """Finite embeddings (reads values on the host; only with ``validate_args=True``): their
+    least and largest values (NaN propagates), found in one pass."""
+    extremes = torch.aminmax(embeddings) if embeddings.numel() else ()
+    if not all(bool(value.isfinite()) for value in extremes):
+        nan, inf = int(torch.isnan(embeddings).sum()), int(torch.isinf(embeddings).sum())
         raise ValueError(f"`{name}` must be finite, found {nan} NaN and {inf} infinite value(s)")
 
 

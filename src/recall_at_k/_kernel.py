@@ -64,16 +64,20 @@ class Workspace:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
 
     def get(
-        self, slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+        self,
+        slot: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        least: int = 0,
     ) -> Tensor:
-        """An uninitialised tensor of ``shape`` from ``slot``."""
+        """An uninitialised tensor of ``shape`` from ``slot`` (made at least ``least`` long)."""
         numel, key = math.prod(shape), (slot, dtype, device)
         buffer = self._buffers.get(key)
         stale = buffer is not None and buffer.is_inference() > torch.is_inference_mode_enabled()
         if buffer is None or stale or buffer.numel() < numel:
-            size = numel
-            if buffer is not None and not stale and device.type == "cpu":
-                size = max(numel, 2 * buffer.numel())
+            doubled = 0 if buffer is None or stale or device.type != "cpu" else 2 * buffer.numel()
+            size = max(numel, least, doubled)
             buffer = self._buffers[key] = torch.empty(size, dtype=dtype, device=device)
         return buffer[:numel].view(shape)
 

@@ -25,13 +25,11 @@ def code_dtype(num: int) -> torch.dtype:
     return torch.int32 if num <= CODE32_LIMIT else torch.int64
 
 
-def in_blocks(
-    task: Callable[[slice, Workspace], None], num: int, row_bytes: int, total: int
-) -> None:
-    """``task(rows, workspace)`` for blocks of the ``num`` rows, ``total`` bytes at a time, in one
-    workspace (torch's own threads share each block: worker threads, each a task this small,
-    cost more); results depend on rows alone."""
-    step, workspace = max(1, total // max(1, row_bytes)), Workspace()
+def in_blocks(task: Callable[[slice, Workspace], None], num: int, row: int, total: int) -> None:
+    """``task(rows, workspace)`` for blocks of the ``num`` rows (``row`` bytes each), ``total``
+    bytes at a time, in one workspace (torch's own threads share each block: worker threads,
+    each a task this small, cost more); results depend on rows alone."""
+    step, workspace = max(1, total // max(1, row)), Workspace()
     for at in range(0, num, step):
         task(slice(at, at + step), workspace)
 

@@ -132,10 +132,13 @@ def candidates(grid: Grid, places: Places, sizes: AuditSizes) -> Iterator[tuple[
     low = 3 * torch.arange(FILTERS - PROJECTIONS, dtype=torch.int32, device=key.device)
     step = max(1, sizes.candidate_pairs // len(offsets))
     shifts = torch.tensor(offsets, device=key.device)  # shifts[0] = 0: the own cell
+    run_end = torch.searchsorted(key, key, right=True)  # past each position's run of its key
     for start in range(0, key.shape[0] if key.shape[0] > 1 else 0, step):
         position = torch.arange(start, min(key.shape[0], start + step), device=key.device)
         near = key[position].unsqueeze(1) + shifts
-        begin, end = torch.searchsorted(key, near), torch.searchsorted(key, near, right=True)
+        begin = torch.searchsorted(key, near)  # a cell's run, where key holds it, ends at run_end
+        at = begin.clamp(max=key.shape[0] - 1)
+        end = torch.where(key[at] == near, run_end[at], begin)
         begin[:, 0] = position + 1  # in its own cell, the rows after this one
         begins, sizes_ = begin.view(-1), end.sub_(begin).view(-1)
         for owner, other in expand(begins, sizes_, sizes.candidate_pairs):

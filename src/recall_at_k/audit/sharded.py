@@ -163,11 +163,10 @@ class Shard:
     def rows_of(self, index: Tensor) -> Tensor:
         """:meth:`take` of ascending ``index`` (each once), a view where it is a run of
         this process's rows in one block of the common dtype (read in place, no copy)."""
-        if len(self.blocks) == 1 and self.blocks[0].dtype == self.dtype and index.numel():
-            first, last = int(index[0]), int(index[-1])
-            if last - first == index.shape[0] - 1:
-                first -= self.starts[self.me]
-                return self.blocks[0][first : first + index.shape[0]]
+        one = len(self.blocks) == 1 and self.blocks[0].dtype == self.dtype and index.numel()
+        if one and int(index[-1]) - (first := int(index[0])) == index.shape[0] - 1:
+            first -= self.starts[self.me]
+            return self.blocks[0][first : first + index.shape[0]]
         return self.take(index)
 
     def take(self, index: Tensor, out: Tensor | None = None) -> Tensor:

@@ -103,8 +103,8 @@ CPU_WIDE_ROWS_BYTES = 2**21
 """On CPU rows are widened to float64 (normalised, hashed, projected) this many bytes at a
 time, in cache."""
 
-CANONICAL_BATCH_BYTES = 4 * 2**20
-"""A canonical batch never takes more than this, whatever the scratch."""
+CANONICAL_BATCH_BYTES = 2**20
+"""A canonical batch never takes more than this, whatever the scratch (in cache)."""
 
 CANONICAL_DIM_BLOCK = 64
 """Canonical re-scoring gathers this many dimensions at a time (in the order ``d = 0..D-1``)."""

@@ -524,7 +524,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             scores.masked_fill_(same, hole)
         # its rows' largest scores, then (read down: the columns' queries) its columns'
         height = scores.shape[0]
-        peaks = pooled(workspace, "square_peaks", sides.shape[0], scores.dtype, device)
+        peaks = pooled(workspace, "square_peaks", (sides.shape[0],), scores.dtype, device)
         torch.amax(scores, 1, out=peaks[:height])
         if later > index:
             torch.amax(scores, 0, out=peaks[height:])

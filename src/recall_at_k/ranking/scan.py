@@ -36,6 +36,8 @@ class Found(NamedTuple):
 
 def joined(parts: list[Found], device: torch.device) -> Found:
     """The pairs of several scans in one :class:`Found`."""
+    if len(parts) == 1:
+        return parts[0]
     if not parts:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return Found(empty, empty, None)
@@ -158,12 +160,16 @@ def hide_ignored(
 
 
 def pooled(
-    workspace: Workspace, slot: str, numel: int, dtype: torch.dtype, device: torch.device
+    workspace: Workspace,
+    slot: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> Tensor:
-    """A flat buffer of ``workspace`` of at least ``numel`` elements, of a power-of-two size, so
-    that a slot is allocated a few times a ranking, not once a block (heap fragmentation)."""
-    capacity = 1 << max(0, numel - 1).bit_length()
-    return workspace.get(slot, (capacity,), dtype, device)[:numel]
+    """A buffer of ``shape`` from ``workspace``, its slot made a power of two long, so that a
+    slot is allocated a few times a ranking, not once a block (heap fragmentation)."""
+    least = 1 << max(0, math.prod(shape) - 1).bit_length()
+    return workspace.get(slot, shape, dtype, device, least)
 
 
 def scan_square(
@@ -196,8 +202,7 @@ def scan_square(
     for a in range(0, total, step):
         b = min(a + step, total)
         split = min(max(down, a), b) - a  # compared rows [0, split) are the square's rows
-        candidates = pooled(workspace, "scan_values", (b - a) * length, dtype, device)
-        candidates = candidates.view(b - a, length)
+        candidates = pooled(workspace, "scan_values", (b - a, length), dtype, device)
         # each query's scores against its items, padded with -inf (never in or above a band)
         if split > 0:
             torch.index_select(scores, 0, reaching[a : a + split], out=candidates[:split, :width])
@@ -206,8 +211,8 @@ def scan_square(
             if not scores.is_contiguous():  # a widened product's view: rows of its transpose
                 torch.index_select(scores.T, 0, index, out=candidates[split:, :height])
             else:  # gathered as they lie (fast), then turned
-                columns = pooled(workspace, "scan_columns", height * index.shape[0], dtype, device)
-                columns = torch.index_select(scores, 1, index, out=columns.view(height, -1))
+                columns = pooled(workspace, "scan_columns", (height, index.shape[0]), dtype, device)
+                columns = torch.index_select(scores, 1, index, out=columns)
                 candidates[split:, :height] = columns.T
         for rows, size in ((slice(0, split), width), (slice(split, None), height)):
             if size < length:
@@ -219,7 +224,11 @@ def scan_square(
             item = column + torch.where(row < split, firsts[1], firsts[0])
             value = candidates[row, column] if keep_values else None
             pairs.append(Found(queries[a:b][row], item, value))
-    return queries, torch.cat(counts), joined(pairs, peaks.device)
+    return (
+        queries,
+        counts[0] if len(counts) == 1 else torch.cat(counts),
+        joined(pairs, peaks.device),
+    )
 
 
 def mark_dtype(length: int) -> torch.dtype:
@@ -239,10 +248,10 @@ def compare(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per row the count of ``candidates`` above ``hi`` (float, exact), and the positions
     (row, column) of those in ``[lo, hi]``."""
-    numel, device = candidates.numel(), candidates.device
+    device, shape = candidates.device, tuple(candidates.shape)
     marks = mark_dtype(candidates.shape[1])
-    above = pooled(workspace, "marks_above", numel, marks, device).view(candidates.shape)
-    inside = pooled(workspace, "marks_inside", numel, marks, device).view(candidates.shape)
+    above = pooled(workspace, "marks_above", shape, marks, device)
+    inside = pooled(workspace, "marks_inside", shape, marks, device)
     torch.gt(candidates, hi, out=above)
     torch.ge(candidates, lo, out=inside).sub_(above)  # 1 in [lo, hi], else 0 (above <= ge)
     whole = torch.int32 if marks == torch.float32 else torch.int64  # 0.0 is all zero bits
