@@ -682,3 +682,21 @@ def test_functional_top_k_and_aggregation_name_what_to_use(name: str) -> None:
         call(top_k=5)
     with pytest.raises(ValueError, match=r"`aggregation` .*functional.retrieval_first_hit_rank"):
         call(aggregation="median")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_one_value_not_finite_in_any_float_dtype_is_an_error(
+    dtype: torch.dtype, bad: float
+) -> None:
+    """``validate_args`` finds a single NaN or infinity (either sign) anywhere in a batch of
+    any float dtype; a batch of finite values at the dtype's extremes passes."""
+    metric = EmbeddingRecallAtK((1,))
+    info = torch.finfo(dtype)
+    extremes = torch.tensor([[info.max, info.min, info.tiny, -info.tiny, 0.0]], dtype=dtype)
+    metric.update(extremes.repeat(3, 1), torch.arange(3))  # finite: accepted
+    batch = torch.randn(4, 5).to(dtype)
+    batch[2, 3] = bad
+    found = (1, 0) if math.isnan(bad) else (0, 1)
+    with pytest.raises(ValueError, match=rf"found {found[0]} NaN and {found[1]} infinite"):
+        metric.update(batch, torch.arange(4))
