@@ -97,11 +97,12 @@ def test_compute_under_inference_mode_on_worker_threads(layout: str) -> None:
 def test_workers_run_tasks_in_the_callers_inference_mode() -> None:
     with torch.inference_mode():
         made = torch.zeros(4)
-        with Workers(lambda i, _: made[i : i + 1].add_(1), 2, Workspace()) as workers:
-            list(workers.map(range(4)))
+        with Workers(2, Workspace()) as workers:
+            list(workers.map(lambda i, _: made[i : i + 1].add_(1), range(4)))
     assert made.tolist() == [1.0, 1.0, 1.0, 1.0]
-    with Workers(lambda _, __: torch.is_inference_mode_enabled(), 2, Workspace()) as workers:
-        assert list(workers.map(range(3))) == [False, False, False]
+    with Workers(2, Workspace()) as workers:
+        inference = workers.map(lambda _, __: torch.is_inference_mode_enabled(), range(3))
+        assert list(inference) == [False, False, False]
 
 
 def _product_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
@@ -161,10 +162,10 @@ def test_results_come_in_order_and_errors_reach_the_caller() -> None:
         return item * item
 
     for count in (1, 3):
-        with Workers(task, count, Workspace()) as pool:
-            assert list(pool.map(range(7))) == [i * i for i in range(7)]
-        with Workers(task, count, Workspace()) as pool, pytest.raises(RuntimeError, match="7"):
-            list(pool.map(range(20)))
+        with Workers(count, Workspace()) as pool:
+            assert list(pool.map(task, range(7))) == [i * i for i in range(7)]
+        with Workers(count, Workspace()) as pool, pytest.raises(RuntimeError, match="7"):
+            list(pool.map(task, range(20)))
 
 
 def test_the_caller_runs_torch_on_one_thread_while_its_workers_run() -> None:
@@ -178,21 +179,21 @@ def test_the_caller_runs_torch_on_one_thread_while_its_workers_run() -> None:
         return torch.get_num_threads()
 
     with _threads(2):
-        with Workers(task, 2, Workspace()) as pool:
+        with Workers(2, Workspace()) as pool:
             inside = torch.get_num_threads()
-            assert list(pool.map(range(4))) == [1, 1, 1, 1]
+            assert list(pool.map(task, range(4))) == [1, 1, 1, 1]
         assert inside == 1 and torch.get_num_threads() == 2
-        with Workers(task, 2, Workspace()) as pool, pytest.raises(RuntimeError, match="5"):
-            list(pool.map(range(8)))
+        with Workers(2, Workspace()) as pool, pytest.raises(RuntimeError, match="5"):
+            list(pool.map(task, range(8)))
         assert torch.get_num_threads() == 2
-        with Workers(task, 1, Workspace()) as pool:  # no workers: the caller's own count
-            assert list(pool.map(range(2))) == [2, 2]
+        with Workers(1, Workspace()) as pool:  # no workers: the caller's own count
+            assert list(pool.map(task, range(2))) == [2, 2]
         # Held around a whole compute(): one torch thread, the workers still counted.
         with caller_on_one_thread():
             assert torch.get_num_threads() == 1
             assert worker_count(torch.device("cpu")) == 2
-            with Workers(task, 2, Workspace()) as pool:
-                assert list(pool.map(range(4))) == [1, 1, 1, 1]
+            with Workers(2, Workspace()) as pool:
+                assert list(pool.map(task, range(4))) == [1, 1, 1, 1]
             assert torch.get_num_threads() == 1  # the outer hold keeps it
             with caller_on_one_thread():
                 assert torch.get_num_threads() == 1

@@ -85,6 +85,11 @@ class Workspace:
         """Free every buffer."""
         self._buffers.clear()
 
+    def drop(self, *slots: str) -> None:
+        """Free the buffers of ``slots`` (of any dtype and device)."""
+        for key in [key for key in self._buffers if key[0] in slots]:
+            del self._buffers[key]
+
 
 def scratch(
     workspace: Workspace | None,

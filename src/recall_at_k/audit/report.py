@@ -113,7 +113,9 @@ def audit_direction(keys: Codes, sides: Any, options: AuditOptions) -> Direction
     if options.empty_target_action in ("skip", "error"):  # a valid positive of any class
         anyone = torch.zeros_like(keys.klass)
         counted = present(anyone, own(anyone))[0]
-    identical = present(keys.klass, own(keys.klass))
+    identical = (torch.zeros_like(counted), torch.zeros_like(counted))
+    if num and int(keys.klass.max()) + 1 < num:  # else each item a class: no other sample
+        identical = present(keys.klass, own(keys.klass))
     rounding = (torch.zeros_like(counted), torch.zeros_like(counted))
     if keys.adjacent.numel():
         starts, q_class = keys.adjacent[:, 0].contiguous(), keys.klass[q_rows]

@@ -5,7 +5,6 @@ neighbouring cell. The candidates found by one sort are checked by :func:`within
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -68,20 +67,28 @@ def project(grid: Grid, rows: Tensor, workspace: Workspace) -> Tensor:
     one buffer of ``workspace``."""
     step = wide_rows(rows.shape[1], rows.shape[0], rows.device)
     scratch = workspace.get(ROWS_SLOT, (step, rows.shape[1]), torch.float64, rows.device)
-    if rows.shape[0] <= step:
-        return _project(grid, rows, scratch)
-    parts = [_project(grid, rows[a : a + step], scratch) for a in range(0, rows.shape[0], step)]
-    return torch.cat(parts)
+    out = torch.empty((rows.shape[0], FILTERS), dtype=torch.float64, device=rows.device)
+    for at in range(0, rows.shape[0], step):
+        _project(grid, rows[at : at + step], scratch, out[at : at + step])
+    return out
 
 
-def _project(grid: Grid, rows: Tensor, scratch: Tensor) -> Tensor:
+def _project(grid: Grid, rows: Tensor, scratch: Tensor, out: Tensor) -> None:
+    wide = rows.dtype.itemsize > 4
     rows = scratch[: rows.shape[0]].copy_(rows)
-    largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())  # NaN propagates
-    finite = largest.isfinite()  # (isfinite() of the rows would copy them)
-    times_power_of_two(rows, torch.frexp(torch.where(finite, largest, 1.0))[1].neg_())
+    if wide:  # float64 squares may leave the range: each row scaled to a largest in [1/2, 1)
+        largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())  # NaN propagates
+        finite = largest.isfinite()  # (isfinite() of the rows would copy them)
+        times_power_of_two(rows, torch.frexp(torch.where(finite, largest, 1.0))[1].neg_())
+    # Narrower floats' squares lie well inside float64's normal range, so the norm and the
+    # quotients are those of scaled rows, bit for bit (a power of two is exact).
     norms = rows.norm(dim=1, keepdim=True)
-    unit = rows.div_(norms.clamp(min=1e-300)).masked_fill_(~(norms > 0), 0.0)
-    return torch.where(finite.unsqueeze(1), unit @ grid.weights, torch.nan)
+    if not wide:
+        finite = norms.view(-1).isfinite()  # inf or NaN in the row: the norm is too
+    unit = rows.div_(norms.clamp(min=1e-300))  # a zero row stays zero
+    # (as weights^T rows^T: several times faster than rows weights for so few columns; the
+    # cells allow for the rounding of any order of the sums)
+    out.copy_(torch.mm(grid.weights.T, unit.T).T).masked_fill_(~finite.unsqueeze(1), torch.nan)
 
 
 class Places(NamedTuple):
@@ -103,18 +110,18 @@ def place_rows(
     """The places of the rows ``rows_of(part)``, projected ``project_bytes`` at a time."""
     keys = torch.empty(num, dtype=torch.int64, device=device)
     places = Places(keys, torch.empty(num, dtype=torch.int16, device=device))
-    packing = 8.0 ** torch.arange(FILTERS - PROJECTIONS, dtype=torch.float64, device=device)
+    shifts = 3 * torch.arange(FILTERS - PROJECTIONS, device=device)
 
     def block(part: slice, workspace: Workspace) -> None:
         projected = project(grid, rows_of(part), workspace)
-        finite = projected.isfinite().all(dim=1)
+        finite = projected[:, 0].isfinite()  # a row's projections are all NaN or finite
         index = projected.div_(grid.cell).floor_().masked_fill_(~finite.unsqueeze(1), 0.0)
         key = places.key[part].zero_()
         for k in range(PROJECTIONS):
             key.mul_(grid.radix).add_(index[:, k].to(torch.int64) + grid.radix // 2)
         key.masked_fill_(~finite, NOT_FINITE)
-        low = index[:, PROJECTIONS:].remainder_(8)  # integers: exact
-        places.others[part] = (low @ packing).to(torch.int16)
+        low = index[:, PROJECTIONS:].to(torch.int64).bitwise_and_(7)  # modulo 8
+        places.others[part] = low.bitwise_left_shift_(shifts).sum(dim=1).to(torch.int16)
 
     in_blocks(block, num, row_bytes, sizes.project_bytes)
     return places
@@ -125,24 +132,27 @@ def candidates(grid: Grid, places: Places, sizes: AuditSizes) -> Iterator[tuple[
     finite rows in the same or a neighbouring cell whose other cells are neighbours too."""
     key, members = sorted_copy(places.key, sizes)
     key = key[: int(torch.searchsorted(key, torch.tensor(NOT_FINITE, device=key.device)))]
-    steps = itertools.product((-1, 0, 1), repeat=PROJECTIONS)
-    offsets = sorted(
-        o for s in steps if (o := sum(d * grid.radix**k for k, d in enumerate(s))) >= 0
-    )
+    # The neighbouring cells of a key above it, as runs of keys: a cell's own and the next
+    # (the last projection one up), then per step (-1, 0 or 1) of the two leading ones that
+    # goes up, the three cells of the last projection's steps (no digit leaves the radix).
+    radix = grid.radix
+    ups = [a * radix * radix + b * radix for a, b in ((0, 1), (1, -1), (1, 0), (1, 1))]
+    lows = torch.tensor([up - 1 for up in ups], device=key.device)
     low = 3 * torch.arange(FILTERS - PROJECTIONS, dtype=torch.int32, device=key.device)
-    step = max(1, sizes.candidate_pairs // len(offsets))
-    shifts = torch.tensor(offsets, device=key.device)  # shifts[0] = 0: the own cell
-    run_end = torch.searchsorted(key, key, right=True)  # past each position's run of its key
+    runs = 1 + len(ups)
+    step = max(1, sizes.candidate_pairs // runs)
     for start in range(0, key.shape[0] if key.shape[0] > 1 else 0, step):
         position = torch.arange(start, min(key.shape[0], start + step), device=key.device)
-        near = key[position].unsqueeze(1) + shifts
-        begin = torch.searchsorted(key, near)  # a cell's run, where key holds it, ends at run_end
-        at = begin.clamp(max=key.shape[0] - 1)
-        end = torch.where(key[at] == near, run_end[at], begin)
-        begin[:, 0] = position + 1  # in its own cell, the rows after this one
-        begins, sizes_ = begin.view(-1), end.sub_(begin).view(-1)
-        for owner, other in expand(begins, sizes_, sizes.candidate_pairs):
-            a, b = members[position[owner // len(offsets)]].long(), members[other].long()
+        count, at = position.shape[0], key[start : start + position.shape[0]]
+        begin = torch.empty((runs, count), dtype=torch.int64, device=key.device)  # run-major
+        end = torch.empty_like(begin)
+        torch.add(position, 1, out=begin[0])  # in its own cell, the rows after this one
+        torch.searchsorted(key, at + 2, out=end[0])
+        near = torch.add(lows.unsqueeze(1), at)
+        torch.searchsorted(key, near, out=begin[1:])
+        torch.searchsorted(key, near.add_(3), out=end[1:])
+        for owner, other in expand(begin.view(-1), end.sub_(begin).view(-1), sizes.candidate_pairs):
+            a, b = members[position[owner % count]].long(), members[other].long()
             cells = [(places.others[c].to(torch.int32).unsqueeze(1) >> low) & 7 for c in (a, b)]
             close = (((cells[0] - cells[1] + 1) & 7) <= 2).all(dim=1)
             yield a[close], b[close]

@@ -168,7 +168,9 @@ def product(
     fits = wide <= num and rows * wide * queries.element_size() <= tile_bytes
     width = wide if fits else width
     lo = min(num, first + width) - width  # first, or before it where widened at the end
-    out = workspace.get("tile", (rows, width), queries.dtype, queries.device)
+    # On CPU the slot is taken at the tile share: a larger tile later writes no page twice.
+    least = tile_bytes // queries.element_size() if queries.device.type == "cpu" else 0
+    out = workspace.get("tile", (rows, width), queries.dtype, queries.device, least)
     if gallery.centre is None or gallery.neg_sq_norms is None:
         torch.matmul(queries, gallery.fast[lo : lo + width].T, out=out)
         return out[:, first - lo : stop - lo]

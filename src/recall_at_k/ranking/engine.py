@@ -60,6 +60,7 @@ from recall_at_k.ranking.decide import NEAR, NEGATIVE, POSITIVE, Decider
 from recall_at_k.ranking.plan import Direction, Plan
 from recall_at_k.ranking.progress import Progress
 from recall_at_k.ranking.scan import (
+    POSITIVE_SLOTS,
     Found,
     Near,
     Stack,
@@ -307,8 +308,8 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
         has_positive, sure = found.has_positive, scanned.sure
         return _Result(first_query, stop_query, has_positive, greater, sure, nan, kinds)
 
-    with Workers(task, min(workers, len(tiles)), decider.workspace) as pool:
-        for result in pool.map(tiles):
+    with Workers(min(workers, len(tiles)), decider.workspace) as pool:
+        for result in pool.map(task, tiles):
             _merge(result, state, decider)
             progress.update(result.stop - result.first)
             if decider.full():
@@ -486,16 +487,6 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         result = _Result(a, b, found.has_positive, scanned.greater, scanned.sure, None, kinds)
         return result, bands
 
-    with Workers(label_task, min(workers, len(parts)), decider.workspace) as labels:
-        for result, bands in labels.map(parts):
-            band[result.first : result.stop] = bands
-            _merge(result, state, decider)
-            if decider.full():
-                decider.flush(gallery)
-    if aligned:
-        saturate(band, state.greater, max_k)
-    junk_runs = None if aligned else _junk(gallery, spans)
-
     def squares() -> Iterator[_Square]:
         """Each square with a copy of its queries' bands when taken (they rise to +inf)."""
         for index, rows in enumerate(spans):
@@ -539,8 +530,20 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         return out
 
     total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
-    with Workers(square_task, max(1, min(workers, total)), decider.workspace) as squaring:
-        for results in squaring.map(squares()):
+    count = max(1, min(workers, max(len(parts), total)))
+    junk_runs: list[tuple[int, int]] | None = None
+    # One pool for both passes: its threads keep their tile and scan buffers.
+    with Workers(count, decider.workspace) as pool:
+        for result, bands in pool.map(label_task, parts):
+            band[result.first : result.stop] = bands
+            _merge(result, state, decider)
+            if decider.full():
+                decider.flush(gallery)
+        pool.release(*POSITIVE_SLOTS)
+        if aligned:
+            saturate(band, state.greater, max_k)
+        junk_runs = None if aligned else _junk(gallery, spans)
+        for results in pool.map(square_task, squares()):
             for kind, queries, above, pairs in results:
                 into = state.greater if kind == NEGATIVE else state.near
                 into.index_add_(0, queries, above.to(into.dtype))

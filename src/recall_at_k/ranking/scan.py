@@ -73,6 +73,10 @@ class Positives(NamedTuple):
     found: Found  # the valid positives within 2B of s*_f
 
 
+POSITIVE_SLOTS = ("block_columns", "block", "block_valid", "block_marks")
+"""The workspace slots of :func:`positives` and :func:`hide_own_labels`."""
+
+
 def run_columns(start: Tensor, count: Tensor, width: int, workspace: Workspace) -> Tensor:
     """``[T, widest]`` columns of each row's run of ``count`` from ``start``: its last column
     repeated past its end, ``start`` for an empty run, all within ``[0, width)``."""
@@ -165,10 +169,15 @@ def pooled(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
+    cap_bytes: int = 0,
 ) -> Tensor:
     """A buffer of ``shape`` from ``workspace``, its slot made a power of two long, so that a
-    slot is allocated a few times a ranking, not once a block (heap fragmentation)."""
+    slot is allocated a few times a ranking, not once a block (heap fragmentation); on CPU
+    at least ``cap_bytes`` (the most it will hold: pages are resident only once written, so
+    a slot that grows later writes no page twice)."""
     least = 1 << max(0, math.prod(shape) - 1).bit_length()
+    if device.type == "cpu":
+        least = max(least, cap_bytes // dtype.itemsize)
     return workspace.get(slot, shape, dtype, device, least)
 
 
@@ -202,7 +211,7 @@ def scan_square(
     for a in range(0, total, step):
         b = min(a + step, total)
         split = min(max(down, a), b) - a  # compared rows [0, split) are the square's rows
-        candidates = pooled(workspace, "scan_values", (b - a, length), dtype, device)
+        candidates = pooled(workspace, "scan_values", (b - a, length), dtype, device, buffer_bytes)
         # each query's scores against its items, padded with -inf (never in or above a band)
         if split > 0:
             torch.index_select(scores, 0, reaching[a : a + split], out=candidates[:split, :width])
@@ -218,7 +227,7 @@ def scan_square(
             if size < length:
                 candidates[rows, size:] = -math.inf
         band = bands.index_select(0, reaching[a:b])
-        above, row, column = compare(candidates, band[:, :1], band[:, 1:], workspace)
+        above, row, column = compare(candidates, band[:, :1], band[:, 1:], workspace, buffer_bytes)
         counts.append(above)
         if row.numel():
             item = column + torch.where(row < split, firsts[1], firsts[0])
@@ -244,19 +253,22 @@ def compared_row_bytes(length: int, itemsize: int) -> int:
 
 
 def compare(
-    candidates: Tensor, lo: Tensor, hi: Tensor, workspace: Workspace
+    candidates: Tensor, lo: Tensor, hi: Tensor, workspace: Workspace, cap_bytes: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per row the count of ``candidates`` above ``hi`` (float, exact), and the positions
-    (row, column) of those in ``[lo, hi]``."""
+    (row, column) of those in ``[lo, hi]``; ``cap_bytes``: :func:`pooled`'s, of the marks."""
     device, shape = candidates.device, tuple(candidates.shape)
     marks = mark_dtype(candidates.shape[1])
-    above = pooled(workspace, "marks_above", shape, marks, device)
-    inside = pooled(workspace, "marks_inside", shape, marks, device)
+    above = pooled(workspace, "marks_above", shape, marks, device, cap_bytes)
+    inside = pooled(workspace, "marks_inside", shape, marks, device, cap_bytes)
     torch.gt(candidates, hi, out=above)
     torch.ge(candidates, lo, out=inside).sub_(above)  # 1 in [lo, hi], else 0 (above <= ge)
+    # Rows with a pair inside are few: only theirs are searched (a search of every row
+    # costs an order of magnitude more than these sums).
+    some = inside.sum(dim=1).nonzero().view(-1)
     whole = torch.int32 if marks == torch.float32 else torch.int64  # 0.0 is all zero bits
-    row, column = inside.view(whole).nonzero(as_tuple=True)
-    return above.sum(dim=1), row, column
+    row, column = inside.index_select(0, some).view(whole).nonzero(as_tuple=True)
+    return above.sum(dim=1), some[row], column
 
 
 class Near(NamedTuple):

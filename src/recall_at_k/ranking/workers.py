@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -57,21 +57,20 @@ def caller_on_one_thread(hold: bool = True) -> Iterator[None]:
         _held.count = 0
 
 
-class Workers(Generic[Item, Result]):
-    """``count`` threads running ``task(item, workspace)``, each torch on one thread: a
-    context manager, whose :meth:`map` yields the results in the items' order."""
+class Workers:
+    """``count`` threads running tasks ``task(item, workspace)``, each torch on one thread: a
+    context manager, whose :meth:`map` yields a task's results in the items' order."""
 
-    def __init__(
-        self, task: Callable[[Item, Workspace], Result], count: int, workspace: Workspace
-    ) -> None:
-        self.task, self.count = task, count
+    def __init__(self, count: int, workspace: Workspace) -> None:
+        self.count = count
         self.workspace = workspace  # the caller's, for one worker
+        self.workspaces = [workspace]  # and each worker thread's, kept from map to map
         self.pool: ThreadPoolExecutor | None = None
         self.local = threading.local()
         self.held = contextlib.ExitStack()  # the pool, then the caller on one thread
         self.inference = False
 
-    def __enter__(self) -> Workers[Item, Result]:
+    def __enter__(self) -> Workers:
         # Inference mode is per thread: the workers take the caller's.
         self.inference = torch.is_inference_mode_enabled()
         if self.count > 1:
@@ -84,26 +83,30 @@ class Workers(Generic[Item, Result]):
         self.held.close()
         self.pool = None
 
-    def _run(self, item: Item) -> Result:
+    def _run(self, task: Callable[[Item, Workspace], Result], item: Item) -> Result:
         workspace = getattr(self.local, "workspace", None)
         if workspace is None:
             workspace = self.local.workspace = Workspace()
+            self.workspaces.append(workspace)
         with torch.inference_mode(self.inference):
-            return self.task(item, workspace)
+            return task(item, workspace)
 
-    def map(self, items: Iterable[Item]) -> Iterator[Result]:
-        """The task's result for each item, in order. ``items`` is read lazily, an item once the
-        result ``WINDOW_PER_WORKER * count`` places before it was merged (timing-independent)."""
+    def map(
+        self, task: Callable[[Item, Workspace], Result], items: Iterable[Item]
+    ) -> Iterator[Result]:
+        """``task``'s result for each item, in order. ``items`` is read lazily, an item once
+        the result ``WINDOW_PER_WORKER * count`` places before it was merged (timing-
+        independent). Each thread keeps its workspace from map to map."""
         if self.pool is None:
             for item in items:
-                yield self.task(item, self.workspace)
+                yield task(item, self.workspace)
             return
         window = WINDOW_PER_WORKER * self.count
         source = iter(items)
         running: deque[Future[Result]] = deque()
         try:
             for item in source:
-                running.append(self.pool.submit(self._run, item))
+                running.append(self.pool.submit(self._run, task, item))
                 if len(running) >= window:
                     yield running.popleft().result()
             while running:
@@ -111,6 +114,11 @@ class Workers(Generic[Item, Result]):
         finally:
             for future in running:
                 future.cancel()
+
+    def release(self, *slots: str) -> None:
+        """Free ``slots`` of every workspace of the pool (call between maps)."""
+        for workspace in self.workspaces:
+            workspace.drop(*slots)
 
 
 def _single_threaded_pool(count: int) -> ThreadPoolExecutor:
