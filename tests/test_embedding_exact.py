@@ -163,7 +163,8 @@ def test_equals_the_ranking_by_canonical_scores(name: str, ties: str, layout: st
     similarity = DATA[name][2]
     got, metric = _metric(_batches(name, layout), similarity=similarity, ties=ties)
     assert got == pytest.approx(canonical_reference(name, layout, ties), abs=1e-6)
-    assert metric.last_compute_rescored["q2g"] > 0
+    if name.startswith("quantised"):  # negatives tie s* exactly: decided on canonical scores
+        assert metric.last_compute_rescored["q2g"] > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -288,10 +289,10 @@ def test_continuous_data_equals_the_float64_brute_force(similarity: str) -> None
             assert got == pytest.approx(expected, abs=1e-6), (ties, route)
         got, metric = _metric(batches, similarity=similarity, ties=ties, bidirectional=True)
         assert got == pytest.approx(expected, abs=1e-6), ties
-        # Continuous scores hardly ever fall in a band: about one item (the best
-        # positive) is re-scored per query (200 queries, then 140 the other way).
+        # Continuous scores hardly ever fall in a band: with no negative there, a query's
+        # positives are not re-scored either (200 queries, then 140 the other way).
         rescored = metric.last_compute_rescored
-        assert 200 <= rescored["q2g"] <= 220 and 140 <= rescored["g2q"] <= 154, rescored
+        assert rescored["q2g"] <= 10 and rescored["g2q"] <= 10, rescored
 
 
 # ------------------------------------------------------------------ the certificate

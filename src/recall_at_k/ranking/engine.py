@@ -196,7 +196,7 @@ def rank_direction(
         walk = _Walk(state, decider, options, budget, workers, progress)
         if not (_squares_possible(source, options, device) and _squares(source, walk)):
             _tiles(source, walk)
-        decider.flush(gallery)
+        decider.flush(gallery, last=True)
         progress.close()
     else:
         _passes(source, state, decider, options, budget)
