@@ -117,6 +117,11 @@ class QueryCounts(NamedTuple):
     rescored: int
 
 
+SATURATE_EVERY = 4
+"""Squares merged between two looks for queries missed at every K (a look reads every
+query; a query looked at later is scanned a little longer, with the same counts)."""
+
+
 class _State:
     """What the scans add up per query of this process's share."""
 
@@ -526,9 +531,12 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         firsts, out = (rows.start, columns.start), []
         for kind, bands in kinds:
             got = scan_square(scores, peaks, bands, firsts, workspace, tile_bytes)
-            out += [] if got is None else [(kind, *got)]
+            if got is not None:  # the counts in their state's dtype
+                queries, above, pairs = got
+                out.append((kind, queries, above.to(dtypes[kind]), pairs))
         return out
 
+    dtypes = {NEGATIVE: state.greater.dtype, NEAR: state.near.dtype}
     total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
     count = max(1, min(workers, max(len(parts), total)))
     junk_runs: list[tuple[int, int]] | None = None
@@ -543,13 +551,12 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         if aligned:
             saturate(band, state.greater, max_k)
         junk_runs = None if aligned else _junk(gallery, spans)
-        for results in pool.map(square_task, squares()):
+        for merged, results in enumerate(pool.map(square_task, squares()), 1):
             for kind, queries, above, pairs in results:
-                into = state.greater if kind == NEGATIVE else state.near
-                into.index_add_(0, queries, above.to(into.dtype))
+                (state.greater if kind == NEGATIVE else state.near).index_add_(0, queries, above)
                 decider.add(kind, pairs)
-                if kind == NEGATIVE:  # queries missed at every K are scanned no more
-                    band.index_fill_(0, queries[state.greater[queries] >= max_k], math.inf)
+            if merged % SATURATE_EVERY == 0:  # queries missed at every K are scanned no more
+                saturate(band, state.greater, max_k)
             if decider.full():
                 decider.flush(gallery)
     progress.update(num)

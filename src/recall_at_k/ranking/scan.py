@@ -203,7 +203,7 @@ def scan_square(
     down = int(torch.searchsorted(reaching, height))  # rows before, columns from here
     length = max(width, height) if peaks.shape[0] > height else width
     queries = reaching + firsts[0]
-    queries[down:] += firsts[1] - firsts[0] - height
+    queries[down:].add_(firsts[1] - firsts[0] - height)
     dtype, device, itemsize = scores.dtype, scores.device, scores.element_size()
     turned = length * itemsize if total > down else 0  # the columns' copy before turned
     step = rows_within(buffer_bytes, compared_row_bytes(length, itemsize) + turned, total)
@@ -226,18 +226,16 @@ def scan_square(
         for rows, size in ((slice(0, split), width), (slice(split, None), height)):
             if size < length:
                 candidates[rows, size:] = -math.inf
-        band = bands.index_select(0, reaching[a:b])
-        above, row, column = compare(candidates, band[:, :1], band[:, 1:], workspace, buffer_bytes)
+        lo, hi = torch.split(bands.index_select(0, reaching[a:b]), 1, dim=1)
+        above, row, column = compare(candidates, lo, hi, workspace, buffer_bytes)
         counts.append(above)
         if row.numel():
             item = column + torch.where(row < split, firsts[1], firsts[0])
             value = candidates[row, column] if keep_values else None
             pairs.append(Found(queries[a:b][row], item, value))
-    return (
-        queries,
-        counts[0] if len(counts) == 1 else torch.cat(counts),
-        joined(pairs, peaks.device),
-    )
+    if len(counts) == 1:  # (no pair: compare's empty positions, none made)
+        return queries, counts[0], pairs[0] if pairs else Found(row, column, None)
+    return queries, torch.cat(counts), joined(pairs, peaks.device)
 
 
 def mark_dtype(length: int) -> torch.dtype:
@@ -266,6 +264,8 @@ def compare(
     # Rows with a pair inside are few: only theirs are searched (a search of every row
     # costs an order of magnitude more than these sums).
     some = inside.sum(dim=1).nonzero().view(-1)
+    if some.numel() == 0:
+        return above.sum(dim=1), some, some
     whole = torch.int32 if marks == torch.float32 else torch.int64  # 0.0 is all zero bits
     row, column = inside.index_select(0, some).view(whole).nonzero(as_tuple=True)
     return above.sum(dim=1), some[row], column
