@@ -87,8 +87,7 @@ class Workspace:
 
     def drop(self, *slots: str) -> None:
         """Free the buffers of ``slots`` (of any dtype and device)."""
-        for key in [key for key in self._buffers if key[0] in slots]:
-            del self._buffers[key]
+        self._buffers = {key: kept for key, kept in self._buffers.items() if key[0] not in slots}
 
 
 def scratch(

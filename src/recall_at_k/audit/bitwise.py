@@ -54,8 +54,7 @@ def hash_words(bits: Tensor, workspace: Workspace) -> Tensor:
     generator = torch.Generator().manual_seed(20261203)
     coefficients = torch.randint(1, HASH_PRIME, (bits.shape[1], 3), generator=generator)
     coefficients = coefficients.to(device=bits.device, dtype=torch.float64).T
-    # [3, m], a row's sums a column (coefficients^T words^T: several times faster than
-    # words coefficients for so few columns; exact integers, in any order)
+    # [3, m], a row's sums a column (c^T w^T: faster than w c for 3 columns; exact in any order)
     keys = torch.zeros((3, bits.shape[0]), dtype=torch.float64, device=bits.device)
     rows = wide_rows(bits.shape[1], bits.shape[0], bits.device)
     for first in range(0, bits.shape[0], rows):

@@ -20,11 +20,9 @@ TOLERANCE = 2.0**-12
 <= 2^-12 max(|x|_2, |y|_2)`` as stored, decided in float64 in the order ``d = 0 .. D-1``:
 far above float32/float16 batch-shape noise; integer grid rows (norm < 4,096) never are;
 bfloat16 copies need ``ids=``."""
-
 IN_ORDER_MARGIN = 2.0**-30
 """Pairs whose sums in any order lie within this relative distance of the boundary are
 summed again in the fixed order (any order is within ``gamma64_D`` of it, far below)."""
-
 PROJECTIONS = 3  # the grid's dimensions: a row's first projections
 FILTERS = 8  # projections in all: a candidate is checked when each is within a cell
 NOT_FINITE = 2**63 - 1  # the cell key of a row that is not finite (no copies)
@@ -69,26 +67,19 @@ def project(grid: Grid, rows: Tensor, workspace: Workspace) -> Tensor:
     scratch = workspace.get(ROWS_SLOT, (step, rows.shape[1]), torch.float64, rows.device)
     out = torch.empty((rows.shape[0], FILTERS), dtype=torch.float64, device=rows.device)
     for at in range(0, rows.shape[0], step):
-        _project(grid, rows[at : at + step], scratch, out[at : at + step])
+        part = scratch[: rows[at : at + step].shape[0]].copy_(rows[at : at + step])
+        if rows.dtype.itemsize > 4:  # float64 squares may overflow: largest scaled to [1/2, 1)
+            largest = torch.maximum(part.amax(dim=1), part.amin(dim=1).neg_())  # NaN propagates
+            exponent = torch.frexp(torch.where(largest.isfinite(), largest, 1.0))[1]
+            times_power_of_two(part, exponent.neg_())
+        # (narrower floats' squares stay normal in float64: the same bits as scaled rows)
+        norms = part.norm(dim=1, keepdim=True)
+        finite = norms.view(-1).isfinite()  # inf or NaN in a row: so is its norm
+        unit = part.div_(norms.clamp(min=1e-300))  # a zero row stays zero
+        # (w^T r^T: faster than r w for 8 columns; cells allow for any order of the sums)
+        out[at : at + step] = torch.mm(grid.weights.T, unit.T).T
+        out[at : at + step].masked_fill_(~finite.unsqueeze(1), torch.nan)
     return out
-
-
-def _project(grid: Grid, rows: Tensor, scratch: Tensor, out: Tensor) -> None:
-    wide = rows.dtype.itemsize > 4
-    rows = scratch[: rows.shape[0]].copy_(rows)
-    if wide:  # float64 squares may leave the range: each row scaled to a largest in [1/2, 1)
-        largest = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())  # NaN propagates
-        finite = largest.isfinite()  # (isfinite() of the rows would copy them)
-        times_power_of_two(rows, torch.frexp(torch.where(finite, largest, 1.0))[1].neg_())
-    # Narrower floats' squares lie well inside float64's normal range, so the norm and the
-    # quotients are those of scaled rows, bit for bit (a power of two is exact).
-    norms = rows.norm(dim=1, keepdim=True)
-    if not wide:
-        finite = norms.view(-1).isfinite()  # inf or NaN in the row: the norm is too
-    unit = rows.div_(norms.clamp(min=1e-300))  # a zero row stays zero
-    # (as weights^T rows^T: several times faster than rows weights for so few columns; the
-    # cells allow for the rounding of any order of the sums)
-    out.copy_(torch.mm(grid.weights.T, unit.T).T).masked_fill_(~finite.unsqueeze(1), torch.nan)
 
 
 class Places(NamedTuple):

@@ -20,16 +20,12 @@ import torch
 
 BOOKKEEPING_BYTES_PER_ITEM = 128
 """What a ranking keeps per item, at most (labels, groups, sides, orders, per-query state)."""
-
 RESERVED_BYTES = 3 * 2**18
 """Held back for what no tensor accounts for (Python objects, C heap blocks)."""
-
 MIN_SCRATCH_BYTES = 2**18
 """The least scratch of a ranking (unless ``chunk_bytes`` itself is smaller) ..."""
-
 MIN_SCRATCH_BYTES_PER_ITEM = 8
 """... or this many bytes an item, if more (a fixed scratch would cut into tiny blocks)."""
-
 MIN_BLOCK_ROWS = 16
 """Rows are copied, normalised and audited in blocks of at least this many rows."""
 
@@ -37,22 +33,16 @@ MIN_BLOCK_ROWS = 16
 
 TILE_SHARE = 4
 """All worker threads' tiles: ``scratch / TILE_SHARE``; their scans' buffers as much again."""
-
 PENDING_SHARE = 16
 """Pairs waiting for their canonical score; deciding them takes as much again."""
-
 CANONICAL_SHARE = 32
 """A canonical batch's gathered rows (two float64 sides and the rows' dtype: 2.5 batches)."""
-
 RUN_SHARE = 8
 """A sharded gallery's run (its rows and their prepared copy: twice that) ..."""
-
 RUN_MIN_ROWS = 8
 """... of at least this many float32 rows (each run costs a step per tile of queries)."""
-
 ROW_BLOCK_SHARE = 4
 """Before the ranking: rows copied, normalised and audited (copies included) at a time."""
-
 PAIR_BYTES = 24
 """A waiting pair: query and gallery row (int64 each) and a callable's score."""
 
@@ -60,16 +50,12 @@ PAIR_BYTES = 24
 
 DENSE_BLOCK_BYTES = 2**20
 """The dense form scores a CPU thread's block of rows in about this many bytes (cached)."""
-
 DENSE_SMALL_BATCH = 2**15
 """Dense batches of at most this many scores take the fewest operations (not the blocks)."""
-
 DENSE_FEW_TARGETS = 64
 """A dense ``[Q]`` target of at most this many values is range-checked on the host."""
-
 PAIRED_TERMS = 2**16
 """The exact McNemar tail adds this many of its terms at a time (float64 each)."""
-
 FLAT_SLACK_BYTES = 1024 * (5 + 10) * 8
 """Bytes of packed flat rows (1,024 of 5 columns + K = 10) that may wait for a merge."""
 
@@ -77,41 +63,29 @@ FLAT_SLACK_BYTES = 1024 * (5 + 10) * 8
 
 CPU_TILE_BYTES = 32 * 2**20
 """On CPU, tiles hold at most this many bytes of scores."""
-
 CPU_WORKER_BYTES = 2**20
 """On CPU, worker threads share a task only where each gets this many bytes of it at a time."""
-
 CPU_PANEL_BYTES = 2 * 2**20
 """On CPU a tile's scores beyond its label blocks come in cache-sized panels of columns ..."""
-
 CPU_PANEL_COLUMNS = 512
 """... at most this many columns wide (the BLAS packs the widest panel)."""
-
 PRODUCT_COLUMNS = 8
 """Products are widened to a multiple of this many columns where the tile holds them."""
-
 CPU_STACK_BYTES = 4 * 2**20
 """Panel rows that reach their band are stacked aside in about this many bytes."""
-
 CPU_SQUARE_BYTES = 4 * 2**20
 """Leave-one-out on CPU: the product in square blocks of about this many bytes."""
-
 SQUARE_MIN_ROWS = 64
 """Square blocks of fewer rows (but not every item) cost more than tiles."""
-
 CPU_WIDE_ROWS_BYTES = 2**21
 """On CPU rows are widened to float64 (normalised, hashed, projected) this many bytes at a
 time, in cache."""
-
 CANONICAL_BATCH_BYTES = 2**20
 """A canonical batch never takes more than this, whatever the scratch (in cache)."""
-
 CANONICAL_DIM_BLOCK = 64
 """Canonical re-scoring gathers this many dimensions at a time (in the order ``d = 0..D-1``)."""
-
 NORM_DIM_BLOCK = 16
 """Cosine norms square this many dimensions at a time (buffer: ``17/16`` float64 row)."""
-
 PENDING_PAIRS = 2**16
 """Pairs are decided once this many wait (or the pending share is full, or at the end)."""
 
@@ -202,31 +176,22 @@ def budget(chunk_bytes: int, items: int, width: int) -> Budget:
 
 AUDIT_SHARE = 4
 """The audit of one process reads rows in blocks of at most ``chunk_bytes / AUDIT_SHARE``."""
-
 AUDIT_HASH_DIM_BLOCK = 2**15
 """The audit's row hash sums this many dimensions at a time (an exact float64 product)."""
-
 AUDIT_SORT_BYTES = 40
 """Bytes an item of a sort of int64 keys (sorted copy, order, scratch): sizes a sort part."""
-
 AUDIT_SORT_MIN_ITEMS = 1024
 """The fewest keys a part of the audit's sort in parts sorts at a time."""
-
 AUDIT_SORT_MAX_PASSES = 1024
 """The most passes over the keys that the audit's sort in parts makes."""
-
 AUDIT_CANDIDATE_BYTES = 256
 """Bytes a candidate pair of rounding copies takes while enumerated: sizes the pairs at a time."""
-
 AUDIT_CANDIDATE_PAIRS = (64, 2**16)
 """The fewest and most candidate pairs of rounding copies enumerated and checked at a time."""
-
 AUDIT_SHARDED_BLOCK_BYTES = 2**20
 """A sharded audit's rows hashed, compared or sent at a time: a fixed cost beside its codes."""
-
 AUDIT_SHARDED_PROJECT_BYTES = 2**17
 """A sharded audit's rows (and their float64 copies) projected at a time."""
-
 AUDIT_SHARDED_CANDIDATE_PAIRS = 2**13
 """A sharded audit's candidate pairs enumerated at a time (every process the same chunks)."""
 

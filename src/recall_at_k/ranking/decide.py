@@ -67,17 +67,18 @@ class Decider:
         return sum(waiting.size for waiting in self.pending) >= self.limit
 
     def flush(self, gallery: Gallery, last: bool = False) -> None:
-        """Decide every waiting pair (all of ``gallery``): positives first. ``last``: no pair
-        comes after; a query's positives are then re-scored only where a negative of it
-        waits or the near-duplicate threshold reads ``s*``: elsewhere no negative lies in
-        its band, so its first hit and ties are those its counts already tell."""
+        """Decide every waiting pair (all of ``gallery``): positives first. ``last``: none comes
+        after, so a query's positives are re-scored only where a negative of it waits (or the
+        near-duplicate threshold reads ``s*``): else its counts already tell its first hit."""
         for kind in (POSITIVE, NEGATIVE, NEAR):
             waiting = self.pending[kind]
             if waiting.size == 0:
                 continue
             rows, columns, scores = waiting.take()
             if kind == POSITIVE and last and self.threshold is None:
-                asked = torch.isin(rows, self.pending[NEGATIVE].rows())
+                held = self.pending[NEGATIVE]
+                asked = rows[:0] if held.buffer is None else held.buffer[0, : held.size].long()
+                asked = torch.isin(rows, asked)
                 rows, columns = rows[asked], columns[asked]
                 scores = None if scores is None else scores[asked]
             if scores is None:  # else a callable's scores, kept
@@ -138,12 +139,6 @@ class _Waiting:
             part[2] = found.values
             self.kept = True
         self.size = need
-
-    def rows(self) -> Tensor:
-        """The rows of the pairs so far (int64, a new tensor)."""
-        if self.buffer is None:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
-        return self.buffer[0, : self.size].long()
 
     def take(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """The pairs so far (rows and columns int64), emptied."""

@@ -80,10 +80,8 @@ Mode = Literal["auto", "squares", "panels", "tiles"]
 """How one block's queries are walked: chosen (``"auto"``) or forced by tests: ``"squares"``
 (leave-one-out on CPU), ``"panels"`` (CPU tiles with panels), ``"tiles"`` (whole rows of
 scores, as on a GPU). Every mode gives the same counts."""
-
 WIDE_LABELS = 0.25
 """Leave-one-out takes squares (``"auto"``) while every label has at most this share of items."""
-
 NEAR_COUNTS = (
     "near_positive",
     "near_negative_with_positive",
@@ -118,8 +116,7 @@ class QueryCounts(NamedTuple):
 
 
 SATURATE_EVERY = 4
-"""Squares merged between two looks for queries missed at every K (a look reads every
-query; a query looked at later is scanned a little longer, with the same counts)."""
+"""Squares merged between looks for queries missed at every K (each look reads them all)."""
 
 
 class _State:
@@ -492,6 +489,8 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         result = _Result(a, b, found.has_positive, scanned.greater, scanned.sure, None, kinds)
         return result, bands
 
+    junk_runs = None if aligned else _junk(gallery, spans)
+
     def squares() -> Iterator[_Square]:
         """Each square with a copy of its queries' bands when taken (they rise to +inf)."""
         for index, rows in enumerate(spans):
@@ -539,7 +538,6 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
     dtypes = {NEGATIVE: state.greater.dtype, NEAR: state.near.dtype}
     total = len(spans) * (len(spans) + 1) // 2 - (len(spans) if aligned else 0)
     count = max(1, min(workers, max(len(parts), total)))
-    junk_runs: list[tuple[int, int]] | None = None
     # One pool for both passes: its threads keep their tile and scan buffers.
     with Workers(count, decider.workspace) as pool:
         for result, bands in pool.map(label_task, parts):
@@ -550,7 +548,6 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         pool.release(*POSITIVE_SLOTS)
         if aligned:
             saturate(band, state.greater, max_k)
-        junk_runs = None if aligned else _junk(gallery, spans)
         for merged, results in enumerate(pool.map(square_task, squares()), 1):
             for kind, queries, above, pairs in results:
                 (state.greater if kind == NEGATIVE else state.near).index_add_(0, queries, above)

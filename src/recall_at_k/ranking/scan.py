@@ -171,10 +171,9 @@ def pooled(
     device: torch.device,
     cap_bytes: int = 0,
 ) -> Tensor:
-    """A buffer of ``shape`` from ``workspace``, its slot made a power of two long, so that a
-    slot is allocated a few times a ranking, not once a block (heap fragmentation); on CPU
-    at least ``cap_bytes`` (the most it will hold: pages are resident only once written, so
-    a slot that grows later writes no page twice)."""
+    """A buffer of ``shape`` from ``workspace``, its slot a power of two long (allocated a few
+    times a ranking, not once a block), on CPU at least ``cap_bytes``, the most it will hold
+    (pages are resident once written: a slot that grows later writes no page twice)."""
     least = 1 << max(0, math.prod(shape) - 1).bit_length()
     if device.type == "cpu":
         least = max(least, cap_bytes // dtype.itemsize)
@@ -205,8 +204,7 @@ def scan_square(
     queries = reaching + firsts[0]
     queries[down:].add_(firsts[1] - firsts[0] - height)
     dtype, device, itemsize = scores.dtype, scores.device, scores.element_size()
-    turned = length * itemsize if total > down else 0  # the columns' copy before turned
-    step = rows_within(buffer_bytes, compared_row_bytes(length, itemsize) + turned, total)
+    step = rows_within(buffer_bytes, compared_row_bytes(length, itemsize), total)
     counts, pairs = [], []
     for a in range(0, total, step):
         b = min(a + step, total)
@@ -215,14 +213,9 @@ def scan_square(
         # each query's scores against its items, padded with -inf (never in or above a band)
         if split > 0:
             torch.index_select(scores, 0, reaching[a : a + split], out=candidates[:split, :width])
-        if split < b - a:  # the columns' queries (read down)
+        if split < b - a:  # the columns' queries (read down), as rows of the transpose
             index = reaching[a + split : b] - height
-            if not scores.is_contiguous():  # a widened product's view: rows of its transpose
-                torch.index_select(scores.T, 0, index, out=candidates[split:, :height])
-            else:  # gathered as they lie (fast), then turned
-                columns = pooled(workspace, "scan_columns", (height, index.shape[0]), dtype, device)
-                columns = torch.index_select(scores, 1, index, out=columns)
-                candidates[split:, :height] = columns.T
+            torch.index_select(scores.T, 0, index, out=candidates[split:, :height])
         for rows, size in ((slice(0, split), width), (slice(split, None), height)):
             if size < length:
                 candidates[rows, size:] = -math.inf
@@ -233,9 +226,7 @@ def scan_square(
             item = column + torch.where(row < split, firsts[1], firsts[0])
             value = candidates[row, column] if keep_values else None
             pairs.append(Found(queries[a:b][row], item, value))
-    if len(counts) == 1:  # (no pair: compare's empty positions, none made)
-        return queries, counts[0], pairs[0] if pairs else Found(row, column, None)
-    return queries, torch.cat(counts), joined(pairs, peaks.device)
+    return queries, counts[0] if len(counts) == 1 else torch.cat(counts), joined(pairs, device)
 
 
 def mark_dtype(length: int) -> torch.dtype:
@@ -261,8 +252,7 @@ def compare(
     inside = pooled(workspace, "marks_inside", shape, marks, device, cap_bytes)
     torch.gt(candidates, hi, out=above)
     torch.ge(candidates, lo, out=inside).sub_(above)  # 1 in [lo, hi], else 0 (above <= ge)
-    # Rows with a pair inside are few: only theirs are searched (a search of every row
-    # costs an order of magnitude more than these sums).
+    # Rows with a pair inside are few: only theirs are searched (a search costs far more).
     some = inside.sum(dim=1).nonzero().view(-1)
     if some.numel() == 0:
         return above.sum(dim=1), some, some
