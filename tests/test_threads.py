@@ -155,6 +155,36 @@ def test_a_cpu_workspace_slot_that_grows_takes_twice_its_size() -> None:
     assert workspace.get("slot", (21,), torch.float32, cpu).data_ptr() != grown.data_ptr()
 
 
+def test_a_pool_keeps_each_threads_workspace_from_map_to_map_and_frees_released_slots() -> None:
+    """Two maps of one pool: each thread's second task finds the buffer its first task put
+    in its workspace (no page written again); :meth:`Workers.release` frees the named
+    slots of every workspace the tasks use, the caller's (one worker's) included."""
+    cpu = torch.device("cpu")
+    ready = threading.Barrier(2)
+
+    def fill(item: int, workspace: Workspace) -> tuple[str, int, int]:
+        ready.wait(timeout=30)  # both threads take one item each
+        kept = workspace.get("kept", (4,), torch.float32, cpu).fill_(item)
+        workspace.get("freed", (4,), torch.float32, cpu)
+        return threading.current_thread().name, kept.data_ptr(), id(workspace)
+
+    def read(item: int, workspace: Workspace) -> tuple[str, int, int]:
+        ready.wait(timeout=30)
+        kept = workspace.get("kept", (4,), torch.float32, cpu)
+        return threading.current_thread().name, kept.data_ptr(), id(workspace)
+
+    caller = Workspace()
+    with _threads(2), Workers(2, caller) as pool:
+        first = {name: (ptr, ws) for name, ptr, ws in pool.map(fill, range(2))}
+        second = {name: (ptr, ws) for name, ptr, ws in pool.map(read, range(2))}
+        assert len(first) == 2 and second == first
+        caller.get("freed", (4,), torch.float32, cpu)
+        pool.release("freed")
+        slots = {key[0] for workspace in pool.workspaces[1:] for key in workspace._buffers}
+        assert slots == {"kept"} and len(pool.workspaces) == 3
+        assert "freed" not in {key[0] for key in caller._buffers}
+
+
 def test_results_come_in_order_and_errors_reach_the_caller() -> None:
     def task(item: int, workspace: Workspace) -> int:
         if item == 7:

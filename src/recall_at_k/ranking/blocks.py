@@ -162,23 +162,22 @@ def product(
     widened by neighbouring columns to a multiple of :data:`PRODUCT_COLUMNS` (the BLAS's
     fast width) where ``tile_bytes`` (a worker's tile share) holds them. ``"euclidean"``:
     ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, as many at a time as the tile or
-    ``tile_bytes`` holds (else a tile of few rows centres a column or two a product)."""
+    ``tile_bytes`` holds (else a tile of few rows centres a column or two a product). On CPU
+    the tile's slot is the whole share at once (pages are resident only once written)."""
     rows, width, num = queries.shape[0], stop - first, gallery.fast.shape[0]
-    wide = -(-width // PRODUCT_COLUMNS) * PRODUCT_COLUMNS
-    fits = wide <= num and rows * wide * queries.element_size() <= tile_bytes
+    wide, itemsize = -(-width // PRODUCT_COLUMNS) * PRODUCT_COLUMNS, queries.element_size()
+    fits = wide <= num and rows * wide * itemsize <= tile_bytes
     width = wide if fits else width
     lo = min(num, first + width) - width  # first, or before it where widened at the end
-    # On CPU the slot is taken at the tile share: a larger tile later writes no page twice.
-    least = tile_bytes // queries.element_size() if queries.device.type == "cpu" else 0
+    least = tile_bytes // itemsize if queries.device.type == "cpu" else 0
     out = workspace.get("tile", (rows, width), queries.dtype, queries.device, least)
     if gallery.centre is None or gallery.neg_sq_norms is None:
         torch.matmul(queries, gallery.fast[lo : lo + width].T, out=out)
         return out[:, first - lo : stop - lo]
     dim, dtype, device = queries.shape[1], queries.dtype, queries.device
-    room = max(rows * width, tile_bytes // queries.element_size())
+    room = max(rows * width, tile_bytes // itemsize)
     step = max(1, min(width, room // max(1, dim)))
-    # Both buffers taken once: a narrow tile centres its columns in many parts.
-    centred = workspace.get("centred", (step * dim,), dtype, device)
+    centred = workspace.get("centred", (step * dim,), dtype, device)  # once: parts reuse it
     slot = (rows * step,), dtype, device
     parted = None if step >= width else workspace.get("centred_scores", *slot)
     for part in range(lo, lo + width, step):
@@ -190,7 +189,8 @@ def product(
         torch.addmm(norms, queries, rows_centred.T, alpha=2, out=target)
         if parted is not None:
             out[:, part - lo : end - lo] = target
-    return out.sub_(queries.square().sum(dim=1, keepdim=True))[:, first - lo : stop - lo]
+    squares = torch.bmm(queries.unsqueeze(1), queries.unsqueeze(2)).view(-1, 1)  # |q'|^2, no copy
+    return out.sub_(squares)[:, first - lo : stop - lo]
 
 
 def scores_of(
