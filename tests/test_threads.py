@@ -155,6 +155,20 @@ def test_a_cpu_workspace_slot_that_grows_takes_twice_its_size() -> None:
     assert workspace.get("slot", (21,), torch.float32, cpu).data_ptr() != grown.data_ptr()
 
 
+def test_a_cpu_workspace_slot_is_taken_at_the_most_it_will_hold() -> None:
+    """``most``: on CPU the slot is made that long at once, so every later request up to it
+    reads the same buffer; elsewhere (here ``meta``) the request's size alone."""
+    workspace, cpu, meta = Workspace(), torch.device("cpu"), torch.device("meta")
+    first = workspace.get("slot", (2, 3), torch.float32, cpu, 0, 64)
+    assert first.shape == (2, 3)
+    later = workspace.get("slot", (8, 8), torch.float32, cpu)
+    assert later.data_ptr() == first.data_ptr()
+    assert workspace.get("slot", (65,), torch.float32, cpu).data_ptr() != first.data_ptr()
+    workspace.get("slot", (6,), torch.float32, meta, 0, 64)
+    assert workspace.get("slot", (7,), torch.float32, meta).shape == (7,)
+    assert workspace._buffers[("slot", torch.float32, meta)].numel() == 7
+
+
 def test_a_pool_keeps_each_threads_workspace_from_map_to_map_and_frees_released_slots() -> None:
     """Two maps of one pool: each thread's second task finds the buffer its first task put
     in its workspace (no page written again); :meth:`Workers.release` frees the named

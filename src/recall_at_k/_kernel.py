@@ -56,9 +56,9 @@ def no_positive_counts(num_queries: int, device: torch.device) -> TieCounts:
 
 class Workspace:
     """Scratch buffers reused across calls (never metric state); each slot grows to the largest
-    request (on CPU to at least twice its size: pages never written are never resident, and
-    each new buffer is paged in again), and one made under ``torch.inference_mode()`` is
-    replaced outside it."""
+    request (on CPU to at least twice its size, or at once to what it will hold where the
+    caller knows: pages never written are never resident, and each new buffer is paged in
+    again), and one made under ``torch.inference_mode()`` is replaced outside it."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
@@ -70,9 +70,12 @@ class Workspace:
         dtype: torch.dtype,
         device: torch.device,
         least: int = 0,
+        most: int = 0,
     ) -> Tensor:
-        """An uninitialised tensor of ``shape`` from ``slot`` (made at least ``least`` long)."""
+        """An uninitialised tensor of ``shape`` from ``slot``, made at least ``least`` long and,
+        on CPU, ``most`` long: the most it will hold."""
         numel, key = math.prod(shape), (slot, dtype, device)
+        least = max(least, most) if device.type == "cpu" else least
         buffer = self._buffers.get(key)
         stale = buffer is not None and buffer.is_inference() > torch.is_inference_mode_enabled()
         if buffer is None or stale or buffer.numel() < numel:

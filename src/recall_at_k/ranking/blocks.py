@@ -163,18 +163,17 @@ def product(
     fast width) where ``tile_bytes`` (a worker's tile share) holds them. ``"euclidean"``:
     ``2 q'.g' - |q'|^2 - |g'|^2`` on centred rows, as many at a time as the tile or
     ``tile_bytes`` holds (else a tile of few rows centres a column or two a product). On CPU
-    the tile's slot is the whole share at once (pages are resident only once written)."""
+    the tile's slot is taken at the whole share at once (:class:`Workspace`)."""
     rows, width, num = queries.shape[0], stop - first, gallery.fast.shape[0]
     wide, itemsize = -(-width // PRODUCT_COLUMNS) * PRODUCT_COLUMNS, queries.element_size()
     fits = wide <= num and rows * wide * itemsize <= tile_bytes
     width = wide if fits else width
     lo = min(num, first + width) - width  # first, or before it where widened at the end
-    least = tile_bytes // itemsize if queries.device.type == "cpu" else 0
-    out = workspace.get("tile", (rows, width), queries.dtype, queries.device, least)
+    dim, dtype, device = queries.shape[1], queries.dtype, queries.device
+    out = workspace.get("tile", (rows, width), dtype, device, 0, tile_bytes // itemsize)
     if gallery.centre is None or gallery.neg_sq_norms is None:
         torch.matmul(queries, gallery.fast[lo : lo + width].T, out=out)
         return out[:, first - lo : stop - lo]
-    dim, dtype, device = queries.shape[1], queries.dtype, queries.device
     room = max(rows * width, tile_bytes // itemsize)
     step = max(1, min(width, room // max(1, dim)))
     centred = workspace.get("centred", (step * dim,), dtype, device)  # once: parts reuse it

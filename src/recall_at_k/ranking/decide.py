@@ -77,8 +77,8 @@ class Decider:
             rows, columns, scores = waiting.take()
             if kind == POSITIVE and last and self.threshold is None:
                 held = self.pending[NEGATIVE]
-                asked = rows[:0] if held.buffer is None else held.buffer[0, : held.size].long()
-                asked = torch.isin(rows, asked)
+                negatives = rows[:0] if held.buffer is None else held.buffer[0, : held.size].long()
+                asked = torch.isin(rows, negatives)
                 rows, columns = rows[asked], columns[asked]
                 scores = None if scores is None else scores[asked]
             if scores is None:  # else a callable's scores, kept

@@ -172,12 +172,10 @@ def pooled(
     cap_bytes: int = 0,
 ) -> Tensor:
     """A buffer of ``shape`` from ``workspace``, its slot a power of two long (allocated a few
-    times a ranking, not once a block), on CPU at least ``cap_bytes``, the most it will hold
-    (pages are resident once written: a slot that grows later writes no page twice)."""
+    times a ranking, not once a block), taken at ``cap_bytes``, the most it will hold, on CPU
+    (:class:`~recall_at_k._kernel.Workspace`)."""
     least = 1 << max(0, math.prod(shape) - 1).bit_length()
-    if device.type == "cpu":
-        least = max(least, cap_bytes // dtype.itemsize)
-    return workspace.get(slot, shape, dtype, device, least)
+    return workspace.get(slot, shape, dtype, device, least, cap_bytes // dtype.itemsize)
 
 
 def scan_square(
