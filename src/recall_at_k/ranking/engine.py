@@ -71,6 +71,7 @@ from recall_at_k.ranking.scan import (
     near_band,
     pooled,
     positives,
+    run_columns,
     saturate,
     scan_square,
 )
@@ -281,7 +282,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
             scores, start - first, length, junk_groups, bound, state.hole, keep, workspace
         )
         band = band_edges(found.best, bound, found.has_positive)
-        hide_own_labels(scores, start - first, length, state.hole, workspace)
+        hide_own_labels(scores, found.runs, length, state.hole)
         scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, counts, keep)
         scanned = scanner.scan(scores, band, first, bound)
         greater, near_state = scanned.greater, scanned.near
@@ -482,7 +483,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             result = _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)])
             return result, bands
         # A span of whole labels: its diagonal square's negatives are scanned now.
-        hide_own_labels(scores, start - first, length, hole, workspace)
+        hide_own_labels(scores, found.runs, length, hole)
         scanner = _Scanner(workspace, tile_bytes, threshold, counts)
         scanned = scanner.scan(scores, bands, first, bound[a:b])
         kinds = scanned.kinds(kept)
@@ -674,7 +675,8 @@ def _passes(
                 state.nan[a:b] |= torch.isnan(scores).any(dim=1)
             groups = queries.groups[a:b] if same_group else None
             hide_ignored(scores, located.own[a:b], groups, gallery.groups, hole)
-            hide_own_labels(scores, located.start[a:b], located.length[a:b], hole, workspace)
+            start, length = located.start[a:b], located.length[a:b]
+            hide_own_labels(scores, run_columns(start, length, width, workspace), length, hole)
             scanned = scanner.scan(scores, band[a:b], 0, bound[a:b])
             state.greater[a:b] += scanned.greater
             saturate(band[a:b], state.greater[a:b], options.max_k)

@@ -71,6 +71,7 @@ class Positives(NamedTuple):
     best: Tensor  # [T, 1] s*_f (-inf: no valid positive)
     has_positive: Tensor  # [T] bool
     found: Found  # the valid positives within 2B of s*_f
+    runs: Tensor | None  # each row's run (:func:`run_columns`), for :func:`hide_own_labels`
 
 
 POSITIVE_SLOTS = ("block_columns", "block", "block_valid", "block_marks")
@@ -105,44 +106,45 @@ def positives(
         best = torch.full((rows, 1), -math.inf, dtype=scores.dtype, device=device)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         none = torch.zeros(rows, dtype=torch.bool, device=device)
-        return Positives(best, none, Found(empty, empty, None))
+        return Positives(best, none, Found(empty, empty, None), None)
     columns = run_columns(start, count, scores.shape[1], workspace)
     shape = tuple(columns.shape)
     values = torch.gather(
         scores, 1, columns, out=workspace.get("block", shape, scores.dtype, device)
     )
-    valid = workspace.get("block_valid", shape, torch.bool, device)
-    if hole == -math.inf:  # the holes of built-in similarities; a callable's are NaN
-        torch.gt(values, hole, out=valid)  # neither NaN nor the hole
-    else:
-        torch.eq(values, values, out=valid)
-    if groups is not None:
-        valid.logical_and_(groups[1][columns] != groups[0].unsqueeze(1))
     marks = workspace.get("block_marks", shape, torch.bool, device)
-    values.masked_fill_(torch.logical_not(valid, out=marks), -math.inf)
+    valid = None  # a built-in similarity's -inf holes are below every band: no mask alone
+    if hole != -math.inf or groups is not None:  # a callable's holes are NaN
+        valid = workspace.get("block_valid", shape, torch.bool, device)
+        if hole == -math.inf:  # neither the hole nor NaN
+            torch.gt(values, hole, out=valid)
+        else:
+            torch.eq(values, values, out=valid)
+        if groups is not None:
+            valid.logical_and_(groups[1][columns] != groups[0].unsqueeze(1))
+        values.masked_fill_(torch.logical_not(valid, out=marks), -math.inf)
     empty = (count == 0).unsqueeze(1)  # its columns are not its run: nothing valid
     best = values.amax(dim=1, keepdim=True).masked_fill_(empty, -math.inf)
     # (any valid value of a built-in similarity is above the -inf hole)
-    has_positive = best.view(-1) > hole if hole == -math.inf else valid.any(dim=1)
+    has_positive = best.view(-1) > hole if valid is None or hole == -math.inf else valid.any(1)
     has_positive.masked_fill_(empty.view(-1), False)
     lo = band_edges(best, bound, has_positive)[:, :1]
-    row, step = torch.ge(values, lo, out=marks).logical_and_(valid).nonzero(as_tuple=True)
+    if valid is None:  # lo above the holes
+        lo.clamp_(min=torch.finfo(values.dtype).min)
+    torch.ge(values, lo, out=marks)
+    row, step = (marks if valid is None else marks.logical_and_(valid)).nonzero(as_tuple=True)
     once = step < count[row]  # a run's last column is repeated past its end
     row, step = row[once], step[once]
     kept = values[row, step] if keep_values else None
-    return Positives(best, has_positive, Found(row, columns[row, step], kept))
+    return Positives(best, has_positive, Found(row, columns[row, step], kept), columns)
 
 
-def hide_own_labels(
-    scores: Tensor, start: Tensor, count: Tensor, hole: float, workspace: Workspace
-) -> None:
-    """Write ``hole`` over each row's own label run: the ``count`` columns from ``start``."""
-    if not count.numel() or int(count.max()) == 0:
-        return
-    columns = run_columns(start, count, scores.shape[1], workspace)
-    # An empty run's one column is written back as it is; every other write is the hole.
-    values = scores.gather(1, columns[:, :1]).masked_fill_((count > 0).unsqueeze(1), hole)
-    scores.scatter_(1, columns, values.expand(columns.shape))
+def hide_own_labels(scores: Tensor, runs: Tensor | None, count: Tensor, hole: float) -> None:
+    """Write ``hole`` over each row's own label run of ``count`` columns, ``runs`` (its
+    :func:`run_columns`; None: no row has one); an empty run's one column is kept."""
+    if runs is not None:  # (the empty runs' columns written back as they are)
+        values = scores.gather(1, runs[:, :1]).masked_fill_((count > 0).unsqueeze(1), hole)
+        scores.scatter_(1, runs, values.expand(runs.shape))
 
 
 def hide_ignored(
@@ -202,7 +204,7 @@ def scan_square(
     queries = reaching + firsts[0]
     queries[down:].add_(firsts[1] - firsts[0] - height)
     dtype, device, itemsize = scores.dtype, scores.device, scores.element_size()
-    step = rows_within(buffer_bytes, compared_row_bytes(length, itemsize), total)
+    step = max(1, min(total, buffer_bytes // max(1, compared_row_bytes(length, itemsize))))
     counts, pairs = [], []
     for a in range(0, total, step):
         b = min(a + step, total)
@@ -249,14 +251,15 @@ def compare(
     above = pooled(workspace, "marks_above", shape, marks, device, cap_bytes)
     inside = pooled(workspace, "marks_inside", shape, marks, device, cap_bytes)
     torch.gt(candidates, hi, out=above)
-    torch.ge(candidates, lo, out=inside).sub_(above)  # 1 in [lo, hi], else 0 (above <= ge)
+    torch.ge(candidates, lo, out=inside)  # (marks at or above lo, above hi: above <= inside)
     # Rows with a pair inside are few: only theirs are searched (a search costs far more).
-    some = inside.sum(dim=1).nonzero().view(-1)
+    some = (inside.sum(dim=1) > (counts := above.sum(dim=1))).nonzero().view(-1)
     if some.numel() == 0:
-        return above.sum(dim=1), some, some
+        return counts, some, some
+    pairs = inside.index_select(0, some).sub_(above.index_select(0, some))  # 1 in [lo, hi]
     whole = torch.int32 if marks == torch.float32 else torch.int64  # 0.0 is all zero bits
-    row, column = inside.index_select(0, some).view(whole).nonzero(as_tuple=True)
-    return above.sum(dim=1), some[row], column
+    row, column = pairs.view(whole).nonzero(as_tuple=True)
+    return counts, some[row], column
 
 
 class Near(NamedTuple):
@@ -272,11 +275,6 @@ def near_band(threshold: float, bound: Tensor, dtype: torch.dtype) -> Tensor:
     """The near-duplicate threshold's band ``[t - B, t + B]`` (rounded outwards) of queries
     with bounds ``bound``, as :func:`edges` gives it."""
     return edges(torch.full_like(bound, threshold), bound, dtype)
-
-
-def rows_within(buffer_bytes: int, row_bytes: int, rows: int) -> int:
-    """Rows of ``row_bytes`` to take at a time within ``buffer_bytes`` (1 to ``rows``)."""
-    return max(1, min(rows, buffer_bytes // max(1, row_bytes)))
 
 
 def saturate(band: Tensor, greater: Tensor, max_k: int) -> None:
