@@ -107,9 +107,9 @@ def test_workers_run_tasks_in_the_callers_inference_mode() -> None:
 
 def _product_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Each fast product the engine computes from now on, as (its thread's name, that
-    thread's torch thread count); both worker threads of a 2-thread pool meet on their
-    first product, so that each takes one whatever the scheduler does."""
-    spy = ThreadSpy(workers=2)
+    thread's torch thread count); a worker thread's first product waits for one of the
+    calling thread's, so that both take one whatever the scheduler does."""
+    spy = ThreadSpy()
     monkeypatch.setattr(_engine, "product", spy.wrap(_blocks.product))
     return spy.seen
 
@@ -118,27 +118,29 @@ def _product_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 def test_tiles_and_squares_run_on_worker_threads(
     layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At 2 threads each tile (query/gallery) or square (leave-one-out) computes its
-    product on a worker thread whose torch runs on one thread; the caller's count is
-    unchanged after."""
+    """At 2 threads the tiles (query/gallery) or squares (leave-one-out) compute their
+    products on the calling thread and on one worker thread, each running torch on one
+    thread; the caller's count is unchanged after."""
     seen = _product_threads(monkeypatch)
     batches = _batches(layout)
     # Squares of 60 rows (leave-one-out), tiles of a few queries (query/gallery).
     route: Route = (
         ("squares", 4 * 4 * 60 * 60) if layout == "leave-one-out" else ("panels", 4 * 4 * 160 * 20)
     )
+    caller = threading.current_thread().name
     with _threads(1):
         one = engine_recall(batches, KS, route)
-    assert seen and all(thread == threading.current_thread().name for thread, _ in seen)
-    seen.clear()
+    assert seen and all(thread == caller for thread, _ in seen)
+    seen = _product_threads(monkeypatch)  # a new meeting: the caller's first product again
     with _threads(2):
         two = engine_recall(batches, KS, route)
         assert torch.get_num_threads() == 2
         with ThreadPoolExecutor(1) as fresh:  # threads started later keep the count too
             assert fresh.submit(torch.get_num_threads).result() == 2
     assert one == two
-    workers = {thread for thread, _ in seen}
-    assert len(workers) == 2 and all(t.startswith("recall-at-k") for t in workers), seen
+    threads = {thread for thread, _ in seen}
+    assert len(threads) == 2 and caller in threads, seen
+    assert all(t.startswith("recall-at-k") for t in threads - {caller}), seen
     assert all(count == 1 for _, count in seen)
 
 
@@ -170,9 +172,10 @@ def test_a_cpu_workspace_slot_is_taken_at_the_most_it_will_hold() -> None:
 
 
 def test_a_pool_keeps_each_threads_workspace_from_map_to_map_and_frees_released_slots() -> None:
-    """Two maps of one pool: each thread's second task finds the buffer its first task put
-    in its workspace (no page written again); :meth:`Workers.release` frees the named
-    slots of every workspace the tasks use, the caller's (one worker's) included."""
+    """Two maps of one pool (the caller and one worker thread): each thread's second task
+    finds the buffer its first task put in its workspace (no page written again);
+    :meth:`Workers.release` frees the named slots of every workspace the tasks use, the
+    caller's included."""
     cpu = torch.device("cpu")
     ready = threading.Barrier(2)
 
@@ -192,11 +195,10 @@ def test_a_pool_keeps_each_threads_workspace_from_map_to_map_and_frees_released_
         first = {name: (ptr, ws) for name, ptr, ws in pool.map(fill, range(2))}
         second = {name: (ptr, ws) for name, ptr, ws in pool.map(read, range(2))}
         assert len(first) == 2 and second == first
-        caller.get("freed", (4,), torch.float32, cpu)
+        assert threading.current_thread().name in first  # the caller took one of each
         pool.release("freed")
-        slots = {key[0] for workspace in pool.workspaces[1:] for key in workspace._buffers}
-        assert slots == {"kept"} and len(pool.workspaces) == 3
-        assert "freed" not in {key[0] for key in caller._buffers}
+        slots = {key[0] for workspace in pool.workspaces for key in workspace._buffers}
+        assert slots == {"kept"} and len(pool.workspaces) == 2 and pool.workspaces[0] is caller
 
 
 def test_results_come_in_order_and_errors_reach_the_caller() -> None:
@@ -292,20 +294,20 @@ def test_small_tiles_stay_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch)
     page = Path(__file__).resolve().parents[1] / "docs" / "input-forms.md"
     text = " ".join(page.read_text(encoding="utf-8").split())
     assert "Each thread takes at least 1 MiB of tiles at a time" in text
-    seen = _product_threads(monkeypatch)
     embeddings = torch.randn(3000, 16, generator=gen(8))
     labels = torch.randint(0, 300, (3000,), generator=gen(9))
 
     def compute(chunk_bytes: int) -> tuple[Any, set[str]]:
-        seen.clear()
+        seen = _product_threads(monkeypatch)  # a new meeting each time
         metric = EmbeddingRecallAtK(KS, chunk_bytes=chunk_bytes)
         metric.update(embeddings, labels)
         return metric.compute(), {name for name, _ in seen}
 
+    caller = threading.current_thread().name
     with _threads(2):
         small, small_threads = compute(2**21)
         default, default_threads = compute(2**28)
-    assert small_threads == {threading.current_thread().name}, small_threads
-    assert len(default_threads) == 2, default_threads
-    assert all(name.startswith("recall-at-k") for name in default_threads), default_threads
+    assert small_threads == {caller}, small_threads
+    assert len(default_threads) == 2 and caller in default_threads, default_threads
+    assert all(name.startswith("recall-at-k") for name in default_threads - {caller})
     assert small == default

@@ -117,8 +117,7 @@ def index_dtype(count: int) -> torch.dtype:
 
 def locate(queries: Queries, gallery: Gallery) -> Located:
     """Where each query's label run and own column lie in ``gallery``."""
-    device = queries.labels.device
-    narrow = index_dtype(gallery.labels.shape[0])
+    device, narrow = queries.labels.device, index_dtype(gallery.labels.shape[0])
     if gallery.block_labels.numel() == 0:
         none = torch.zeros(queries.labels.shape[0], dtype=narrow, device=device)
         return Located(none, none, none - 1)

@@ -14,7 +14,7 @@ only on the source:
 - a gallery sharded across processes: two passes over the blocks passing by, positives
   first, then negatives (:func:`_passes`).
 
-Tiles and squares run on the CPU's worker threads, their results merged in order.
+Tiles and squares run on the CPU's threads (the caller's and workers), merged in order.
 :func:`rank` ranks every direction, shares the queries among processes when every process
 holds every item, and sums the counts. Counts are integers and ``ties="expected"`` rounds
 probabilities to a grid on which float64 sums are exact, so the result is the same for
@@ -186,8 +186,7 @@ def rank_direction(
 ) -> QueryCounts:
     """Rank the source's queries against its gallery (a collective for a sharded one).
     ``known``: bool ``[2, Q]``, queries known to have a near positive / negative."""
-    queries = source.queries
-    state = _State(source, options, budget.items)
+    queries, state = source.queries, _State(source, options, budget.items)
     decider = Decider(state.greater, source, options.near_duplicate, budget, workspace)
     if isinstance(source, LocalSource):
         gallery = source.gallery
@@ -238,8 +237,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
     stats, similarity = source.stats, options.similarity
     num_gallery, dim = gallery.fast.shape
     device, itemsize = gallery.fast.device, gallery.fast.element_size()
-    count = queries.labels.shape[0]
-    tile_bytes = budget.tile_for(device, workers)
+    count, tile_bytes = queries.labels.shape[0], budget.tile_for(device, workers)
     check_nan = options.validate and stats.check_nan
     panels = device.type == "cpu" and not callable(similarity) and not check_nan
     panels = panels and options.mode != "tiles"
@@ -261,8 +259,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
         rows_fast = source.query_rows(first_query, stop_query)
         bound = bounds(rows_fast, stats)
         start, length = located.start[part], located.length[part]
-        own = located.own[part]
-        groups = queries.groups[part]
+        own, groups = located.own[part], queries.groups[part]
         nan = None
         if panels:
             present = length > 0
@@ -382,9 +379,7 @@ def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list
     exceeds ``most`` scores (queries in label order: a tile's runs are one run)."""
     if total == 0:
         return []
-    ends = (start + count).tolist()
-    starts = start.tolist()
-    present = count.gt(0).tolist()
+    starts, ends, present = start.tolist(), (start + count).tolist(), count.gt(0).tolist()
     tiles = []
     first = 0
     while first < total:
@@ -496,8 +491,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
         """Each square with a copy of its queries' bands when taken (they rise to +inf)."""
         for index, rows in enumerate(spans):
             for later in range(index + int(aligned), len(spans)):
-                columns = spans[later]
-                rectangle = None
+                columns, rectangle = spans[later], None
                 if junk_runs is not None and later > index:
                     run_start, run_stop = junk_runs[index]
                     if run_stop > columns.start:  # one label on both sides: its rectangle
@@ -664,8 +658,7 @@ def _passes(
     scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, state.greater.dtype)
 
     def negatives_of(gallery: Gallery) -> None:
-        located = locate(queries, gallery)
-        width = gallery.fast.shape[0]
+        located, width = locate(queries, gallery), gallery.fast.shape[0]
         for a, b in tiles:
             if options.near_duplicate is None and bool(torch.isinf(band[a:b, 0]).all()):
                 continue  # no query of the tile has a band left to reach

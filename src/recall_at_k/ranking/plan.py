@@ -75,8 +75,7 @@ def identities(ids: Tensor, has_id: Tensor) -> Tensor:
 
 def select(plays_role: Tensor, identity: Tensor) -> Side:
     """The items playing a role, the first item of each identity kept."""
-    num = identity.shape[0]
-    rows = plays_role.nonzero().view(-1)
+    num, rows = identity.shape[0], plays_role.nonzero().view(-1)
     ident = identity[rows]
     first = torch.full((num,), num, dtype=torch.int64, device=identity.device)
     first.scatter_reduce_(0, ident, rows, reduce="amin")

@@ -333,8 +333,7 @@ class Stack:
         rows = torch.cat(self.rows)
         lengths = torch.tensor([r.shape[0] for r in self.rows], device=rows.device)
         firsts = torch.tensor(self.firsts, device=rows.device).repeat_interleave(lengths)
-        candidates = self.buffer[: self.used]
-        band = self.band.index_select(0, rows)
+        candidates, band = self.buffer[: self.used], self.band.index_select(0, rows)
         above, row, column = compare(candidates, band[:, :1], band[:, 1:], self.workspace)
         self.greater.index_add_(0, rows, above.to(self.greater.dtype))
         if row.numel():

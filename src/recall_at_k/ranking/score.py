@@ -165,8 +165,7 @@ def bound_coefficient(
     """``B``'s relative part, per ``|q| max |g|`` or (euclidean) ``(|q| + max |g|)^2``."""
     if callable(similarity):
         return 0.0
-    unit = float(torch.finfo(dtype).eps) / 2
-    unit64 = float(torch.finfo(torch.float64).eps) / 2
+    unit, unit64 = float(torch.finfo(dtype).eps) / 2, float(torch.finfo(torch.float64).eps) / 2
     inputs = input_unit(dtype, device)
     rounded_inputs = 2 * inputs + inputs * inputs
     if similarity == "euclidean":
@@ -197,8 +196,7 @@ def bound_absolute(similarity: Similarity, dim: int, dtype: torch.dtype) -> floa
 def norm_upper(norms: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
     """Upper bounds (in place) of the exact norms of length-``dim`` vectors computed in
     ``dtype`` as ``norms``: past their rounding and their squares' underflow."""
-    unit = float(torch.finfo(dtype).eps) / 2
-    slack = math.sqrt(dim * subnormal_step(dtype))
+    unit, slack = float(torch.finfo(dtype).eps) / 2, math.sqrt(dim * subnormal_step(dtype))
     return norms.mul_(1 + 2 * gamma(dim + 2, unit)).add_(slack)
 
 

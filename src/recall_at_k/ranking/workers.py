@@ -1,12 +1,13 @@
 """Worker threads for the CPU routes: independent tiles and blocks ranked on every core.
 
 A tile's scan is many operations too small for torch's own threads, so on CPU with
-``torch.get_num_threads() > 1`` whole tiles (or squares) go to that many worker threads,
-each running torch on one thread with its own :class:`~recall_at_k._kernel.Workspace`.
-Results are merged in task order and depend only on their inputs, so the counts are the
-same for any number of threads. The caller runs torch on one thread meanwhile
-(:func:`caller_on_one_thread`) so as not to spin on the workers' cores. With one thread,
-on a GPU, or for a callable similarity the tasks run in the calling thread."""
+``torch.get_num_threads() > 1`` whole tiles (or squares) go to that many threads: the
+caller, which also merges the results, and worker threads, each running torch on one
+thread with its own :class:`~recall_at_k._kernel.Workspace`. Results are merged in task
+order and depend only on their inputs, so the counts are the same for any number of
+threads. The caller runs torch on one thread meanwhile (:func:`caller_on_one_thread`) so
+as not to spin on the workers' cores. With one thread, on a GPU, or for a callable
+similarity the tasks run in the calling thread."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def caller_on_one_thread(hold: bool = True) -> Iterator[None]:
 
 
 class Workers:
-    """``count`` threads running tasks ``task(item, workspace)``, each torch on one thread: a
-    context manager, whose :meth:`map` yields a task's results in the items' order."""
+    """``count`` threads (the caller's and ``count - 1`` workers) running tasks ``task(item,
+    workspace)``, each torch on one thread: a context manager, whose :meth:`map` yields a
+    task's results in the items' order."""
 
     def __init__(self, count: int, workspace: Workspace) -> None:
         self.count = count
@@ -74,7 +76,7 @@ class Workers:
         # Inference mode is per thread: the workers take the caller's.
         self.inference = torch.is_inference_mode_enabled()
         if self.count > 1:
-            self.pool = _single_threaded_pool(self.count)
+            self.pool = _single_threaded_pool(self.count - 1)  # and the caller
             self.held.enter_context(caller_on_one_thread())
             self.held.callback(self.pool.shutdown, wait=True, cancel_futures=True)
         return self
@@ -96,23 +98,34 @@ class Workers:
     ) -> Iterator[Result]:
         """``task``'s result for each item, in order. ``items`` is read lazily, an item once
         the result ``WINDOW_PER_WORKER * count`` places before it was merged (timing-
-        independent). Each thread keeps its workspace from map to map."""
+        independent). While the next result is not ready, the caller runs the first task no
+        thread has started. Each thread keeps its workspace from map to map."""
         if self.pool is None:
             for item in items:
                 yield task(item, self.workspace)
             return
-        window = WINDOW_PER_WORKER * self.count
-        source = iter(items)
-        running: deque[Future[Result]] = deque()
+        window, pool = WINDOW_PER_WORKER * self.count, self.pool
+        running: deque[tuple[Item, Future[Result]]] = deque()
+
+        def first() -> Result:
+            while not running[0][1].done():  # a task not started yet: the caller's
+                at = next((at for at, (_, future) in enumerate(running) if future.cancel()), -1)
+                if at < 0:
+                    break
+                ran: Future[Result] = Future()
+                ran.set_result(task(running[at][0], self.workspace))
+                running[at] = running[at][0], ran
+            return running.popleft()[1].result()
+
         try:
-            for item in source:
-                running.append(self.pool.submit(self._run, task, item))
+            for item in items:
+                running.append((item, pool.submit(self._run, task, item)))
                 if len(running) >= window:
-                    yield running.popleft().result()
+                    yield first()
             while running:
-                yield running.popleft().result()
+                yield first()
         finally:
-            for future in running:
+            for _, future in running:
                 future.cancel()
 
     def release(self, *slots: str) -> None:
@@ -124,8 +137,7 @@ class Workers:
 def _single_threaded_pool(count: int) -> ThreadPoolExecutor:
     """A pool of ``count`` started threads, each running torch on one thread (setting it
     also sets later threads' count: the caller's is put back once all have started)."""
-    before = torch.get_num_threads()
-    ready = threading.Barrier(count + 1)
+    before, ready = torch.get_num_threads(), threading.Barrier(count + 1)
 
     def start() -> None:
         torch.get_num_threads()  # this thread takes its count now, not later
