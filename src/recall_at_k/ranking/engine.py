@@ -278,7 +278,7 @@ def _tiles(source: LocalSource, walk: _Walk) -> None:
         found = positives(
             scores, start - first, length, junk_groups, bound, state.hole, keep, workspace
         )
-        band = band_edges(found.best, bound, found.has_positive)
+        band = found.band
         hide_own_labels(scores, found.runs, length, state.hole)
         scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, counts, keep)
         scanned = scanner.scan(scores, band, first, bound)
@@ -398,14 +398,6 @@ def _cut(start: Tensor, count: Tensor, total: int, rows: int, most: int) -> list
     return tiles
 
 
-def _band(found_best: Tensor, bound: Tensor, has_positive: Tensor, hole: float) -> Tensor:
-    """The bands, ``lo`` kept above a ``-inf`` hole (else the band would count holes)."""
-    band = band_edges(found_best, bound, has_positive)
-    if hole == -math.inf:
-        band[:, :1].clamp_(min=torch.finfo(band.dtype).min)
-    return band
-
-
 def _squares_possible(source: LocalSource, options: RankOptions, device: torch.device) -> bool:
     """Whether leave-one-out takes the squares: on CPU, a built-in similarity without NaN
     checks, every label at most :data:`WIDE_LABELS` of the items (``"auto"``)."""
@@ -473,7 +465,7 @@ def _squares(source: LocalSource, walk: _Walk) -> bool:
             scores, start - first, length, junk_groups, bound[a:b], hole, False, workspace
         )
         kept = Found(found.found.rows, found.found.columns + first, None)
-        bands = _band(found.best, bound[a:b], found.has_positive, hole)
+        bands = found.band
         if not aligned:
             result = _Result(a, b, found.has_positive, None, None, None, [(POSITIVE, kept)])
             return result, bands
@@ -654,7 +646,7 @@ def _passes(
     for gallery in source.galleries():
         guard.run(positives_of, gallery)
         progress.update(1)
-    band = _band(best, bound, state.has_positive, hole)
+    band = band_edges(best, bound, state.has_positive, hole)
     scanner = _Scanner(workspace, tile_bytes, options.near_duplicate, state.greater.dtype)
 
     def negatives_of(gallery: Gallery) -> None:

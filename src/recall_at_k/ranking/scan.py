@@ -58,10 +58,13 @@ def edges(centre: Tensor, half: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.cat((lo, hi), 1)
 
 
-def band_edges(best: Tensor, bound: Tensor, has_positive: Tensor) -> Tensor:
-    """``[T, 2]`` bands ``lo <= s*_f - 2B``, ``hi >= s*_f + 2B`` in the scores' dtype;
-    +inf for a query without a valid positive (nothing reaches its band)."""
+def band_edges(best: Tensor, bound: Tensor, has_positive: Tensor, hole: float) -> Tensor:
+    """``[T, 2]`` bands ``lo <= s*_f - 2B``, ``hi >= s*_f + 2B`` in the scores' dtype, ``lo``
+    kept above a built-in similarity's -inf ``hole`` (else a band would hold holes); +inf for
+    a query without a valid positive (nothing reaches its band)."""
     band = edges(best.to(torch.float64), 2 * bound, best.dtype)
+    if hole == -math.inf:
+        band[:, :1].clamp_(min=torch.finfo(band.dtype).min)
     return band.masked_fill_(~has_positive.view(-1, 1), math.inf)
 
 
@@ -70,6 +73,7 @@ class Positives(NamedTuple):
 
     best: Tensor  # [T, 1] s*_f (-inf: no valid positive)
     has_positive: Tensor  # [T] bool
+    band: Tensor  # [T, 2] their bands (:func:`band_edges`)
     found: Found  # the valid positives within 2B of s*_f
     runs: Tensor | None  # each row's run (:func:`run_columns`), for :func:`hide_own_labels`
 
@@ -106,14 +110,15 @@ def positives(
         best = torch.full((rows, 1), -math.inf, dtype=scores.dtype, device=device)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         none = torch.zeros(rows, dtype=torch.bool, device=device)
-        return Positives(best, none, Found(empty, empty, None), None)
+        band = band_edges(best, bound, none, hole)
+        return Positives(best, none, band, Found(empty, empty, None), None)
     columns = run_columns(start, count, scores.shape[1], workspace)
     shape = tuple(columns.shape)
     values = torch.gather(
         scores, 1, columns, out=workspace.get("block", shape, scores.dtype, device)
     )
     marks = workspace.get("block_marks", shape, torch.bool, device)
-    valid = None  # a built-in similarity's -inf holes are below every band: no mask alone
+    valid = None  # a built-in similarity's -inf holes lie below every band: no mask alone
     if hole != -math.inf or groups is not None:  # a callable's holes are NaN
         valid = workspace.get("block_valid", shape, torch.bool, device)
         if hole == -math.inf:  # neither the hole nor NaN
@@ -128,15 +133,13 @@ def positives(
     # (any valid value of a built-in similarity is above the -inf hole)
     has_positive = best.view(-1) > hole if valid is None or hole == -math.inf else valid.any(1)
     has_positive.masked_fill_(empty.view(-1), False)
-    lo = band_edges(best, bound, has_positive)[:, :1]
-    if valid is None:  # lo above the holes
-        lo.clamp_(min=torch.finfo(values.dtype).min)
-    torch.ge(values, lo, out=marks)
+    band = band_edges(best, bound, has_positive, hole)
+    torch.ge(values, band[:, :1], out=marks)
     row, step = (marks if valid is None else marks.logical_and_(valid)).nonzero(as_tuple=True)
     once = step < count[row]  # a run's last column is repeated past its end
     row, step = row[once], step[once]
     kept = values[row, step] if keep_values else None
-    return Positives(best, has_positive, Found(row, columns[row, step], kept), columns)
+    return Positives(best, has_positive, band, Found(row, columns[row, step], kept), columns)
 
 
 def hide_own_labels(scores: Tensor, runs: Tensor | None, count: Tensor, hole: float) -> None:
